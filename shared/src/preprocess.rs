@@ -1,0 +1,482 @@
+//! Image preprocessing: one spec, one implementation, shared by trainer and edge.
+//!
+//! The pipeline is, in order:
+//! 1. decode (format guessed from the bytes, with [`ImageLimits`] against decompression bombs);
+//! 2. colour conversion to 8-bit RGB: grayscale is replicated to three channels, 16-bit samples are
+//!    scaled to 8 bits (`v * 255 / 65535`, rounded, as the `image` crate does), alpha is dropped or
+//!    blended over a background colour ([`Alpha`]);
+//! 3. resize ([`Resize`]) with the given [`Filter`];
+//! 4. crop ([`Crop`]) to `input_size`;
+//! 5. `((v * scale) - mean[c]) / std[c]` per channel, laid out `CHW` in [`ChannelOrder`].
+
+use std::io::Cursor;
+
+use image::{DynamicImage, ImageReader, RgbImage, imageops::FilterType};
+use serde::{Deserialize, Serialize};
+
+/// How an image becomes a model input tensor. Serialized into artifact manifests.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PreprocessSpec {
+    /// Final tensor height and width.
+    pub input_size: [u32; 2],
+    pub resize: Resize,
+    pub filter: Filter,
+    pub crop: Crop,
+    pub alpha: Alpha,
+    pub channel_order: ChannelOrder,
+    /// Multiplier applied to 8-bit sample values before mean/std (usually 1/255).
+    pub scale: f32,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Resize {
+    /// Scale so the shorter side equals this, keeping the aspect ratio (rounded to nearest).
+    ShorterSide(u32),
+    /// Scale to exactly `[height, width]`, ignoring the aspect ratio.
+    Exact([u32; 2]),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Filter {
+    Nearest,
+    Bilinear,
+    Bicubic,
+    Lanczos3,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Crop {
+    /// Centre crop to `input_size` (offsets floor((W - w) / 2), as torchvision rounds).
+    Center,
+    /// No crop: the resize must already produce `input_size`.
+    None,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Alpha {
+    /// Ignore the alpha channel (PIL's `convert("RGB")`).
+    Drop,
+    /// Composite over this RGB background.
+    Blend([u8; 3]),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChannelOrder {
+    Rgb,
+    Bgr,
+}
+
+impl PreprocessSpec {
+    /// torchvision/ImageNet convention: shorter side 256, centre crop 224, ImageNet mean/std.
+    pub fn imagenet() -> Self {
+        Self {
+            input_size: [224, 224],
+            resize: Resize::ShorterSide(256),
+            filter: Filter::Bilinear,
+            crop: Crop::Center,
+            alpha: Alpha::Drop,
+            channel_order: ChannelOrder::Rgb,
+            scale: 1.0 / 255.0,
+            mean: [0.485, 0.456, 0.406],
+            std: [0.229, 0.224, 0.225],
+        }
+    }
+
+    /// TensorFlow "inception" convention used by EfficientNet-Lite: `(x/255 - 0.5) / 0.5`.
+    pub fn tf_inception() -> Self {
+        Self {
+            mean: [0.5; 3],
+            std: [0.5; 3],
+            ..Self::imagenet()
+        }
+    }
+
+    /// Number of f32 values one image becomes (`3 * H * W`).
+    pub fn tensor_len(&self) -> usize {
+        3 * self.input_size[0] as usize * self.input_size[1] as usize
+    }
+
+    /// Checks the spec itself (a manifest may come from anywhere).
+    pub fn validate(&self) -> Result<(), PreprocessError> {
+        let bad = |why: String| Err(PreprocessError::Spec(why));
+        let [h, w] = self.input_size;
+        if h == 0 || w == 0 {
+            return bad(format!("input_size {h}x{w} must be positive"));
+        }
+        if self.std.iter().any(|s| *s == 0.0 || !s.is_finite()) {
+            return bad(format!("std {:?} must be finite and non-zero", self.std));
+        }
+        match (self.resize, self.crop) {
+            (Resize::ShorterSide(0), _) => bad("resize.shorter_side must be positive".into()),
+            (Resize::Exact([rh, rw]), Crop::None) if [rh, rw] != self.input_size => bad(format!(
+                "resize {rh}x{rw} without crop must equal input_size {h}x{w}"
+            )),
+            (Resize::Exact([rh, rw]), Crop::Center) if rh < h || rw < w => {
+                bad(format!("resize {rh}x{rw} is smaller than the crop {h}x{w}"))
+            }
+            (Resize::ShorterSide(s), Crop::Center) if s < h.min(w) => {
+                bad(format!("shorter side {s} is smaller than the crop {h}x{w}"))
+            }
+            (Resize::ShorterSide(_), Crop::None) => {
+                bad("shorter_side resize needs a centre crop to reach a fixed size".into())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Bounds on what a decoder may allocate, against decompression bombs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageLimits {
+    pub max_width: u32,
+    pub max_height: u32,
+    /// Bytes the decoder may allocate in total.
+    pub max_alloc: u64,
+    /// Encoded bytes accepted at all.
+    pub max_file_bytes: u64,
+}
+
+impl Default for ImageLimits {
+    fn default() -> Self {
+        Self {
+            max_width: 8192,
+            max_height: 8192,
+            max_alloc: 512 << 20,
+            max_file_bytes: 64 << 20,
+        }
+    }
+}
+
+/// Why an image could not become a tensor. Every variant names the image (`source`).
+#[derive(Debug, thiserror::Error)]
+pub enum PreprocessError {
+    #[error("{source_name}: empty input (0 bytes)")]
+    Empty { source_name: String },
+    #[error("{source_name}: {bytes} bytes exceeds the limit of {limit} bytes")]
+    FileTooLarge {
+        source_name: String,
+        bytes: u64,
+        limit: u64,
+    },
+    #[error("{source_name}: not a recognised image format (first bytes {magic})")]
+    UnknownFormat { source_name: String, magic: String },
+    #[error("{source_name}: image {width}x{height} exceeds the limit {max_width}x{max_height}")]
+    TooLarge {
+        source_name: String,
+        width: u32,
+        height: u32,
+        max_width: u32,
+        max_height: u32,
+    },
+    #[error("{source_name}: cannot decode image: {reason}")]
+    Decode { source_name: String, reason: String },
+    #[error("{source_name}: cannot read: {reason}")]
+    Io { source_name: String, reason: String },
+    #[error("invalid preprocessing spec: {0}")]
+    Spec(String),
+}
+
+/// One preprocessed image: `CHW` f32, length [`PreprocessSpec::tensor_len`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Preprocessed {
+    pub data: Vec<f32>,
+    /// Size of the decoded image before resizing (width, height).
+    pub original_size: (u32, u32),
+}
+
+impl Preprocessed {
+    /// The tensor as raw little-endian f32 bytes (what both binaries' `preprocess` command writes).
+    pub fn to_le_bytes(&self) -> Vec<u8> {
+        self.data.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+}
+
+/// Decodes `bytes` with `limits`; `source_name` (a path, a row id, a topic) names the image in errors.
+pub fn decode(
+    bytes: &[u8],
+    source_name: &str,
+    limits: &ImageLimits,
+) -> Result<DynamicImage, PreprocessError> {
+    let source_name = source_name.to_string();
+    if bytes.is_empty() {
+        return Err(PreprocessError::Empty { source_name });
+    }
+    if bytes.len() as u64 > limits.max_file_bytes {
+        return Err(PreprocessError::FileTooLarge {
+            source_name,
+            bytes: bytes.len() as u64,
+            limit: limits.max_file_bytes,
+        });
+    }
+    let reader = ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| PreprocessError::Io {
+            source_name: source_name.clone(),
+            reason: e.to_string(),
+        })?;
+    if reader.format().is_none() {
+        let magic = bytes
+            .iter()
+            .take(8)
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>();
+        return Err(PreprocessError::UnknownFormat { source_name, magic });
+    }
+    // Read the header first so an over-size image is named as such (not as an allocation failure).
+    let (width, height) = reader
+        .into_dimensions()
+        .map_err(|e| PreprocessError::Decode {
+            source_name: source_name.clone(),
+            reason: e.to_string(),
+        })?;
+    if width > limits.max_width || height > limits.max_height {
+        return Err(PreprocessError::TooLarge {
+            source_name,
+            width,
+            height,
+            max_width: limits.max_width,
+            max_height: limits.max_height,
+        });
+    }
+    let mut reader = ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| PreprocessError::Io {
+            source_name: source_name.clone(),
+            reason: e.to_string(),
+        })?;
+    let mut l = image::Limits::default();
+    l.max_image_width = Some(limits.max_width);
+    l.max_image_height = Some(limits.max_height);
+    l.max_alloc = Some(limits.max_alloc);
+    reader.limits(l);
+    reader.decode().map_err(|e| PreprocessError::Decode {
+        source_name,
+        reason: e.to_string(),
+    })
+}
+
+impl PreprocessSpec {
+    /// Decodes and preprocesses encoded image bytes.
+    pub fn run_bytes(
+        &self,
+        bytes: &[u8],
+        source_name: &str,
+        limits: &ImageLimits,
+    ) -> Result<Preprocessed, PreprocessError> {
+        let img = decode(bytes, source_name, limits)?;
+        self.run_image(&img)
+    }
+
+    /// Reads a file and preprocesses it; errors name the path.
+    pub fn run_file(
+        &self,
+        path: &std::path::Path,
+        limits: &ImageLimits,
+    ) -> Result<Preprocessed, PreprocessError> {
+        let name = path.display().to_string();
+        let meta = std::fs::metadata(path).map_err(|e| PreprocessError::Io {
+            source_name: name.clone(),
+            reason: e.to_string(),
+        })?;
+        if meta.len() > limits.max_file_bytes {
+            return Err(PreprocessError::FileTooLarge {
+                source_name: name,
+                bytes: meta.len(),
+                limit: limits.max_file_bytes,
+            });
+        }
+        let bytes = std::fs::read(path).map_err(|e| PreprocessError::Io {
+            source_name: name.clone(),
+            reason: e.to_string(),
+        })?;
+        self.run_bytes(&bytes, &name, limits)
+    }
+
+    /// Preprocesses an already decoded image.
+    pub fn run_image(&self, img: &DynamicImage) -> Result<Preprocessed, PreprocessError> {
+        self.validate()?;
+        let original_size = (img.width(), img.height());
+        let rgb = self.to_rgb8(img);
+        let [h, w] = self.input_size;
+        let (rw, rh) = match self.resize {
+            Resize::ShorterSide(s) => {
+                let (iw, ih) = (rgb.width() as f64, rgb.height() as f64);
+                let k = s as f64 / iw.min(ih);
+                (
+                    ((iw * k).round() as u32).max(s.min(1)),
+                    ((ih * k).round() as u32).max(1),
+                )
+            }
+            Resize::Exact([eh, ew]) => (ew, eh),
+        };
+        // A resize cannot make a side smaller than the crop (validate() checks this for the
+        // configured sizes; rounding of extreme aspect ratios is clamped here).
+        let (rw, rh) = match self.crop {
+            Crop::Center => (rw.max(w), rh.max(h)),
+            Crop::None => (rw, rh),
+        };
+        let resized = if (rw, rh) == (rgb.width(), rgb.height()) {
+            rgb
+        } else {
+            image::imageops::resize(&rgb, rw, rh, self.filter.into())
+        };
+        let (x0, y0) = match self.crop {
+            Crop::Center => ((rw - w) / 2, (rh - h) / 2),
+            Crop::None => (0, 0),
+        };
+        let plane = (h * w) as usize;
+        let mut data = vec![0f32; 3 * plane];
+        let order: [usize; 3] = match self.channel_order {
+            ChannelOrder::Rgb => [0, 1, 2],
+            ChannelOrder::Bgr => [2, 1, 0],
+        };
+        // Per channel: out = v * (scale / std) - mean / std, computed as ((v*scale) - mean) / std.
+        for y in 0..h {
+            for x in 0..w {
+                let p = resized.get_pixel(x0 + x, y0 + y).0;
+                let i = (y * w + x) as usize;
+                for (c, &src) in order.iter().enumerate() {
+                    data[c * plane + i] =
+                        (p[src] as f32 * self.scale - self.mean[src]) / self.std[src];
+                }
+            }
+        }
+        Ok(Preprocessed {
+            data,
+            original_size,
+        })
+    }
+
+    fn to_rgb8(&self, img: &DynamicImage) -> RgbImage {
+        match self.alpha {
+            Alpha::Blend(bg) if img.color().has_alpha() => {
+                let rgba = img.to_rgba8();
+                let mut out = RgbImage::new(rgba.width(), rgba.height());
+                for (o, p) in out.pixels_mut().zip(rgba.pixels()) {
+                    let a = p.0[3] as u32;
+                    for c in 0..3 {
+                        o.0[c] = ((p.0[c] as u32 * a + bg[c] as u32 * (255 - a) + 127) / 255) as u8;
+                    }
+                }
+                out
+            }
+            _ => img.to_rgb8(),
+        }
+    }
+}
+
+impl From<Filter> for FilterType {
+    fn from(f: Filter) -> Self {
+        match f {
+            Filter::Nearest => FilterType::Nearest,
+            Filter::Bilinear => FilterType::Triangle,
+            Filter::Bicubic => FilterType::CatmullRom,
+            Filter::Lanczos3 => FilterType::Lanczos3,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use image::{ImageBuffer, Luma, Rgba};
+
+    fn png(img: DynamicImage) -> Vec<u8> {
+        let mut out = Cursor::new(Vec::new());
+        img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+        out.into_inner()
+    }
+
+    #[test]
+    fn shape_and_normalisation() {
+        let spec = PreprocessSpec::tf_inception();
+        let img =
+            DynamicImage::ImageRgb8(RgbImage::from_pixel(300, 400, image::Rgb([255, 0, 128])));
+        let out = spec
+            .run_bytes(&png(img), "solid.png", &ImageLimits::default())
+            .unwrap();
+        assert_eq!(out.data.len(), 3 * 224 * 224);
+        assert_eq!(out.original_size, (300, 400));
+        assert!((out.data[0] - 1.0).abs() < 1e-6);
+        assert!((out.data[224 * 224] + 1.0).abs() < 1e-6);
+        assert!((out.data[2 * 224 * 224] - (128.0 / 255.0 - 0.5) / 0.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn gray_16bit_and_rgba_convert() {
+        let spec = PreprocessSpec::imagenet();
+        let g16: ImageBuffer<Luma<u16>, Vec<u16>> = ImageBuffer::from_pixel(10, 10, Luma([65535]));
+        let out = spec
+            .run_bytes(
+                &png(DynamicImage::ImageLuma16(g16)),
+                "g16.png",
+                &ImageLimits::default(),
+            )
+            .unwrap();
+        for c in 0..3 {
+            let want = (1.0 - spec.mean[c]) / spec.std[c];
+            assert!((out.data[c * 224 * 224 + 5] - want).abs() < 1e-5);
+        }
+        let rgba = ImageBuffer::from_pixel(10, 10, Rgba([200u8, 100, 0, 0]));
+        let drop = spec
+            .run_image(&DynamicImage::ImageRgba8(rgba.clone()))
+            .unwrap();
+        let blend = PreprocessSpec {
+            alpha: Alpha::Blend([0, 0, 0]),
+            ..spec.clone()
+        }
+        .run_image(&DynamicImage::ImageRgba8(rgba))
+        .unwrap();
+        assert!((drop.data[0] - (200.0 / 255.0 - 0.485) / 0.229).abs() < 1e-5);
+        assert!((blend.data[0] - (0.0 - 0.485) / 0.229).abs() < 1e-5);
+    }
+
+    #[test]
+    fn bad_inputs_name_the_source() {
+        let spec = PreprocessSpec::imagenet();
+        let lim = ImageLimits::default();
+        let e = spec.run_bytes(&[], "a.png", &lim).unwrap_err();
+        assert!(matches!(e, PreprocessError::Empty { .. }) && e.to_string().contains("a.png"));
+        let e = spec
+            .run_bytes(b"hello world, not an image", "b.jpg", &lim)
+            .unwrap_err();
+        assert!(matches!(e, PreprocessError::UnknownFormat { .. }), "{e}");
+        let good = png(DynamicImage::ImageRgb8(RgbImage::new(64, 64)));
+        let e = spec
+            .run_bytes(&good[..good.len() / 2], "c.png", &lim)
+            .unwrap_err();
+        assert!(
+            matches!(e, PreprocessError::Decode { .. }) && e.to_string().contains("c.png"),
+            "{e}"
+        );
+        let small = ImageLimits {
+            max_width: 32,
+            max_height: 32,
+            ..lim
+        };
+        let e = spec.run_bytes(&good, "d.png", &small).unwrap_err();
+        assert!(
+            matches!(e, PreprocessError::TooLarge { width: 64, .. }),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn spec_round_trips_through_json() {
+        let spec = PreprocessSpec::tf_inception();
+        let json = serde_json::to_string(&spec).unwrap();
+        assert_eq!(serde_json::from_str::<PreprocessSpec>(&json).unwrap(), spec);
+        let bad = PreprocessSpec {
+            std: [0.0, 1.0, 1.0],
+            ..spec
+        };
+        assert!(bad.validate().is_err());
+    }
+}

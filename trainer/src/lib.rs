@@ -1,0 +1,8 @@
+//! Kestrel trainer as a library: every CLI command is a function here, so the pipeline can be
+//! driven from Rust code as well as from the `trainer` binary.
+
+pub mod classify;
+pub mod images;
+
+pub use kestrel_models as models;
+pub use kestrel_shared as shared;
