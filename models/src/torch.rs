@@ -564,7 +564,7 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
     }
 
     fn set_items(&mut self, pairs: Vec<Value>) -> Result<(), PErr> {
-        if pairs.len() % 2 != 0 {
+        if !pairs.len().is_multiple_of(2) {
             return bad("odd number of items for SETITEMS");
         }
         let target = self.top()?;
@@ -611,22 +611,19 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
             Value::Int(i) => i.to_string(),
             other => return bad(format!("storage key is a {}", other.kind())),
         };
+        // Legacy format: a 6th field holds view metadata `(view_key, offset, view_size)` or
+        // None; `key` is then the root storage and the view starts `offset` elements in.
         let mut view_offset = 0usize;
-        let mut root_key = key.clone();
-        // Legacy format: 6th field is view metadata (view_key, offset, view_size) or None.
-        if let Some(Value::Tuple(vm)) = t.get(5) {
-            // The root storage is `key`; the view shares it at `offset` (elements).
-            if vm.len() >= 2 {
-                view_offset = as_usize(&vm[1]).ok_or_else(|| {
-                    PErr::Bad("storage view offset is not a non-negative int".into())
-                })?;
-            }
-            root_key = key;
+        if let Some(Value::Tuple(vm)) = t.get(5)
+            && vm.len() >= 2
+        {
+            view_offset = as_usize(&vm[1])
+                .ok_or_else(|| PErr::Bad("storage view offset is not a non-negative int".into()))?;
         }
-        self.storages.insert(root_key.clone(), ty.clone());
+        self.storages.insert(key.clone(), ty.clone());
         Ok(Value::Storage(StorageRef {
             ty,
-            key: root_key,
+            key,
             view_offset,
         }))
     }
@@ -855,7 +852,7 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                     let items = self.pop_mark()?;
                     self.stack.push(Value::Tuple(items));
                 }
-                0x85 | 0x86 | 0x87 => {
+                0x85..=0x87 => {
                     let n = (op - 0x84) as usize;
                     if self.stack.len() < n {
                         return bad("stack underflow building tuple");
@@ -1329,7 +1326,7 @@ fn read_legacy(path: &Path) -> Result<Weights, ImportError> {
         match by_key.remove(key) {
             Some(users) => {
                 let mut bytes =
-                    Vec::with_capacity(usize::try_from(nbytes).unwrap_or(0).min(1 << 30));
+                    Vec::with_capacity(usize::try_from(nbytes).unwrap_or(0).min(1 << 26));
                 let got = (&mut r)
                     .take(nbytes)
                     .read_to_end(&mut bytes)
@@ -1397,7 +1394,7 @@ fn read_zip(path: &Path) -> Result<Weights, ImportError> {
             Err(zip::result::ZipError::FileNotFound) => return Ok(None),
             Err(e) => return Err(zerr(format!("{name}: {e}"))),
         };
-        let mut v = Vec::with_capacity(usize::try_from(e.size()).unwrap_or(0).min(1 << 30));
+        let mut v = Vec::with_capacity(usize::try_from(e.size()).unwrap_or(0).min(1 << 26));
         e.read_to_end(&mut v)
             .map_err(|e| io_err(path, &format!("reading zip entry {name}"), e))?;
         Ok(Some(v))
@@ -1525,7 +1522,7 @@ mod tests {
         let stem_ref = &tensors["_conv_stem.weight"];
         assert_eq!(stem_ref.stride, vec![1, 32, 288, 96], "real file layout");
         let (o, i, kh, kw) = (5usize, 2usize, 1usize, 2usize);
-        let elem = stem_ref.offset + o * 1 + i * 32 + kh * 288 + kw * 96;
+        let elem = stem_ref.offset + o + i * 32 + kh * 288 + kw * 96;
         let raw = legacy_raw_f32(&bytes, &stem_ref.storage.key, elem);
         let idx = ((o * 3 + i) * 3 + kh) * 3 + kw;
         assert_eq!(stem.data[idx], raw);

@@ -180,6 +180,7 @@ mod tests {
             "{e}"
         );
 
+        let mut w = random(&net, Part::BackboneAndClassifier, 1);
         w.remove("head.bn.running_var");
         let e = canonicalize(&net, &w, Part::Backbone)
             .unwrap_err()
