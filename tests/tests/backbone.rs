@@ -111,3 +111,37 @@ fn engines_agree_on_pretrained_lite0() {
 fn engines_agree_on_random_mobilenetv2() {
     engines_agree(Backbone::resolve("random:7", Some(Arch::Mobilenetv2)).unwrap());
 }
+
+#[test]
+fn lowered_graphs_pass_the_onnx_checker() {
+    let dir = tempfile::tempdir().unwrap();
+    let py = kestrel_tests::fetched("venv/bin/python");
+    for (backbone, arch) in [
+        ("efficientnet-lite0", None),
+        ("random:3", Some("mobilenetv2")),
+    ] {
+        let path = dir.path().join(format!("{backbone}.onnx"));
+        let mut args = vec![
+            "lower",
+            "--backbone",
+            backbone,
+            "--output",
+            "logits",
+            "--out",
+            path.to_str().unwrap(),
+        ];
+        if let Some(a) = arch {
+            args.extend(["--arch", a]);
+        }
+        let out = run("trainer", &args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let check = std::process::Command::new(&py)
+            .args(["-c", "import onnx, sys; m = onnx.load(sys.argv[1]); onnx.checker.check_model(m, full_check=True); \
+                   print(m.opset_import[0].version, m.graph.output[0].type.tensor_type.shape.dim[1].dim_value)"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(check.status.success(), "{backbone}: {}", stderr(&check));
+        assert_eq!(stdout(&check).trim(), "13 1000", "{backbone}");
+    }
+}
