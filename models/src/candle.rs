@@ -1,7 +1,7 @@
 //! Lowering of a [`Network`] to candle: the same walk as [`crate::onnx::lower`] over the same
 //! BN-folded weights, so the two lowerings compute the same function.
 
-use candle_core::{Device, Module, Tensor as CTensor};
+use candle_core::{Device, Module, Tensor as CTensor, Var};
 
 use crate::arch::{ConvBn, Network};
 use crate::engine::{Engine, EngineError, EngineKind};
@@ -21,11 +21,30 @@ pub struct ConvLayer {
 }
 
 impl ConvLayer {
-    pub fn new(spec: &ConvBn, f: &FoldedConv, device: &Device) -> candle_core::Result<Self> {
+    /// A conv from folded weights; with `vars`, its weight and bias become trainable variables
+    /// named `{conv}.conv.weight` / `{conv}.conv.bias` and are appended there.
+    pub fn new(
+        spec: &ConvBn,
+        f: &FoldedConv,
+        device: &Device,
+        vars: Option<&mut Vec<(String, Var)>>,
+    ) -> candle_core::Result<Self> {
+        let weight = CTensor::from_slice(&f.weight.data, f.weight.shape.as_slice(), device)?;
+        let bias = CTensor::from_slice(&f.bias, (1, spec.cout, 1, 1), device)?;
+        let (weight, bias) = match vars {
+            None => (weight, bias),
+            Some(vars) => {
+                let (w, b) = (Var::from_tensor(&weight)?, Var::from_tensor(&bias)?);
+                let out = (w.as_tensor().clone(), b.as_tensor().clone());
+                vars.push((spec.weight_name(), w));
+                vars.push((format!("{}.conv.bias", spec.name), b));
+                out
+            }
+        };
         Ok(Self {
             spec: spec.clone(),
-            weight: CTensor::from_slice(&f.weight.data, f.weight.shape.as_slice(), device)?,
-            bias: CTensor::from_slice(&f.bias, (1, spec.cout, 1, 1), device)?,
+            weight,
+            bias,
         })
     }
 }
@@ -64,6 +83,29 @@ impl CandleNet {
         opts: &LowerOpts,
         device: &Device,
     ) -> candle_core::Result<Self> {
+        Self::build(net, convs, opts, device, None)
+    }
+
+    /// Like [`Self::new`], with every conv (and the classifier) as trainable variables, returned
+    /// by name (`{conv}.conv.weight`, `{conv}.conv.bias`, `classifier.weight` `[out, in]`, `classifier.bias`).
+    pub fn trainable(
+        net: &Network,
+        convs: &[FoldedConv],
+        opts: &LowerOpts,
+        device: &Device,
+    ) -> candle_core::Result<(Self, Vec<(String, Var)>)> {
+        let mut vars = Vec::new();
+        let this = Self::build(net, convs, opts, device, Some(&mut vars))?;
+        Ok((this, vars))
+    }
+
+    fn build(
+        net: &Network,
+        convs: &[FoldedConv],
+        opts: &LowerOpts,
+        device: &Device,
+        mut vars: Option<&mut Vec<(String, Var)>>,
+    ) -> candle_core::Result<Self> {
         let first_conv: usize = net.blocks[..opts.blocks.start]
             .iter()
             .map(|b| b.convs.len())
@@ -75,18 +117,31 @@ impl CandleNet {
                 .convs
                 .iter()
                 .map(|c| {
-                    ConvLayer::new(c, folded.next().expect("one folded conv per conv"), device)
+                    ConvLayer::new(
+                        c,
+                        folded.next().expect("one folded conv per conv"),
+                        device,
+                        vars.as_deref_mut(),
+                    )
                 })
                 .collect::<candle_core::Result<Vec<_>>>()?;
             blocks.push((layers, block.residual));
         }
         let classifier = match &opts.classifier {
-            Some(l) => Some((
-                CTensor::from_slice(&l.weight.data, l.weight.shape.as_slice(), device)?
-                    .t()?
-                    .contiguous()?,
-                CTensor::from_slice(&l.bias, l.bias.len(), device)?,
-            )),
+            Some(l) => {
+                let w = CTensor::from_slice(&l.weight.data, l.weight.shape.as_slice(), device)?;
+                let b = CTensor::from_slice(&l.bias, l.bias.len(), device)?;
+                Some(match vars {
+                    None => (w, b),
+                    Some(vars) => {
+                        let (w, b) = (Var::from_tensor(&w)?, Var::from_tensor(&b)?);
+                        let out = (w.as_tensor().clone(), b.as_tensor().clone());
+                        vars.push(("classifier.weight".into(), w));
+                        vars.push(("classifier.bias".into(), b));
+                        out
+                    }
+                })
+            }
             None => None,
         };
         Ok(Self {
@@ -114,7 +169,7 @@ impl Module for CandleNet {
             x = x.flatten_from(2)?.mean(2)?;
         }
         if let Some((w, b)) = &self.classifier {
-            x = x.matmul(w)?.broadcast_add(b)?;
+            x = x.matmul(&w.t()?)?.broadcast_add(b)?;
         }
         Ok(x)
     }

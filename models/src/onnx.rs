@@ -63,6 +63,8 @@ impl LowerOpts {
     pub fn input_shape(&self, net: &Network) -> Vec<usize> {
         match self.blocks.start {
             0 => vec![3, net.input_hw[0], net.input_hw[1]],
+            // Past the last block: the pooled features.
+            s if s == net.blocks.len() => vec![net.feature_dim],
             s => net.blocks[s].in_shape().to_vec(),
         }
     }

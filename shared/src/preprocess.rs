@@ -301,8 +301,17 @@ impl PreprocessSpec {
 
     /// Preprocesses an already decoded image.
     pub fn run_image(&self, img: &DynamicImage) -> Result<Preprocessed, PreprocessError> {
+        let pixels = self.to_pixels(img)?;
+        Ok(Preprocessed {
+            data: self.normalize(&pixels),
+            original_size: (img.width(), img.height()),
+        })
+    }
+
+    /// Steps 2-4: colour conversion, resize and crop, giving 8-bit RGB pixels of `input_size`.
+    /// Caches store these (4x smaller than the f32 tensor); [`Self::normalize`] finishes the job.
+    pub fn to_pixels(&self, img: &DynamicImage) -> Result<RgbImage, PreprocessError> {
         self.validate()?;
-        let original_size = (img.width(), img.height());
         let rgb = self.to_rgb8(img);
         let [h, w] = self.input_size;
         let (rw, rh) = match self.resize {
@@ -310,7 +319,7 @@ impl PreprocessSpec {
                 let (iw, ih) = (rgb.width() as f64, rgb.height() as f64);
                 let k = s as f64 / iw.min(ih);
                 (
-                    ((iw * k).round() as u32).max(s.min(1)),
+                    ((iw * k).round() as u32).max(1),
                     ((ih * k).round() as u32).max(1),
                 )
             }
@@ -327,31 +336,36 @@ impl PreprocessSpec {
         } else {
             image::imageops::resize(&rgb, rw, rh, self.filter.into())
         };
-        let (x0, y0) = match self.crop {
-            Crop::Center => ((rw - w) / 2, (rh - h) / 2),
-            Crop::None => (0, 0),
-        };
+        Ok(match self.crop {
+            Crop::Center if (rw, rh) != (w, h) => {
+                image::imageops::crop_imm(&resized, (rw - w) / 2, (rh - h) / 2, w, h).to_image()
+            }
+            _ => resized,
+        })
+    }
+
+    /// Step 5: `((v * scale) - mean[c]) / std[c]`, CHW in the spec's channel order.
+    /// `pixels` must be `input_size` (as [`Self::to_pixels`] returns).
+    pub fn normalize(&self, pixels: &RgbImage) -> Vec<f32> {
+        let [h, w] = self.input_size;
+        assert_eq!(
+            (pixels.width(), pixels.height()),
+            (w, h),
+            "normalize needs input_size pixels"
+        );
         let plane = (h * w) as usize;
         let mut data = vec![0f32; 3 * plane];
         let order: [usize; 3] = match self.channel_order {
             ChannelOrder::Rgb => [0, 1, 2],
             ChannelOrder::Bgr => [2, 1, 0],
         };
-        // Per channel: out = v * (scale / std) - mean / std, computed as ((v*scale) - mean) / std.
-        for y in 0..h {
-            for x in 0..w {
-                let p = resized.get_pixel(x0 + x, y0 + y).0;
-                let i = (y * w + x) as usize;
-                for (c, &src) in order.iter().enumerate() {
-                    data[c * plane + i] =
-                        (p[src] as f32 * self.scale - self.mean[src]) / self.std[src];
-                }
+        for (i, p) in pixels.pixels().enumerate() {
+            for (c, &src) in order.iter().enumerate() {
+                data[c * plane + i] =
+                    (p.0[src] as f32 * self.scale - self.mean[src]) / self.std[src];
             }
         }
-        Ok(Preprocessed {
-            data,
-            original_size,
-        })
+        data
     }
 
     fn to_rgb8(&self, img: &DynamicImage) -> RgbImage {

