@@ -2,8 +2,9 @@
 //! cache (the frozen backbone's output at the freeze boundary), both content-addressed.
 //!
 //! - The **sample cache** key is a hash of the preprocessing spec and, per sample, the sha256 of its
-//!   encoded bytes and its label name. Paths do not enter the key: the same images read through
-//!   ImageFolder, CSV or Parquet share one cache. A changed image, label or spec is a new key.
+//!   encoded bytes and its label name, in a canonical order (label, then content hash). Paths and
+//!   row order do not enter it: the same images read through ImageFolder, CSV or Parquet share one
+//!   cache (and so one split and one training run per seed). A changed image, label or spec is a new key.
 //!   Samples are stored as 8-bit RGB pixels after resize + crop (`PreprocessSpec::to_pixels`),
 //!   sample `i` in shard `i % shards`; normalisation happens on read, with the same code as inference.
 //! - The **feature cache** key adds the backbone's weight hash and the freeze boundary. The backbone
@@ -132,19 +133,25 @@ pub fn shard_count(samples: usize, workers: usize) -> usize {
     workers * samples.div_ceil(workers * 4096).max(1)
 }
 
-fn dataset_key(ds: &Dataset, spec: &PreprocessSpec) -> (String, Vec<String>) {
+/// The canonical sample order — by label, then content hash — and the cache key over it. Paths and
+/// table order do not matter, so every source of the same images gives the same cache, split and run.
+fn canonical_order(ds: &Dataset, spec: &PreprocessSpec) -> (String, Vec<(usize, String)>) {
+    let mut order: Vec<(usize, String)> = ds
+        .samples
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (i, sha256_hex(&s.bytes)))
+        .collect();
+    order.sort_by(|a, b| (ds.samples[a.0].label, &a.1).cmp(&(ds.samples[b.0].label, &b.1)));
     let mut h = Sha256::new();
     h.update(b"kestrel-samples-v1\0");
     h.update(serde_json::to_vec(spec).expect("spec serializes"));
-    let mut shas = Vec::with_capacity(ds.samples.len());
-    for s in &ds.samples {
-        let sha = sha256_hex(&s.bytes);
+    for (i, sha) in &order {
         h.update(sha.as_bytes());
-        h.update(ds.labels[s.label].as_bytes());
+        h.update(ds.labels[ds.samples[*i].label].as_bytes());
         h.update([0]);
-        shas.push(sha);
     }
-    (hex::encode(h.finalize()), shas)
+    (hex::encode(h.finalize()), order)
 }
 
 pub fn progress(len: u64, what: &str) -> ProgressBar {
@@ -167,7 +174,7 @@ impl Prepared {
         workers: usize,
         skip_invalid: bool,
     ) -> Result<Prepared, CacheError> {
-        let (key, shas) = dataset_key(ds, spec);
+        let (key, order) = canonical_order(ds, spec);
         let dir = root.join("samples").join(&key[..32]);
         let meta_path = dir.join("meta.json");
         if meta_path.exists() {
@@ -199,7 +206,8 @@ impl Prepared {
         let mut pixels = Vec::with_capacity(ds.samples.len());
         let (mut ids, mut labels, mut content, mut skipped) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (s, sha) in ds.samples.iter().zip(shas) {
+        for (i, sha) in order {
+            let s = &ds.samples[i];
             pb.inc(1);
             match decode(&s.bytes, &s.id, &limits).and_then(|img| spec.to_pixels(&img)) {
                 Ok(px) => {

@@ -62,7 +62,7 @@ struct DataArgs {
     /// Image table: an ImageFolder directory (root/<class>/*.png|jpg|bmp), a CSV manifest (path,label),
     /// or Parquet (a file or a directory of part files) with binary `content` and `label` columns.
     #[arg(long)]
-    data: PathBuf,
+    data: Option<PathBuf>,
     /// Label column of CSV/Parquet tables.
     #[arg(long, default_value = "label")]
     label_column: String,
@@ -81,6 +81,10 @@ struct DataArgs {
 }
 
 impl DataArgs {
+    fn path(&self) -> Result<PathBuf> {
+        self.data.clone().context("--data TABLE is required")
+    }
+
     fn cache_root(&self) -> PathBuf {
         self.cache
             .clone()
@@ -140,9 +144,9 @@ struct FitArgs {
 }
 
 impl FitArgs {
-    fn params(&self, data: &DataArgs) -> FitParams {
-        FitParams {
-            data: data.data.clone(),
+    fn params(&self, data: &DataArgs) -> Result<FitParams> {
+        Ok(FitParams {
+            data: data.path()?,
             source: data.source(),
             backbone: self.backbone.backbone.clone(),
             arch: self.backbone.arch.map(|a| a.name().to_string()),
@@ -163,7 +167,7 @@ impl FitArgs {
             augment_crop: self.augment.iter().any(|a| a == "crop"),
             workers: self.workers,
             skip_invalid: data.skip_invalid,
-        }
+        })
     }
 }
 
@@ -291,7 +295,7 @@ fn log(line: String) {
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.cmd {
         Cmd::Prepare { data, fit, json } => {
-            let p = fit.params(&data);
+            let p = fit.params(&data)?;
             let pp = train::prepare(&p, &data.cache_root(), cli.threads, &mut log)?;
             let split =
                 kestrel_trainer::split::count_table(pp.labels(), &pp.splits, &pp.dataset_labels);
@@ -332,7 +336,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                         true,
                     )
                 }
-                None => (fit.params(&data), out.expect("clap requires --out"), false),
+                None => (fit.params(&data)?, out.expect("clap requires --out"), false),
             };
             let o = train::fit(
                 &params,
@@ -361,8 +365,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
         }
         Cmd::Evaluate { run, data, json } => {
-            let e =
-                train::evaluate_run(&run, &data.data, &data.cache_root(), cli.threads, &mut log)?;
+            let e = train::evaluate_run(
+                &run,
+                &data.path()?,
+                &data.cache_root(),
+                cli.threads,
+                &mut log,
+            )?;
             if json {
                 println!("{}", serde_json::to_string(&e)?);
             } else {
