@@ -33,3 +33,47 @@ for e in ["tract", "ort", "candle"]:
     print(f"{'kestrel ' + e:<22}{r['images_per_s']:>10.1f}{r['images_per_s'] / peer['images_per_s']:>9.2f}x")
 print(f"{'python onnxruntime ' + peer['ort_version']:<22}{peer['images_per_s']:>10.1f}{1:>9.2f}x")
 PY
+
+echo
+echo "# Prepare + feature extraction of whole tables (fresh cache; decode, preprocess, backbone once per sample), $threads threads"
+printf '%-10s%-14s%10s%12s%10s\n' dataset engine samples seconds "vs peer"
+for ds in lfw digits; do
+  "$KESTREL_PY" "$here/bench_peer.py" --all --model "$work/lite0-features.onnx" --batch 32 --threads "$threads" \
+    "$KESTREL_HOME/datasets/$ds/imagefolder" > "$work/peer-$ds.json"
+  peer_s=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["seconds"])' "$work/peer-$ds.json")
+  for engine in tract ort; do
+    rm -rf "$work/cache"
+    start=$(date +%s.%N)
+    "$KESTREL_BIN/trainer" --threads "$threads" prepare --data "$KESTREL_HOME/datasets/$ds/imagefolder" \
+      --engine "$engine" --cache "$work/cache" --json > "$work/prep.json" 2>/dev/null
+    end=$(date +%s.%N)
+    python3 - "$ds" "$engine" "$start" "$end" "$peer_s" "$work/prep.json" <<'PY'
+import json, sys
+ds, engine, start, end, peer, prep = sys.argv[1:]
+s = float(end) - float(start)
+n = json.load(open(prep))["samples"]
+print(f"{ds:<10}{'kestrel ' + engine:<14}{n:>10}{s:>12.1f}{float(peer) / s:>9.2f}x")
+PY
+  done
+  python3 - "$work/peer-$ds.json" "$ds" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"{sys.argv[2]:<10}{'python ort':<14}{r['images']:>10}{r['seconds']:>12.1f}{1:>9.2f}x")
+PY
+done
+
+echo
+echo "# Head training on cached features (EfficientNet-Lite0 features, SGD momentum, batch 32, candle)"
+printf '%-10s%10s%12s%14s\n' dataset epochs epochs/s samples/s
+for ds in lfw digits; do
+  "$KESTREL_BIN/trainer" --threads "$threads" fit --data "$KESTREL_HOME/datasets/$ds/imagefolder" --engine ort \
+    --cache "$work/cache" --epochs 30 --json --out "$work/run-$ds" > "$work/fit-$ds.json" 2>/dev/null
+  python3 - "$ds" "$work/fit-$ds.json" "$work/run-$ds/metrics.jsonl" <<'PY'
+import json, sys
+ds, fit, metrics = sys.argv[1:]
+s = json.load(open(fit))
+m = [json.loads(l) for l in open(metrics)]
+sps = sum(x["samples_per_s"] for x in m) / len(m)
+print(f"{ds:<10}{s['epochs_run']:>10}{s['epochs_run'] / s['train_seconds']:>12.1f}{sps:>14.0f}")
+PY
+done

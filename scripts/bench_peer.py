@@ -1,7 +1,7 @@
 """The peer: ONNX Runtime from Python on the same ONNX graph and images, with PIL + numpy
 preprocessing equivalent to Kestrel's spec (shorter side 256 bilinear, centre crop 224,
 (x/255 - mean)/std). Prints one JSON line like `trainer bench --json`."""
-import argparse, json, time
+import argparse, glob, json, os, time
 
 import numpy as np
 import onnxruntime as ort
@@ -27,8 +27,14 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--mean", type=float, nargs=3, default=[0.5, 0.5, 0.5])
     p.add_argument("--std", type=float, nargs=3, default=[0.5, 0.5, 0.5])
-    p.add_argument("images", nargs="+")
+    p.add_argument("--all", action="store_true",
+                   help="process every image once in batches (extraction time) instead of timed rounds")
+    p.add_argument("images", nargs="+", help="image files, or directories searched recursively for *.png")
     a = p.parse_args()
+    files = []
+    for x in a.images:
+        files += sorted(glob.glob(os.path.join(x, "**", "*.png"), recursive=True)) if os.path.isdir(x) else [x]
+    a.images = files
     so = ort.SessionOptions()
     so.intra_op_num_threads = a.threads
     so.inter_op_num_threads = 1
@@ -42,6 +48,15 @@ def main():
         x = np.stack([preprocess(q, mean, std) for q in paths])
         sess.run(None, {name: x})
 
+    if a.all:
+        t = time.perf_counter()
+        for i in range(0, len(a.images), a.batch):
+            x = np.stack([preprocess(q, mean, std) for q in a.images[i:i + a.batch]])
+            sess.run(None, {name: x})
+        s = time.perf_counter() - t
+        print(json.dumps({"engine": "python-ort", "images": len(a.images), "seconds": s,
+                          "images_per_s": len(a.images) / s, "ort_version": ort.__version__}))
+        return
     once()
     t = time.perf_counter()
     for _ in range(a.rounds):

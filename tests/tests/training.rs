@@ -6,6 +6,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kestrel_tests::{bin, fetched, run, stderr, stdout};
+
 use serde_json::Value;
 
 fn dataset(name: &str, form: &str) -> String {
@@ -359,4 +360,33 @@ fn bad_tables_fail_clearly() {
         e.contains("content") && e.contains("no-content.parquet"),
         "{e}"
     );
+}
+
+#[test]
+fn unfrozen_blocks_and_augmentation_train() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset("lfw", "imagefolder");
+    let run = tmp.path().join("unfreeze");
+    let (s, log) = fit(
+        &["--data", &data, "--epochs", "3", "--unfreeze-last", "1"],
+        &run,
+    );
+    assert!(log.contains("boundary 17/18 dims [320, 7, 7]"), "{log}");
+    assert!(s["val_accuracy"].as_f64().unwrap() >= 0.95);
+    let w = kestrel_models::torch::read_safetensors(&run.join("best.safetensors")).unwrap();
+    let head = &w["head.conv.weight"];
+    assert_eq!(head.shape, vec![1280, 320, 1, 1]);
+    // The unfrozen block moved away from its pretrained (BN-folded) value.
+    let pretrained =
+        kestrel_models::backbone::Backbone::resolve("efficientnet-lite0", None).unwrap();
+    let folded = pretrained.folded().unwrap();
+    let before = &folded[folded.len() - 1].weight;
+    assert!(before.max_abs_diff(head).unwrap() > 1e-6);
+
+    let (s, log) = fit(
+        &["--data", &data, "--epochs", "2", "--augment", "flip,crop"],
+        &tmp.path().join("augment"),
+    );
+    assert!(s["val_accuracy"].as_f64().unwrap() >= 0.95);
+    assert!(log.contains("dims [1280]"), "{log}");
 }
