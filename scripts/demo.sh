@@ -1,11 +1,24 @@
 #!/usr/bin/env bash
-# The main job. For now: set up, then classify real photos with the pretrained backbone on every engine.
+# The main job, end to end as far as it is built: set up, classify real photos with the pretrained
+# backbone on every engine, then turn the LFW-subset table into a trained head and evaluate it.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
 "$here/setup.sh"
-photos=("$KESTREL_HOME"/photos/{chelsea,coffee,astronaut,rocket}.png)
+trainer="$KESTREL_BIN/trainer"
+photos=("$KESTREL_HOME"/photos/{chelsea.png,coffee.png,astronaut.png,rocket.jpg})
 for engine in tract ort candle; do
   log "classify with $engine"
-  "$KESTREL_BIN/trainer" classify --backbone efficientnet-lite0 --engine "$engine" --top-k 3 "${photos[@]}"
+  "$trainer" classify --backbone efficientnet-lite0 --engine "$engine" --top-k 3 "${photos[@]}"
 done
+
+run="$KESTREL_HOME/runs/demo-lfw"
+rm -rf "$run"
+log "prepare the LFW subset (Parquet, as Spark writes it): decode once, backbone once"
+"$trainer" prepare --data "$KESTREL_HOME/datasets/lfw/lfw.parquet" --engine ort
+log "fit a new head on the cached features"
+"$trainer" fit --data "$KESTREL_HOME/datasets/lfw/lfw.parquet" --engine ort --epochs 10 --test-fraction 0.2 --out "$run"
+log "evaluate the run on the whole table (ImageFolder form: same images, same cache)"
+"$trainer" evaluate --run "$run" --data "$KESTREL_HOME/datasets/lfw/imagefolder"
+log "run directory: $run"
+ls "$run"
