@@ -129,6 +129,23 @@ impl TractEngine {
         })
     }
 
+    /// Runs one sample (`[1, ..input_shape]`) and returns every graph output (calibration probes).
+    pub fn run_all_outputs(&self, input: &Tensor) -> Result<Vec<Tensor>, EngineError> {
+        check_input(&self.input_shape, input)?;
+        let t = tract_onnx::prelude::Tensor::from_shape(&input.shape, &input.data)
+            .map_err(tract_err)?;
+        let ys = self
+            .plan
+            .run(tvec!(TValue::from(t.into_tensor())))
+            .map_err(tract_err)?;
+        ys.iter()
+            .map(|y| {
+                let v = y.to_plain_array_view::<f32>().map_err(tract_err)?;
+                Ok(Tensor::new(v.shape().to_vec(), v.iter().copied().collect()))
+            })
+            .collect()
+    }
+
     /// Runs consecutive samples one at a time, appending outputs to `out`.
     fn run_samples(&self, data: &[f32], per: usize) -> Result<(Vec<usize>, Vec<f32>), EngineError> {
         let mut out = Vec::new();

@@ -7,6 +7,7 @@
 pub mod arch;
 pub mod engine;
 pub mod onnx;
+pub mod quant;
 pub mod tensor;
 pub mod weights;
 

@@ -11,6 +11,7 @@ use tract_onnx::pb::{
 };
 
 use crate::arch::Network;
+use crate::quant::Quant;
 use crate::tensor::Tensor;
 use crate::weights::FoldedConv;
 
@@ -37,6 +38,8 @@ pub struct LowerOpts {
     pub classifier: Option<Linear>,
     /// Name of the graph output.
     pub output_name: String,
+    /// Quantization of weights and activations.
+    pub quant: Quant,
 }
 
 impl LowerOpts {
@@ -47,6 +50,7 @@ impl LowerOpts {
             pool: true,
             classifier: None,
             output_name: "features".into(),
+            quant: Quant::None,
         }
     }
 
@@ -172,6 +176,8 @@ pub fn value_info(name: &str, dims: &[usize]) -> ValueInfoProto {
 /// Lowers `net` with BN-folded `convs` (one per `net.convs()`) to an ONNX model.
 pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProto {
     let mut g = GraphBuilder::default();
+    let mut probes = Vec::new();
+    let q = &opts.quant;
     let lo = g.initializer(f32_tensor("relu6.min", &[], &[0.0]));
     let hi = g.initializer(f32_tensor("relu6.max", &[], &[6.0]));
     let mut x = INPUT_NAME.to_string();
@@ -184,11 +190,7 @@ pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProt
         let block_in = x.clone();
         for c in &block.convs {
             let f = folded.next().expect("one folded conv per conv");
-            let w = g.initializer(f32_tensor(
-                &c.weight_name(),
-                &f.weight.shape,
-                &f.weight.data,
-            ));
+            let w = q.weight(&mut g, &c.weight_name(), &f.weight);
             let b = g.initializer(f32_tensor(
                 &format!("{}.conv.bias", c.name),
                 &[c.cout],
@@ -203,7 +205,8 @@ pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProt
                 attr_ints("dilations", &[1, 1]),
                 attr_int("group", c.groups as i64),
             ];
-            x = g.node("Conv", &c.name, &[&x, &w, &b], attrs, None);
+            let xin = q.activation(&mut g, &c.name, &x, &mut probes);
+            x = g.node("Conv", &c.name, &[&xin, &w, &b], attrs, None);
             if c.relu6 {
                 x = g.node("Clip", &c.name, &[&x, &lo, &hi], vec![], None);
             }
@@ -217,33 +220,51 @@ pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProt
         x = g.node("Flatten", "pool", &[&x], vec![attr_int("axis", 1)], None);
     }
     if let Some(l) = &opts.classifier {
-        let w = g.initializer(f32_tensor(
-            "classifier.weight",
-            &l.weight.shape,
-            &l.weight.data,
-        ));
+        let w = q.weight(&mut g, "classifier.weight", &l.weight);
         let b = g.initializer(f32_tensor("classifier.bias", &[l.bias.len()], &l.bias));
+        let xin = q.activation(&mut g, "classifier", &x, &mut probes);
         x = g.node(
             "Gemm",
             "classifier",
-            &[&x, &w, &b],
+            &[&xin, &w, &b],
             vec![attr_int("transB", 1)],
             None,
         );
     }
-    // Name the final tensor as the graph output.
-    let last = g.nodes.last_mut().expect("a lowered graph has nodes");
-    debug_assert_eq!(last.output[0], x);
+    // Name the final tensor as the graph output (probe Identity nodes never come last).
+    let last = g
+        .nodes
+        .iter_mut()
+        .rev()
+        .find(|n| n.output[0] == x)
+        .expect("a lowered graph has nodes");
     last.output[0] = opts.output_name.clone();
+    let mut output = vec![value_info(&opts.output_name, &opts.output_shape(net))];
+    output.extend(probes.iter().map(|p| untyped_float(p)));
     let graph = GraphProto {
         name: format!("kestrel-{}", net.arch),
         node: g.nodes,
         initializer: g.initializers,
         input: vec![value_info(INPUT_NAME, &opts.input_shape(net))],
-        output: vec![value_info(&opts.output_name, &opts.output_shape(net))],
+        output,
         ..Default::default()
     };
     model(graph, Vec::new())
+}
+
+/// A float output of unspecified shape (calibration probes).
+fn untyped_float(name: &str) -> ValueInfoProto {
+    ValueInfoProto {
+        name: name.into(),
+        r#type: Some(TypeProto {
+            denotation: String::new(),
+            value: Some(pb::type_proto::Value::TensorType(pb::type_proto::Tensor {
+                elem_type: DataType::Float as i32,
+                shape: None,
+            })),
+        }),
+        doc_string: String::new(),
+    }
 }
 
 /// Wraps a graph into a model with Kestrel's producer, IR version and opset.
@@ -263,6 +284,14 @@ pub fn model(graph: GraphProto, metadata: Vec<(String, String)>) -> ModelProto {
             .collect(),
         ..Default::default()
     }
+}
+
+/// Replaces the model's `metadata_props`.
+pub fn set_metadata(model: &mut ModelProto, props: Vec<(String, String)>) {
+    model.metadata_props = props
+        .into_iter()
+        .map(|(key, value)| StringStringEntryProto { key, value })
+        .collect();
 }
 
 pub fn to_bytes(model: &ModelProto) -> Vec<u8> {

@@ -370,6 +370,7 @@ pub fn frozen_opts(b: &Backbone, boundary: usize) -> LowerOpts {
         pool: boundary == full,
         classifier: None,
         output_name: "features".into(),
+        quant: Default::default(),
     }
 }
 

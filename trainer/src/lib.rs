@@ -4,6 +4,7 @@
 pub mod cache;
 pub mod classify;
 pub mod data;
+pub mod export;
 pub mod images;
 pub mod report;
 pub mod split;

@@ -11,6 +11,7 @@ use kestrel_models::onnx::{self, LowerOpts};
 use kestrel_models::{Arch, EngineKind, torch};
 use kestrel_shared::{ImageLimits, PreprocessSpec};
 use kestrel_trainer::classify::{Classifier, throughput};
+use kestrel_trainer::export::{self, ExportOpts, QuantForm};
 use kestrel_trainer::train::{self, FitParams, Optimizer, Schedule, SourceOptsSer};
 
 #[derive(Parser)]
@@ -199,10 +200,17 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Evaluate a run's best model on a table: accuracy, per-class metrics, confusion matrix.
+    /// Evaluate a run's best model (--run) or an exported artifact (--model, through its manifest
+    /// exactly as the edge runs it) on a table: accuracy, per-class metrics, confusion matrix.
     Evaluate {
+        #[arg(long, required_unless_present = "model", conflicts_with = "model")]
+        run: Option<PathBuf>,
+        /// An exported model.onnx (its manifest.json beside it) or artifact directory.
         #[arg(long)]
-        run: PathBuf,
+        model: Option<PathBuf>,
+        /// Runtime for --model: tract | ort.
+        #[arg(long, default_value = "tract")]
+        engine: EngineKind,
         #[command(flatten)]
         data: DataArgs,
         #[arg(long)]
@@ -223,6 +231,45 @@ enum Cmd {
         json: bool,
         #[arg(required = true)]
         images: Vec<PathBuf>,
+    },
+    /// Export a run as a self-describing artifact directory (model.onnx, manifest.json, safetensors,
+    /// golden samples), verified in tract and ONNX Runtime.
+    Export {
+        #[arg(long)]
+        run: PathBuf,
+        /// Artifact directory to write (replaced if it exists).
+        #[arg(long)]
+        out: PathBuf,
+        /// none: f32; int8-weights: int8 per-channel weights, float activations (rollout default);
+        /// int8: static int8 (weights + calibrated activations, QDQ).
+        #[arg(long, value_enum, default_value = "none")]
+        quantize: QuantForm,
+        /// Training samples for activation calibration (int8).
+        #[arg(long, default_value_t = 64)]
+        calibration: usize,
+        /// Precision of model.safetensors: f32 | f16.
+        #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
+        dtype: String,
+        /// Fail when a quantized form loses more validation accuracy than this (percentage points).
+        #[arg(long, default_value_t = 1.0)]
+        max_accuracy_drop: f64,
+        /// Fail when the f32 graph's logits differ from the trainer's by more than this in any runtime.
+        #[arg(long, default_value_t = 1e-3)]
+        tolerance: f64,
+        /// Model name [default: run directory name + form].
+        #[arg(long)]
+        name: Option<String>,
+        /// Monotonic model version.
+        #[arg(long, default_value_t = 1)]
+        model_version: u64,
+        /// Golden samples kept for on-device health checks.
+        #[arg(long, default_value_t = 4)]
+        golden: usize,
+        /// Cache directory [default: $KESTREL_HOME/cache].
+        #[arg(long)]
+        cache: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
     },
     /// Import a PyTorch (.pth, legacy or zip) or safetensors checkpoint into canonical safetensors.
     ImportWeights {
@@ -364,18 +411,87 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 println!("{}", s.validation.to_table());
             }
         }
-        Cmd::Evaluate { run, data, json } => {
-            let e = train::evaluate_run(
-                &run,
-                &data.path()?,
-                &data.cache_root(),
-                cli.threads,
-                &mut log,
-            )?;
+        Cmd::Evaluate {
+            run,
+            model,
+            engine,
+            data,
+            json,
+        } => {
+            let e = match (run, model) {
+                (Some(run), _) => train::evaluate_run(
+                    &run,
+                    &data.path()?,
+                    &data.cache_root(),
+                    cli.threads,
+                    &mut log,
+                )?,
+                (None, Some(model)) => {
+                    let source = kestrel_trainer::data::SourceOpts::from(&data.source());
+                    export::evaluate_model(
+                        &model,
+                        &data.path()?,
+                        &source,
+                        engine,
+                        &data.cache_root(),
+                        cli.threads,
+                    )?
+                }
+                (None, None) => bail!("pass --run RUN_DIR or --model MODEL"),
+            };
             if json {
                 println!("{}", serde_json::to_string(&e)?);
             } else {
                 println!("{}", e.to_table());
+            }
+        }
+        Cmd::Export {
+            run,
+            out,
+            quantize,
+            calibration,
+            dtype,
+            max_accuracy_drop,
+            tolerance,
+            name,
+            model_version,
+            golden,
+            cache,
+            json,
+        } => {
+            let opts = ExportOpts {
+                quantize,
+                calibration,
+                f16: dtype == "f16",
+                max_accuracy_drop,
+                tolerance,
+                name,
+                version: model_version,
+                golden,
+            };
+            let cache =
+                cache.unwrap_or_else(|| kestrel_models::engine::kestrel_home().join("cache"));
+            let m = export::export(&run, &out, &opts, &cache, cli.threads, &mut log)
+                .with_context(|| format!("exporting {} to {}", run.display(), out.display()))?;
+            if json {
+                println!("{}", serde_json::to_string(&m)?);
+            } else {
+                let size: u64 = m
+                    .files
+                    .iter()
+                    .find(|f| f.path == "model.onnx")
+                    .map(|f| f.size)
+                    .unwrap_or(0);
+                println!(
+                    "{} v{} ({}): model.onnx {:.1} MB, val accuracy {:.4} (f32 {:.4}) -> {}",
+                    m.name,
+                    m.version,
+                    m.quantization.form,
+                    size as f64 / 1e6,
+                    m.quantization.accuracy,
+                    m.quantization.f32_accuracy,
+                    out.display()
+                );
             }
         }
         Cmd::Classify {

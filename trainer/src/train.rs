@@ -34,6 +34,10 @@ pub enum TrainError {
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
+    Engine(#[from] kestrel_models::EngineError),
+    #[error(transparent)]
+    Preprocess(#[from] kestrel_shared::PreprocessError),
+    #[error(transparent)]
     Import(#[from] kestrel_models::torch::ImportError),
     #[error(transparent)]
     Report(#[from] report::ReportError),
@@ -221,6 +225,7 @@ impl Trainable {
             pool: boundary < net.blocks.len(),
             classifier: Some(classifier),
             output_name: "logits".into(),
+            quant: Default::default(),
         };
         let (cnet, vars) = CandleNet::trainable(net, &folded, &opts, &Device::Cpu)?;
         let this = Self {

@@ -1,0 +1,115 @@
+//! The artifact manifest: everything needed to use a model without guessing — preprocessing,
+//! labels, tensor names and shapes, quantization, training and verification results, golden
+//! samples for on-device health checks, and the sha256 and size of every file.
+
+use serde::{Deserialize, Serialize};
+
+use crate::PreprocessSpec;
+
+pub const MANIFEST_FILE: &str = "manifest.json";
+pub const FORMAT_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format_version: u32,
+    pub name: String,
+    /// Monotonic model version (rollouts compare it).
+    pub version: u64,
+    pub arch: String,
+    pub labels: Vec<String>,
+    pub preprocess: PreprocessSpec,
+    pub input: TensorSpec,
+    pub output: TensorSpec,
+    pub quantization: Quantization,
+    /// Training results of the run the model came from (best epoch, accuracies, parameters).
+    pub training: serde_json::Value,
+    /// How each runtime ran this file at export.
+    pub verification: Vec<RuntimeCheck>,
+    pub golden: Vec<Golden>,
+    /// Every file of the artifact except `manifest.json`, with sha256 and size.
+    pub files: Vec<FileEntry>,
+    /// RFC 3339, UTC.
+    pub created: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorSpec {
+    pub name: String,
+    pub dtype: String,
+    /// Dimensions; the batch is the symbolic `"N"`.
+    pub shape: Vec<serde_json::Value>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Quantization {
+    /// `none`, `int8-weights` or `int8`.
+    pub form: String,
+    pub int8_ops: Vec<String>,
+    /// Calibration samples (static int8 only).
+    pub calibration_samples: usize,
+    /// Validation accuracy of the f32 model and of this form (tract), and the difference in points.
+    pub f32_accuracy: f64,
+    pub accuracy: f64,
+    pub accuracy_delta_pt: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RuntimeCheck {
+    pub runtime: String,
+    pub samples: usize,
+    pub accuracy: f64,
+    /// Largest |logit − trainer reference| over the validation samples.
+    pub max_abs_logit_diff: f64,
+    pub golden_top1_match: bool,
+}
+
+/// A sample the device runs after installing the model: its image file in the artifact, the
+/// sha256 of the preprocessed tensor (f32 little-endian), and what the model must answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Golden {
+    pub file: String,
+    pub input_sha256: String,
+    pub expected_top1: usize,
+    pub logits: Vec<f32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FileEntry {
+    pub path: String,
+    pub sha256: String,
+    pub size: u64,
+}
+
+/// Formats seconds since the Unix epoch as RFC 3339 UTC (`2026-11-30T06:07:08Z`).
+pub fn rfc3339(unix_seconds: u64) -> String {
+    let days = (unix_seconds / 86_400) as i64;
+    let secs = unix_seconds % 86_400;
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_dates() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_796_022_428), "2026-11-30T07:07:08Z");
+    }
+}
