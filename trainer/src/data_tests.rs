@@ -1,0 +1,328 @@
+use super::*;
+use arrow::array::{
+    ArrayRef, BinaryArray, Float64Array, Int32Array, Int64Array, RecordBatch, StringArray,
+};
+use parquet::arrow::ArrowWriter;
+use parquet::basic::Compression;
+use parquet::file::properties::WriterProperties;
+use std::sync::Arc;
+
+fn png(seed: u8) -> Vec<u8> {
+    let img = image::GrayImage::from_fn(4, 3, |x, y| {
+        image::Luma([seed.wrapping_mul(7).wrapping_add((x * 3 + y) as u8)])
+    });
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+    out.into_inner()
+}
+
+fn write_parquet(path: &Path, columns: Vec<(&str, ArrayRef)>, rows_per_group: usize) {
+    let batch = RecordBatch::try_from_iter(columns).unwrap();
+    let props = WriterProperties::builder()
+        .set_compression(Compression::SNAPPY)
+        .set_max_row_group_row_count(Some(rows_per_group))
+        .build();
+    let mut w =
+        ArrowWriter::try_new(fs::File::create(path).unwrap(), batch.schema(), Some(props)).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+}
+
+/// Writes the same table as ImageFolder (`images/`), `manifest.csv`, `table.parquet` (2-row
+/// groups) and a Spark-style `spark/` directory of part files. Returns the root.
+fn fixture(labels: &[&str], int_labels: bool) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let mut csv = String::from("path,label\n");
+    let (mut paths, mut contents) = (Vec::new(), Vec::new());
+    for (i, label) in labels.iter().enumerate() {
+        let rel = format!("images/{label}/{i:03}.png");
+        fs::create_dir_all(root.join("images").join(label)).unwrap();
+        let bytes = png(i as u8);
+        fs::write(root.join(&rel), &bytes).unwrap();
+        csv += &format!("{rel},{label}\n");
+        paths.push(rel);
+        contents.push(bytes);
+    }
+    fs::write(root.join("images/README.txt"), "not an image").unwrap();
+    fs::write(root.join("manifest.csv"), csv).unwrap();
+    let label_col: ArrayRef = if int_labels {
+        Arc::new(Int64Array::from_iter_values(
+            labels.iter().map(|l| l.parse::<i64>().unwrap()),
+        ))
+    } else {
+        Arc::new(StringArray::from_iter_values(labels))
+    };
+    let content: ArrayRef = Arc::new(BinaryArray::from_iter_values(&contents));
+    let path_col: ArrayRef = Arc::new(StringArray::from_iter_values(&paths));
+    let cols = vec![
+        ("path", path_col),
+        ("content", content),
+        ("label", label_col),
+    ];
+    write_parquet(&root.join("table.parquet"), cols.clone(), 2);
+    fs::create_dir(root.join("spark")).unwrap();
+    let half = labels.len() / 2;
+    for (part, (start, len)) in [(0, half), (half, labels.len() - half)]
+        .into_iter()
+        .enumerate()
+    {
+        let sliced = cols
+            .iter()
+            .map(|(n, c)| (*n, c.slice(start, len)))
+            .collect();
+        write_parquet(
+            &root.join(format!("spark/part-{part:05}-x.snappy.parquet")),
+            sliced,
+            3,
+        );
+    }
+    fs::write(root.join("spark/_SUCCESS"), "").unwrap();
+    dir
+}
+
+fn pairs(ds: &Dataset) -> Vec<(Vec<u8>, String)> {
+    let mut v: Vec<_> = ds
+        .samples
+        .iter()
+        .map(|s| (s.bytes.clone(), ds.labels[s.label].clone()))
+        .collect();
+    v.sort();
+    v
+}
+
+fn load_all(root: &Path) -> Vec<Dataset> {
+    let opts = SourceOpts::default();
+    ["images", "manifest.csv", "table.parquet", "spark"]
+        .iter()
+        .map(|p| load(&root.join(p), &opts).unwrap())
+        .collect()
+}
+
+#[test]
+fn data_three_sources_agree() {
+    let labels = ["dog", "cat", "dog", "bird", "cat", "dog", "bird"];
+    let dir = fixture(&labels, false);
+    let all = load_all(dir.path());
+    for ds in &all {
+        assert_eq!(ds.labels, ["bird", "cat", "dog"], "{}", ds.source);
+        assert_eq!(ds.samples.len(), 7, "{}", ds.source);
+        assert_eq!(pairs(ds), pairs(&all[0]), "{}", ds.source);
+    }
+    // CSV and Parquet keep row order; Parquet ids come from the path column.
+    assert_eq!(all[2].samples[3].id, "images/bird/003.png");
+    assert_eq!(
+        all[2].samples.iter().map(|s| s.label).collect::<Vec<_>>(),
+        [2, 1, 2, 0, 1, 2, 0]
+    );
+    assert_eq!(
+        all[1].samples.iter().map(|s| s.label).collect::<Vec<_>>(),
+        [2, 1, 2, 0, 1, 2, 0]
+    );
+    assert_eq!(
+        all[3].samples.iter().map(|s| &s.bytes).collect::<Vec<_>>(),
+        all[2].samples.iter().map(|s| &s.bytes).collect::<Vec<_>>()
+    );
+    // ImageFolder: class then file name.
+    assert_eq!(
+        all[0].samples.iter().map(|s| s.label).collect::<Vec<_>>(),
+        [0, 0, 1, 1, 2, 2, 2]
+    );
+    assert!(all[0].samples[0].id.ends_with("images/bird/003.png"));
+}
+
+#[test]
+fn data_integer_labels_sort_numerically() {
+    let dir = fixture(&["10", "2", "10", "2", "3"], true);
+    for ds in load_all(dir.path()) {
+        assert_eq!(ds.labels, ["2", "3", "10"], "{}", ds.source);
+    }
+    // Int32 labels, no path column: ids name the file and row.
+    let file = dir.path().join("int32.parquet");
+    let content: ArrayRef = Arc::new(BinaryArray::from_iter_values([png(1), png(2)]));
+    write_parquet(
+        &file,
+        vec![
+            ("content", content),
+            ("label", Arc::new(Int32Array::from(vec![10, 2]))),
+        ],
+        1,
+    );
+    let ds = load(&file, &SourceOpts::default()).unwrap();
+    assert_eq!(ds.labels, ["2", "10"]);
+    assert_eq!(ds.samples[0].label, 1);
+    assert_eq!(ds.samples[1].id, format!("{}#row 1", file.display()));
+}
+
+fn err(path: &Path, opts: &SourceOpts) -> (DataError, String) {
+    let e = load(path, opts).unwrap_err();
+    let msg = e.to_string();
+    (e, msg)
+}
+
+#[test]
+fn data_errors() {
+    let dir = fixture(&["a", "b", "a"], false);
+    let root = dir.path();
+    let opts = SourceOpts::default();
+    let bad_label = SourceOpts {
+        label_column: "class".into(),
+        ..SourceOpts::default()
+    };
+
+    let (e, m) = err(&root.join("table.parquet"), &bad_label);
+    assert!(
+        matches!(e, DataError::MissingColumn { .. })
+            && m.contains("`class`")
+            && m.contains("path, content, label"),
+        "{m}"
+    );
+    let (e, m) = err(&root.join("manifest.csv"), &bad_label);
+    assert!(
+        matches!(e, DataError::MissingColumn { .. })
+            && m.contains("manifest.csv")
+            && m.contains("path, label"),
+        "{m}"
+    );
+
+    let f = root.join("nocontent.parquet");
+    write_parquet(
+        &f,
+        vec![("label", Arc::new(StringArray::from(vec!["a"])) as ArrayRef)],
+        8,
+    );
+    let (e, m) = err(&f, &opts);
+    assert!(
+        matches!(e, DataError::MissingContentColumn { .. }) && m.contains("`content`"),
+        "{m}"
+    );
+
+    let f = root.join("strcontent.parquet");
+    let s: ArrayRef = Arc::new(StringArray::from(vec!["a"]));
+    write_parquet(&f, vec![("content", s.clone()), ("label", s.clone())], 8);
+    let (e, m) = err(&f, &opts);
+    assert!(
+        matches!(e, DataError::WrongColumnType { .. })
+            && m.contains("`content`")
+            && m.contains("binary"),
+        "{m}"
+    );
+
+    let f = root.join("floatlabel.parquet");
+    let b: ArrayRef = Arc::new(BinaryArray::from_iter_values([png(0)]));
+    write_parquet(
+        &f,
+        vec![
+            ("content", b),
+            ("label", Arc::new(Float64Array::from(vec![1.0]))),
+        ],
+        8,
+    );
+    let (e, m) = err(&f, &opts);
+    assert!(
+        matches!(e, DataError::UnsupportedLabelType { .. }) && m.contains("Float64"),
+        "{m}"
+    );
+
+    fs::create_dir(root.join("images/empty")).unwrap();
+    fs::write(root.join("images/empty/notes.txt"), "x").unwrap();
+    let (e, m) = err(&root.join("images"), &opts);
+    assert!(
+        matches!(e, DataError::EmptyClass { .. }) && m.contains("empty class `empty` in"),
+        "{m}"
+    );
+
+    fs::create_dir(root.join("nothing")).unwrap();
+    assert!(matches!(
+        err(&root.join("nothing"), &opts).0,
+        DataError::EmptyDataset { .. }
+    ));
+    fs::write(root.join("header.csv"), "path,label\n").unwrap();
+    assert!(matches!(
+        err(&root.join("header.csv"), &opts).0,
+        DataError::EmptyDataset { .. }
+    ));
+
+    fs::write(
+        root.join("missing.csv"),
+        "path,label\nimages/a/000.png,a\ngone.png,b\n",
+    )
+    .unwrap();
+    let (e, m) = err(&root.join("missing.csv"), &opts);
+    assert!(
+        matches!(e, DataError::MissingFile { line: 3, .. })
+            && m.contains("line 3")
+            && m.contains("gone.png"),
+        "{m}"
+    );
+
+    // A directory where an image file should be: unreadable.
+    fs::write(root.join("unreadable.csv"), "path,label\nimages/a,a\n").unwrap();
+    let (e, m) = err(&root.join("unreadable.csv"), &opts);
+    assert!(
+        matches!(e, DataError::Io { .. }) && m.contains("images/a"),
+        "{m}"
+    );
+
+    fs::write(root.join("corrupt.parquet"), b"not parquet at all").unwrap();
+    let (e, m) = err(&root.join("corrupt.parquet"), &opts);
+    assert!(
+        matches!(e, DataError::Parquet { .. }) && m.contains("corrupt.parquet"),
+        "{m}"
+    );
+
+    assert!(matches!(
+        err(&root.join("images/README.txt"), &opts).0,
+        DataError::UnsupportedSource { .. }
+    ));
+    assert!(matches!(
+        err(&root.join("absent"), &opts).0,
+        DataError::Io { .. }
+    ));
+}
+
+/// The real datasets built by scripts/fetch-datasets.sh, when present.
+#[test]
+fn data_real_datasets_agree() {
+    let home = std::env::var_os("KESTREL_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/kestrel")
+        });
+    for (name, n, labels) in [
+        ("lfw", 200, vec!["face".to_string(), "nonface".to_string()]),
+        ("digits", 1797, (0..10).map(|d| d.to_string()).collect()),
+    ] {
+        let root = home.join("datasets").join(name);
+        if !root.join(".done").exists() {
+            eprintln!(
+                "skipping: {} not built (scripts/fetch-datasets.sh)",
+                root.display()
+            );
+            continue;
+        }
+        let opts = SourceOpts::default();
+        let forms = [
+            "imagefolder".to_string(),
+            "manifest.csv".into(),
+            format!("{name}.parquet"),
+        ];
+        let all: Vec<Dataset> = forms
+            .iter()
+            .map(|f| load(&root.join(f), &opts).unwrap())
+            .collect();
+        for ds in &all {
+            assert_eq!(ds.samples.len(), n, "{}", ds.source);
+            assert_eq!(ds.labels, labels, "{}", ds.source);
+            assert_eq!(pairs(ds), pairs(&all[0]), "{}", ds.source);
+        }
+        // Parquet ids are the manifest's relative paths, in the same row order as the CSV.
+        let csv_ids: Vec<_> = all[1].samples.iter().map(|s| s.id.clone()).collect();
+        let pq_ids: Vec<_> = all[2]
+            .samples
+            .iter()
+            .map(|s| root.join(&s.id).display().to_string())
+            .collect();
+        assert_eq!(csv_ids, pq_ids);
+    }
+}
