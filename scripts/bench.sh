@@ -77,3 +77,21 @@ sps = sum(x["samples_per_s"] for x in m) / len(m)
 print(f"{ds:<10}{s['epochs_run']:>10}{s['epochs_run'] / s['train_seconds']:>12.1f}{sps:>14.0f}")
 PY
 done
+
+echo
+echo "# Exported LFW model per form: file size and batch-1 latency, 1 thread (inference only)"
+printf '%-14s%10s%10s%10s%12s%14s\n' form "MB" "tract ms" "ort ms" "python ms" "tract/python"
+for form in none int8-weights int8; do
+  "$trainer" export --run "$work/run-lfw" --out "$work/art-$form" --quantize "$form" --cache "$work/cache" >/dev/null 2>&1
+  model="$work/art-$form/model.onnx"
+  t=$("$trainer" --threads 1 latency --model "$model" --engine tract --json "$KESTREL_HOME/photos/coffee.png")
+  o=$("$trainer" --threads 1 latency --model "$model" --engine ort --json "$KESTREL_HOME/photos/coffee.png")
+  p=$("$KESTREL_PY" "$here/bench_peer.py" --latency --model "$model" --threads 1 --rounds 50 "$KESTREL_HOME/photos/coffee.png")
+  python3 - "$form" "$model" "$t" "$o" "$p" <<'PY'
+import json, os, sys
+form, model, t, o, p = sys.argv[1:]
+t, o, p = (json.loads(x)["ms"] for x in (t, o, p))
+print(f"{form:<14}{os.path.getsize(model) / 1e6:>10.1f}{t:>10.1f}{o:>10.1f}{p:>12.1f}{t / p:>13.2f}x")
+PY
+done
+echo "(tract runs the static int8 QDQ graph in float with extra Q/DQ work: slower than f32 here, as measured above.)"

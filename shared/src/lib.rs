@@ -3,6 +3,7 @@
 //! - [`preprocess`]: the preprocessing spec (a serde type carried in every artifact manifest)
 //!   and the one implementation of it, used by both binaries.
 
+pub mod fsutil;
 pub mod manifest;
 pub mod preprocess;
 

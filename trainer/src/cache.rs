@@ -14,7 +14,7 @@
 //! old state or the new one.
 
 use std::fs::{self, File};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -63,24 +63,12 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CacheError + '_ {
     }
 }
 
-/// Writes `bytes` to `path` crash-safely (temp file in the same directory, fsync, rename).
+/// Writes `bytes` to `path` crash-safely (see [`kestrel_shared::fsutil::write_atomic`]), creating
+/// the directory.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CacheError> {
     let dir = path.parent().unwrap_or(Path::new("."));
     fs::create_dir_all(dir).map_err(io(dir))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp.{}",
-        path.file_name().unwrap_or_default().to_string_lossy(),
-        std::process::id()
-    ));
-    let mut f = File::create(&tmp).map_err(io(&tmp))?;
-    f.write_all(bytes)
-        .and_then(|_| f.sync_all())
-        .map_err(io(&tmp))?;
-    fs::rename(&tmp, path).map_err(io(path))?;
-    if let Ok(d) = File::open(dir) {
-        let _ = d.sync_all();
-    }
-    Ok(())
+    kestrel_shared::fsutil::write_atomic(path, bytes).map_err(io(path))
 }
 
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, CacheError> {

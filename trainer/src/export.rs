@@ -601,6 +601,60 @@ pub fn read_manifest(model: &Path) -> Result<(PathBuf, Manifest), TrainError> {
     Ok((dir, m))
 }
 
+/// Loads an exported model on `kind` (tract or ort), as described by its manifest.
+fn load_model(
+    model: &Path,
+    kind: EngineKind,
+    threads: usize,
+) -> Result<(Manifest, Box<dyn Engine>), TrainError> {
+    let (dir, m) = read_manifest(model)?;
+    let onnx_path = if model.is_dir() {
+        dir.join("model.onnx")
+    } else {
+        model.to_path_buf()
+    };
+    let bytes =
+        std::fs::read(&onnx_path).map_err(|e| invalid(format!("{}: {e}", onnx_path.display())))?;
+    let input_shape: Vec<usize> = m.input.shape[1..]
+        .iter()
+        .map(|d| d.as_u64().unwrap_or(0) as usize)
+        .collect();
+    let engine: Box<dyn Engine> = match kind {
+        EngineKind::Tract => Box::new(TractEngine::from_onnx(&bytes, input_shape, threads)?),
+        EngineKind::Ort => Box::new(kestrel_models::engine::OrtEngine::from_onnx(
+            &bytes,
+            input_shape,
+            threads,
+        )?),
+        EngineKind::Candle => {
+            return Err(invalid(
+                "exported models run on tract or ort, not candle".into(),
+            ));
+        }
+    };
+    Ok((m, engine))
+}
+
+/// Mean batch-1 inference time in milliseconds over `rounds` runs (after one warm-up run).
+pub fn latency_ms(
+    model: &Path,
+    kind: EngineKind,
+    image: &Path,
+    rounds: usize,
+    threads: usize,
+) -> Result<f64, TrainError> {
+    let (m, engine) = load_model(model, kind, threads)?;
+    let x = m.preprocess.run_file(image, &ImageLimits::default())?;
+    let [h, w] = m.preprocess.input_size.map(|v| v as usize);
+    let input = Tensor::new(vec![1, 3, h, w], x.data);
+    engine.run(&input)?;
+    let t = std::time::Instant::now();
+    for _ in 0..rounds.max(1) {
+        engine.run(&input)?;
+    }
+    Ok(t.elapsed().as_secs_f64() * 1000.0 / rounds.max(1) as f64)
+}
+
 /// `trainer evaluate --model`: evaluates an exported artifact exactly as the edge will, using only
 /// its manifest (preprocessing, labels, tensor names).
 pub fn evaluate_model(
@@ -611,14 +665,7 @@ pub fn evaluate_model(
     cache_root: &Path,
     threads: usize,
 ) -> Result<crate::report::Evaluation, TrainError> {
-    let (dir, m) = read_manifest(model)?;
-    let onnx_path = if model.is_dir() {
-        dir.join("model.onnx")
-    } else {
-        model.to_path_buf()
-    };
-    let bytes =
-        std::fs::read(&onnx_path).map_err(|e| invalid(format!("{}: {e}", onnx_path.display())))?;
+    let (m, engine) = load_model(model, engine, threads)?;
     let ds = data::load(data_path, source)?;
     let prepared = cache::Prepared::open_or_build(cache_root, &ds, &m.preprocess, 1, false)?;
     let map: Vec<usize> = prepared
@@ -635,23 +682,6 @@ pub fn evaluate_model(
             })
         })
         .collect::<Result<_, _>>()?;
-    let input_shape: Vec<usize> = m.input.shape[1..]
-        .iter()
-        .map(|d| d.as_u64().unwrap_or(0) as usize)
-        .collect();
-    let engine: Box<dyn Engine> = match engine {
-        EngineKind::Tract => Box::new(TractEngine::from_onnx(&bytes, input_shape, threads)?),
-        EngineKind::Ort => Box::new(kestrel_models::engine::OrtEngine::from_onnx(
-            &bytes,
-            input_shape,
-            threads,
-        )?),
-        EngineKind::Candle => {
-            return Err(invalid(
-                "evaluate --model runs ONNX: use --engine tract or ort".into(),
-            ));
-        }
-    };
     let pixels = prepared.load_pixels()?;
     let refs: Vec<&[u8]> = pixels.iter().map(|p| p.as_slice()).collect();
     let logits = cache::run_frozen(

@@ -305,6 +305,20 @@ enum Cmd {
         #[arg(required = true)]
         images: Vec<PathBuf>,
     },
+    /// Batch-1 latency of an exported model (inference only; the image is preprocessed once
+    /// with the manifest's spec). Prints milliseconds per image.
+    Latency {
+        /// model.onnx with its manifest.json beside it.
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, default_value = "tract")]
+        engine: EngineKind,
+        #[arg(long, default_value_t = 50)]
+        rounds: usize,
+        #[arg(long)]
+        json: bool,
+        image: PathBuf,
+    },
     /// Measure feature-extraction throughput (decode + preprocess + backbone), images/s.
     Bench {
         #[command(flatten)]
@@ -595,6 +609,27 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 let path = out.join(format!("{}.f32", name.to_string_lossy()));
                 std::fs::write(&path, t.to_le_bytes())
                     .with_context(|| format!("writing {}", path.display()))?;
+            }
+        }
+        Cmd::Latency {
+            model,
+            engine,
+            rounds,
+            json,
+            image,
+        } => {
+            let ms = export::latency_ms(&model, engine, &image, rounds, cli.threads)?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({"model": model, "engine": engine, "threads": cli.threads, "ms": ms})
+                );
+            } else {
+                println!(
+                    "{} on {engine}, {} threads: {ms:.2} ms per image",
+                    model.display(),
+                    cli.threads
+                );
             }
         }
         Cmd::Bench {

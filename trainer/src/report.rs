@@ -8,7 +8,6 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -408,32 +407,7 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<(), Rep
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ReportError> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let name = path
-        .file_name()
-        .map_or_else(|| "out".into(), |n| n.to_string_lossy().into_owned());
-    let tmp = dir.join(format!(
-        ".{name}.tmp.{}.{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let result = (|| {
-        let mut file = File::create(&tmp).map_err(io_err(&tmp))?;
-        file.write_all(bytes).map_err(io_err(&tmp))?;
-        file.sync_all().map_err(io_err(&tmp))?;
-        drop(file);
-        fs::rename(&tmp, path).map_err(io_err(path))
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    } else {
-        sync_parent(path);
-    }
-    result
+    kestrel_shared::fsutil::write_atomic(path, bytes).map_err(io_err(path))
 }
 
 /// Best-effort fsync of the directory holding `path` (makes a create/rename durable on Unix).

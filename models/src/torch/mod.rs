@@ -22,7 +22,7 @@ mod tests;
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
 use crate::tensor::{Tensor, Weights};
@@ -212,45 +212,10 @@ pub fn write_safetensors(
         message: e.to_string(),
     })?;
 
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| ImportError::Io {
-            path: path.to_path_buf(),
-            source: io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"),
-        })?
-        .to_string_lossy()
-        .into_owned();
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = dir.join(format!(".{file_name}.tmp.{}.{n}", std::process::id()));
-
-    let result = (|| -> io::Result<()> {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_all()?;
-        drop(f);
-        std::fs::rename(&tmp, path)?;
-        // Persist the rename itself (best effort: not all platforms can open directories).
-        if let Ok(d) = File::open(&dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(ImportError::Io {
-            path: path.to_path_buf(),
-            source: e,
-        });
-    }
-    Ok(())
+    kestrel_shared::fsutil::write_atomic(path, &bytes).map_err(|source| ImportError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 struct F32View<'a>(&'a Tensor);

@@ -1,0 +1,58 @@
+//! Crash-safe file writes, shared by every writer in trainer and edge.
+
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Writes `bytes` to `path` so that a crash leaves either the old file or the new one: a unique
+/// temporary file in the same directory, fsync, rename, then a best-effort fsync of the directory.
+/// The temporary file is removed when anything fails.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?
+        .to_string_lossy();
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let tmp = dir.join(format!(".{name}.tmp.{}.{n}", std::process::id()));
+    let result = (|| {
+        let mut f = File::create_new(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        drop(f);
+        fs::rename(&tmp, path)
+    })();
+    match result {
+        Ok(()) => {
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
+            Ok(())
+        }
+        Err(e) => {
+            let _ = fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn replaces_and_leaves_no_temp_files() {
+        let dir = std::env::temp_dir().join(format!("kestrel-fsutil-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("a.bin");
+        super::write_atomic(&p, b"one").unwrap();
+        super::write_atomic(&p, b"two").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        assert!(super::write_atomic(&dir.join("missing/x"), b"").is_err());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
