@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job, end to end as far as it is built: set up, classify real photos with the pretrained
-# backbone on every engine, then turn the LFW-subset table into a trained head and evaluate it.
+# backbone on every engine, turn the LFW-subset table into a trained head, export it as a verified
+# artifact and evaluate that through its manifest. (MQTT delivery to the edge agent is not built yet.)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
@@ -22,3 +23,9 @@ log "evaluate the run on the whole table (ImageFolder form: same images, same ca
 "$trainer" evaluate --run "$run" --data "$KESTREL_HOME/datasets/lfw/imagefolder"
 log "run directory: $run"
 ls "$run"
+art="$KESTREL_HOME/artifacts/demo-lfw-int8-weights"
+log "export an int8-weights artifact, verified in tract and ONNX Runtime"
+"$trainer" export --run "$run" --out "$art" --quantize int8-weights
+log "evaluate the artifact through its manifest only, as the edge will"
+"$trainer" evaluate --model "$art/model.onnx" --data "$KESTREL_HOME/datasets/lfw/manifest.csv" --engine tract
+ls -l "$art"
