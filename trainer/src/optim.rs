@@ -1,0 +1,111 @@
+//! Optimizers for head training, written out (rather than candle-nn's) so that their state can be
+//! checkpointed and a resumed run continues bit for bit.
+
+use candle_core::{Device, Tensor as CTensor, Var};
+use kestrel_models::Weights;
+
+use crate::train::{FitParams, Optimizer, TrainError, to_plain};
+
+/// SGD with momentum (PyTorch semantics, L2 weight decay) and AdamW (decoupled decay), written out so
+/// their state can be checkpointed exactly.
+pub struct Opt {
+    kind: Optimizer,
+    momentum: f64,
+    weight_decay: f64,
+    /// Per var: SGD momentum buffer, or AdamW (m, v).
+    slots: Vec<Vec<CTensor>>,
+    pub step: u64,
+}
+
+impl Opt {
+    pub fn new(p: &FitParams, vars: &[(String, Var)]) -> Result<Self, TrainError> {
+        let n = match p.optimizer {
+            Optimizer::Sgd => 1,
+            Optimizer::Adamw => 2,
+        };
+        let slots = vars
+            .iter()
+            .map(|(_, v)| {
+                (0..n)
+                    .map(|_| v.as_tensor().zeros_like())
+                    .collect::<candle_core::Result<Vec<_>>>()
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self {
+            kind: p.optimizer,
+            momentum: p.momentum,
+            weight_decay: p.weight_decay,
+            slots,
+            step: 0,
+        })
+    }
+
+    pub fn apply(
+        &mut self,
+        vars: &[(String, Var)],
+        grads: &candle_core::backprop::GradStore,
+        lr: f64,
+    ) -> Result<(), TrainError> {
+        self.step += 1;
+        for ((_, var), slot) in vars.iter().zip(&mut self.slots) {
+            let Some(g) = grads.get(var.as_tensor()) else {
+                continue;
+            };
+            let p = var.as_tensor();
+            match self.kind {
+                Optimizer::Sgd => {
+                    let g = if self.weight_decay != 0.0 {
+                        (g + (p * self.weight_decay)?)?
+                    } else {
+                        g.clone()
+                    };
+                    let buf = ((&slot[0] * self.momentum)? + g)?;
+                    var.set(&(p - (&buf * lr)?)?)?;
+                    slot[0] = buf;
+                }
+                Optimizer::Adamw => {
+                    let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f64);
+                    let m = ((&slot[0] * b1)? + (g * (1.0 - b1))?)?;
+                    let v = ((&slot[1] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+                    let mhat = (&m / (1.0 - b1.powi(self.step as i32)))?;
+                    let vhat = (&v / (1.0 - b2.powi(self.step as i32)))?;
+                    let decayed = (p * (1.0 - lr * self.weight_decay))?;
+                    let update = (mhat / (vhat.sqrt()? + eps)?)?;
+                    var.set(&(decayed - (update * lr)?)?)?;
+                    slot[0] = m;
+                    slot[1] = v;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn state(&self, vars: &[(String, Var)]) -> Result<Weights, TrainError> {
+        let mut w = Weights::new();
+        for ((name, _), slot) in vars.iter().zip(&self.slots) {
+            for (k, t) in slot.iter().enumerate() {
+                w.insert(format!("opt.{k}.{name}"), to_plain(t)?);
+            }
+        }
+        Ok(w)
+    }
+
+    pub(crate) fn load(
+        &mut self,
+        vars: &[(String, Var)],
+        w: &Weights,
+        step: u64,
+    ) -> Result<(), TrainError> {
+        for ((name, _), slot) in vars.iter().zip(&mut self.slots) {
+            for (k, t) in slot.iter_mut().enumerate() {
+                let key = format!("opt.{k}.{name}");
+                let s = w.get(&key).ok_or_else(|| {
+                    TrainError::Invalid(format!("checkpoint lacks optimizer state `{key}`"))
+                })?;
+                *t = CTensor::from_slice(&s.data, s.shape.as_slice(), &Device::Cpu)?;
+            }
+        }
+        self.step = step;
+        Ok(())
+    }
+}
