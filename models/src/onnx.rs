@@ -151,6 +151,7 @@ impl GraphBuilder {
     }
 }
 
+/// A float tensor `[N, dims...]` with the symbolic batch `N`.
 pub fn value_info(name: &str, dims: &[usize]) -> ValueInfoProto {
     let mut dim = vec![Dimension {
         denotation: String::new(),
@@ -160,13 +161,18 @@ pub fn value_info(name: &str, dims: &[usize]) -> ValueInfoProto {
         denotation: String::new(),
         value: Some(DimValue::DimValue(d as i64)),
     }));
+    float_value_info(name, Some(pb::TensorShapeProto { dim }))
+}
+
+/// A float tensor of the given (or unspecified, e.g. calibration probes) shape.
+fn float_value_info(name: &str, shape: Option<pb::TensorShapeProto>) -> ValueInfoProto {
     ValueInfoProto {
         name: name.into(),
         r#type: Some(TypeProto {
             denotation: String::new(),
             value: Some(pb::type_proto::Value::TensorType(pb::type_proto::Tensor {
                 elem_type: DataType::Float as i32,
-                shape: Some(pb::TensorShapeProto { dim }),
+                shape,
             })),
         }),
         doc_string: String::new(),
@@ -240,7 +246,7 @@ pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProt
         .expect("a lowered graph has nodes");
     last.output[0] = opts.output_name.clone();
     let mut output = vec![value_info(&opts.output_name, &opts.output_shape(net))];
-    output.extend(probes.iter().map(|p| untyped_float(p)));
+    output.extend(probes.iter().map(|p| float_value_info(p, None)));
     let graph = GraphProto {
         name: format!("kestrel-{}", net.arch),
         node: g.nodes,
@@ -250,21 +256,6 @@ pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProt
         ..Default::default()
     };
     model(graph, Vec::new())
-}
-
-/// A float output of unspecified shape (calibration probes).
-fn untyped_float(name: &str) -> ValueInfoProto {
-    ValueInfoProto {
-        name: name.into(),
-        r#type: Some(TypeProto {
-            denotation: String::new(),
-            value: Some(pb::type_proto::Value::TensorType(pb::type_proto::Tensor {
-                elem_type: DataType::Float as i32,
-                shape: None,
-            })),
-        }),
-        doc_string: String::new(),
-    }
 }
 
 /// Wraps a graph into a model with Kestrel's producer, IR version and opset.
