@@ -40,6 +40,9 @@ pub struct LowerOpts {
     pub output_name: String,
     /// Quantization of weights and activations.
     pub quant: Quant,
+    /// Calibration probe: also output the input of every Conv/Gemm (as the layer reads it, after
+    /// any activation quantization) as `act:<layer>`.
+    pub probe: bool,
 }
 
 impl LowerOpts {
@@ -51,6 +54,7 @@ impl LowerOpts {
             classifier: None,
             output_name: "features".into(),
             quant: Quant::None,
+            probe: false,
         }
     }
 
@@ -183,6 +187,13 @@ fn float_value_info(name: &str, shape: Option<pb::TensorShapeProto>) -> ValueInf
 pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProto {
     let mut g = GraphBuilder::default();
     let mut probes = Vec::new();
+    let probe = |g: &mut GraphBuilder, probes: &mut Vec<String>, layer: &str, x: &str| {
+        if opts.probe {
+            let name = format!("act:{layer}");
+            g.node("Identity", layer, &[x], vec![], Some(&name));
+            probes.push(name);
+        }
+    };
     let q = &opts.quant;
     let lo = g.initializer(f32_tensor("relu6.min", &[], &[0.0]));
     let hi = g.initializer(f32_tensor("relu6.max", &[], &[6.0]));
@@ -211,7 +222,8 @@ pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProt
                 attr_ints("dilations", &[1, 1]),
                 attr_int("group", c.groups as i64),
             ];
-            let xin = q.activation(&mut g, &c.name, &x, &mut probes);
+            let xin = q.activation(&mut g, &c.name, &x);
+            probe(&mut g, &mut probes, &c.name, &xin);
             x = g.node("Conv", &c.name, &[&xin, &w, &b], attrs, None);
             if c.relu6 {
                 x = g.node("Clip", &c.name, &[&x, &lo, &hi], vec![], None);
@@ -228,7 +240,8 @@ pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProt
     if let Some(l) = &opts.classifier {
         let w = q.weight(&mut g, "classifier.weight", &l.weight);
         let b = g.initializer(f32_tensor("classifier.bias", &[l.bias.len()], &l.bias));
-        let xin = q.activation(&mut g, "classifier", &x, &mut probes);
+        let xin = q.activation(&mut g, "classifier", &x);
+        probe(&mut g, &mut probes, "classifier", &xin);
         x = g.node(
             "Gemm",
             "classifier",

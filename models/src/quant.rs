@@ -24,8 +24,6 @@ pub enum Quant {
     /// int8 weights plus uint8 activations with these calibrated `(min, max)` per layer input
     /// (keyed by conv name, or `classifier`).
     Static(BTreeMap<String, (f32, f32)>),
-    /// Calibration probe: the float graph, also outputting each Conv/Gemm input as `act:<layer>`.
-    Probe,
 }
 
 /// Symmetric per-output-channel int8 quantization of a weight `[out, ...]`: `w ≈ q * scale[out]`.
@@ -67,7 +65,7 @@ impl Quant {
     /// Adds weight `w` (named `name`) and returns the tensor name a Conv/Gemm should read.
     pub fn weight(&self, g: &mut GraphBuilder, name: &str, w: &Tensor) -> String {
         match self {
-            Quant::None | Quant::Probe => g.initializer(f32_tensor(name, &w.shape, &w.data)),
+            Quant::None => g.initializer(f32_tensor(name, &w.shape, &w.data)),
             Quant::Weights | Quant::Static(_) => {
                 let (q, scales) = quantize_per_channel(w);
                 let qn = g.initializer(typed_tensor(
@@ -99,22 +97,10 @@ impl Quant {
     }
 
     /// Passes activation `x` entering layer `layer`, returning the tensor name to read
-    /// (quantized and dequantized for static int8; also exposed as an output when probing).
-    pub fn activation(
-        &self,
-        g: &mut GraphBuilder,
-        layer: &str,
-        x: &str,
-        probes: &mut Vec<String>,
-    ) -> String {
+    /// (quantized and dequantized for static int8).
+    pub fn activation(&self, g: &mut GraphBuilder, layer: &str, x: &str) -> String {
         match self {
             Quant::None | Quant::Weights => x.to_string(),
-            Quant::Probe => {
-                let name = format!("act:{layer}");
-                g.node("Identity", layer, &[x], vec![], Some(&name));
-                probes.push(name);
-                x.to_string()
-            }
             Quant::Static(ranges) => {
                 let Some(&(min, max)) = ranges.get(layer) else {
                     return x.to_string();
@@ -136,7 +122,7 @@ impl Quant {
     /// Op types whose inputs are int8 in this form.
     pub fn int8_ops(&self) -> Vec<String> {
         match self {
-            Quant::None | Quant::Probe => vec![],
+            Quant::None => vec![],
             Quant::Weights => vec!["Conv (weights)".into(), "Gemm (weights)".into()],
             Quant::Static(_) => vec!["Conv".into(), "Gemm".into()],
         }

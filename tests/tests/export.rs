@@ -52,10 +52,12 @@ fn file_size(m: &Value, path: &str) -> u64 {
 #[test]
 fn three_forms_for_lfw_and_digits() {
     let tmp = tempfile::tempdir().unwrap();
-    // (dataset, classes, accepted accuracy drop of int8-weights / int8 in points). Digits misses the 0.5 / 1.0
-    // targets (measured about -2.2 / -3.6 points: a linear probe on upscaled 8x8 digits has small margins), so its
-    // export runs with a wider gate; LFW holds the targets.
-    for (name, classes, max_drop) in [("lfw", 2, [0.5, 1.0]), ("digits", 10, [3.0, 5.0])] {
+    // Accuracy targets (tract, the edge's runtime): int8-weights within 0.5 points of f32, int8 within
+    // 1.0. The export gate checks every runtime; ONNX Runtime's integer kernels lose about 2.2 points
+    // on digits with static int8 (a linear probe on upscaled 8x8 images has small margins), so that
+    // one export runs with a wider gate.
+    let max_drop = [0.5, 1.0];
+    for (name, classes) in [("lfw", 2), ("digits", 10)] {
         let data = dataset(name, "imagefolder");
         let run_dir = tmp.path().join(format!("{name}-run"));
         ok_json(&[
@@ -74,7 +76,14 @@ fn three_forms_for_lfw_and_digits() {
         let mut f32_size = 0;
         for form in ["none", "int8-weights", "int8"] {
             let art = tmp.path().join(format!("{name}-{form}"));
-            let gate = format!("--max-accuracy-drop={}", max_drop[1]);
+            let gate = format!(
+                "--max-accuracy-drop={}",
+                if (name, form) == ("digits", "int8") {
+                    3.0
+                } else {
+                    1.0
+                }
+            );
             let m = ok_json(&[
                 "export",
                 "--run",

@@ -359,6 +359,7 @@ pub fn frozen_opts(b: &Backbone, boundary: usize) -> LowerOpts {
         classifier: None,
         output_name: "features".into(),
         quant: Default::default(),
+        probe: false,
     }
 }
 

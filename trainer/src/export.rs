@@ -134,16 +134,27 @@ fn engine_logits(
     Ok(out)
 }
 
-/// Calibrates per-layer input ranges of Conv/Gemm on `samples` with a probe graph in tract.
+/// What calibration measures at the input of every Conv/Gemm (keyed by layer name).
+struct Calibration {
+    /// `(min, max)` over all samples (static int8 activation ranges).
+    ranges: BTreeMap<String, (f32, f32)>,
+    /// Per-channel mean (bias correction).
+    means: BTreeMap<String, Vec<f64>>,
+}
+
+/// Runs the network (quantized as `quant`) with probes in tract over `samples`, recording each
+/// Conv/Gemm input's range and per-channel mean.
 fn calibrate(
     pp: &Prepped,
     folded: &[FoldedConv],
     head: &Linear,
+    quant: &Quant,
     samples: &[Vec<f32>],
-) -> Result<BTreeMap<String, (f32, f32)>, TrainError> {
+) -> Result<Calibration, TrainError> {
     let net = &pp.backbone.net;
     let opts = LowerOpts {
-        quant: Quant::Probe,
+        quant: quant.clone(),
+        probe: true,
         ..LowerOpts::logits(net, head.clone())
     };
     let model = onnx::lower(net, folded, &opts);
@@ -152,7 +163,10 @@ fn calibrate(
         .map(|o| o.name.trim_start_matches("act:").to_string())
         .collect();
     let engine = TractEngine::from_onnx(&onnx::to_bytes(&model), opts.input_shape(net), 1)?;
-    let mut ranges: BTreeMap<String, (f32, f32)> = BTreeMap::new();
+    let mut cal = Calibration {
+        ranges: BTreeMap::new(),
+        means: BTreeMap::new(),
+    };
     let [h, w] = net.preprocess.input_size.map(|v| v as usize);
     for s in samples {
         let outs = engine.run_all_outputs(&Tensor::new(vec![1, 3, h, w], s.clone()))?;
@@ -163,11 +177,112 @@ fn calibrate(
                 .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| {
                     (a.min(*v), b.max(*v))
                 });
-            let e = ranges.entry(name.clone()).or_insert((lo, hi));
+            let e = cal.ranges.entry(name.clone()).or_insert((lo, hi));
             *e = (e.0.min(lo), e.1.max(hi));
+            let channels = t.shape[1];
+            let per = t.numel() / channels;
+            let m = cal
+                .means
+                .entry(name.clone())
+                .or_insert_with(|| vec![0.0; channels]);
+            for (c, chunk) in t.data.chunks(per).enumerate() {
+                m[c] += chunk.iter().map(|v| *v as f64).sum::<f64>()
+                    / per as f64
+                    / samples.len() as f64;
+            }
         }
     }
-    Ok(ranges)
+    Ok(cal)
+}
+
+/// `Σ w[o, ci, k] · mean[input channel of (o, ci)]` per output channel `o` (grouped convs included).
+fn channel_dot(w: &Tensor, groups: usize, mean: &[f64]) -> Vec<f64> {
+    let out = w.shape[0];
+    let per = w.numel() / out;
+    let cin_per_group = w.shape[1];
+    let k = per / cin_per_group;
+    (0..out)
+        .map(|o| {
+            let g = o / (out / groups);
+            let row = &w.data[o * per..(o + 1) * per];
+            (0..cin_per_group)
+                .map(|ci| {
+                    row[ci * k..(ci + 1) * k]
+                        .iter()
+                        .map(|v| *v as f64)
+                        .sum::<f64>()
+                        * mean[g * cin_per_group + ci]
+                })
+                .sum()
+        })
+        .collect()
+}
+
+/// The int8 weights as the graph dequantizes them.
+fn dequantized(w: &Tensor) -> Tensor {
+    let (q, scales) = quantize_per_channel(w);
+    let per = w.numel() / w.shape[0];
+    Tensor::new(
+        w.shape.clone(),
+        q.iter()
+            .enumerate()
+            .map(|(i, v)| *v as f32 * scales[i / per])
+            .collect(),
+    )
+}
+
+/// Bias correction (Nagel et al., "Data-Free Quantization", 2019): rounding a layer's weights to
+/// int8 shifts its mean output by `(W_q − W)·E[x]`; that systematic error otherwise accumulates
+/// through the network. `means` are the layer inputs as the quantized network sees them; the bias
+/// absorbs the shift: `b_q = b − (W_q − W)·E[x]`. (Also correcting for upstream mean errors, i.e.
+/// matching the float network's means, over-corrects when done for all layers at once: measured,
+/// it diverged.)
+fn bias_correct(
+    net: &kestrel_models::Network,
+    float: (&[FoldedConv], &Linear),
+    quant: (&mut [FoldedConv], &mut Linear),
+    means: &BTreeMap<String, Vec<f64>>,
+) {
+    let correct = |w: &Tensor, b: &[f32], groups: usize, name: &str, out: &mut Vec<f32>| {
+        let Some(m) = means.get(name) else { return };
+        let exact = channel_dot(w, groups, m);
+        let rounded = channel_dot(&dequantized(w), groups, m);
+        for (o, v) in out.iter_mut().enumerate() {
+            *v = (b[o] as f64 + exact[o] - rounded[o]) as f32;
+        }
+    };
+    for ((c, f), q) in net.convs().zip(float.0).zip(quant.0.iter_mut()) {
+        correct(&f.weight, &f.bias, c.groups, &c.name, &mut q.bias);
+    }
+    correct(
+        &float.1.weight,
+        &float.1.bias,
+        1,
+        "classifier",
+        &mut quant.1.bias,
+    );
+}
+
+/// Every parameter of the exported network by name (folded convs, classifier).
+fn named_params(
+    net: &kestrel_models::Network,
+    folded: &[FoldedConv],
+    head: &Linear,
+) -> Vec<(String, Tensor)> {
+    let mut out = Vec::new();
+    for (c, f) in net.convs().zip(folded) {
+        out.push((c.weight_name(), f.weight.clone()));
+        out.push((
+            format!("{}.conv.bias", c.name),
+            Tensor::new(vec![c.cout], f.bias.clone()),
+        ));
+    }
+    out.push(("classifier.weight".into(), head.weight.clone()));
+    out.push((
+        "classifier.bias".into(),
+        Tensor::new(vec![head.bias.len()], head.bias.clone()),
+    ));
+    out
 }
 
 /// Serialises tensors of mixed dtypes (`(name, dtype, shape, little-endian bytes)`) crash-safely.
@@ -242,24 +357,33 @@ pub fn export(
             .collect()
     };
 
-    let quant = match o.quantize {
-        QuantForm::None => Quant::None,
-        QuantForm::Int8Weights => Quant::Weights,
-        QuantForm::Int8 => {
-            let train_idx = pp.indices(Split::Train);
-            let step = (train_idx.len() / o.calibration.max(1)).max(1);
-            let calib: Vec<usize> = train_idx
-                .iter()
-                .step_by(step)
-                .take(o.calibration)
-                .copied()
-                .collect();
-            log(format!(
-                "calibrating activation ranges on {} training samples",
-                calib.len()
-            ));
-            Quant::Static(calibrate(&pp, &folded, &head, &inputs(&calib))?)
-        }
+    // Quantized forms: calibrate on training samples (activation ranges for int8, input means for
+    // the bias correction of both forms), then lower the bias-corrected copy.
+    let (quant, qfolded, qhead) = if o.quantize == QuantForm::None {
+        (Quant::None, folded.clone(), head.clone())
+    } else {
+        let train_idx = pp.indices(Split::Train);
+        let step = (train_idx.len() / o.calibration.max(1)).max(1);
+        let calib: Vec<usize> = train_idx
+            .iter()
+            .step_by(step)
+            .take(o.calibration)
+            .copied()
+            .collect();
+        log(format!("calibrating on {} training samples", calib.len()));
+        let samples = inputs(&calib);
+        // Static int8: activation ranges of the float network. Both forms: bias correction from
+        // the inputs the quantized network sees.
+        let quant = match o.quantize {
+            QuantForm::Int8 => {
+                Quant::Static(calibrate(&pp, &folded, &head, &Quant::None, &samples)?.ranges)
+            }
+            _ => Quant::Weights,
+        };
+        let (mut qf, mut qh) = (folded.clone(), head.clone());
+        let qcal = calibrate(&pp, &qf, &qh, &quant, &samples)?;
+        bias_correct(net, (&folded, &head), (&mut qf, &mut qh), &qcal.means);
+        (quant, qf, qh)
     };
     let name = o.name.clone().unwrap_or_else(|| {
         format!(
@@ -273,9 +397,9 @@ pub fn export(
     });
     let lower_opts = LowerOpts {
         quant: quant.clone(),
-        ..LowerOpts::logits(net, head.clone())
+        ..LowerOpts::logits(net, qhead.clone())
     };
-    let mut onnx_model = onnx::lower(net, &folded, &lower_opts);
+    let mut onnx_model = onnx::lower(net, &qfolded, &lower_opts);
     onnx_model.model_version = o.version as i64;
     let meta_props = [
         ("kestrel.name", name.clone()),
@@ -440,21 +564,6 @@ pub fn export(
 
     // Files.
     write_atomic(&tmp.join("model.onnx"), &onnx_bytes)?;
-    let mut full: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (c, f) in net.convs().zip(&folded) {
-        full.push(f32_entry(c.weight_name(), &f.weight, o.f16));
-        full.push(f32_entry(
-            format!("{}.conv.bias", c.name),
-            &Tensor::new(vec![c.cout], f.bias.clone()),
-            o.f16,
-        ));
-    }
-    full.push(f32_entry("classifier.weight".into(), &head.weight, o.f16));
-    full.push(f32_entry(
-        "classifier.bias".into(),
-        &Tensor::new(vec![head.bias.len()], head.bias.clone()),
-        o.f16,
-    ));
     let st_meta: BTreeMap<String, String> = [
         ("arch".to_string(), net.arch.to_string()),
         (
@@ -463,22 +572,20 @@ pub fn export(
         ),
     ]
     .into();
+    let full = named_params(net, &folded, &head)
+        .into_iter()
+        .map(|(n, t)| f32_entry(n, &t, o.f16))
+        .collect();
     if o.quantize != QuantForm::None {
+        // The int8 weights and the (bias-corrected) biases that model.onnx carries.
         let mut q = Vec::new();
-        for (n, _, shape, bytes) in &full {
-            let t = Tensor::new(
-                shape.clone(),
-                bytes
-                    .chunks(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
-            );
-            if n.ends_with(".weight") && !o.f16 {
+        for (n, t) in named_params(net, &qfolded, &qhead) {
+            if n.ends_with(".weight") {
                 let (qw, scales) = quantize_per_channel(&t);
                 q.push((
                     n.clone(),
                     Dtype::I8,
-                    shape.clone(),
+                    t.shape.clone(),
                     qw.iter().map(|v| *v as u8).collect(),
                 ));
                 q.push(f32_entry(
@@ -487,12 +594,10 @@ pub fn export(
                     false,
                 ));
             } else {
-                q.push((n.clone(), Dtype::F32, shape.clone(), bytes.clone()));
+                q.push(f32_entry(n, &t, false));
             }
         }
-        if !o.f16 {
-            write_tensors(&tmp.join("model.int8.safetensors"), q, st_meta.clone())?;
-        }
+        write_tensors(&tmp.join("model.int8.safetensors"), q, st_meta.clone())?;
     }
     write_tensors(&tmp.join("model.safetensors"), full, st_meta.clone())?;
     let head_entries = weights

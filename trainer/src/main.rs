@@ -244,8 +244,9 @@ enum Cmd {
         /// int8: static int8 (weights + calibrated activations, QDQ).
         #[arg(long, value_enum, default_value = "none")]
         quantize: QuantForm,
-        /// Training samples for activation calibration (int8).
-        #[arg(long, default_value_t = 64)]
+        /// Training samples for calibration: activation ranges (int8) and bias correction (both
+        /// quantized forms).
+        #[arg(long, default_value_t = 200)]
         calibration: usize,
         /// Precision of model.safetensors: f32 | f16.
         #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]

@@ -227,6 +227,7 @@ impl Trainable {
             classifier: Some(classifier),
             output_name: "logits".into(),
             quant: Default::default(),
+            probe: false,
         };
         let (cnet, vars) = CandleNet::trainable(net, &folded, &opts, &Device::Cpu)?;
         let this = Self {
