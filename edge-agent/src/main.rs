@@ -1,13 +1,15 @@
 //! `edge-agent`: the device side of Kestrel.
 //!
-//! This first cut carries the shared preprocessing (the same implementation the trainer uses);
-//! model delivery, activation and inference over MQTT build on it.
+//! Built so far: loading an exported artifact as a device does (files verified against the
+//! manifest, golden-sample health check, tract inference with the manifest's preprocessing) and the
+//! shared preprocessing. Model delivery over MQTT, activation and rollback build on these.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use kestrel_models::artifact::LoadedModel;
 use kestrel_shared::PreprocessSpec;
 
 #[derive(Parser)]
@@ -17,12 +19,49 @@ use kestrel_shared::PreprocessSpec;
     about = "Kestrel edge agent: verified models over MQTT, inference with tract"
 )]
 struct Cli {
+    /// Inference threads.
+    #[arg(long, global = true, default_value_t = 1)]
+    threads: usize,
     #[command(subcommand)]
     cmd: Cmd,
 }
 
+#[derive(clap::Args)]
+struct ModelArgs {
+    /// Artifact directory (manifest.json, model.onnx, golden/).
+    #[arg(long)]
+    model: PathBuf,
+    /// Largest artifact accepted, in bytes (sum of the manifest's files).
+    #[arg(long, default_value_t = 64 << 20)]
+    max_bytes: u64,
+}
+
+impl ModelArgs {
+    fn load(&self, threads: usize) -> Result<LoadedModel> {
+        LoadedModel::load(&self.model, self.max_bytes, threads)
+            .with_context(|| format!("model {}", self.model.display()))
+    }
+}
+
 #[derive(Subcommand)]
 enum Cmd {
+    /// Classify images with an artifact (verified and health-checked first), as the agent serves them.
+    Predict {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long, default_value_t = 3)]
+        top_k: usize,
+        /// One JSON object per line: {"image", "top": [{"class", "label", "score"}], "model", "version", "latency_ms"}.
+        #[arg(long)]
+        json: bool,
+        #[arg(required = true)]
+        images: Vec<PathBuf>,
+    },
+    /// Verify an artifact's files against its manifest and run its golden samples.
+    Check {
+        #[command(flatten)]
+        model: ModelArgs,
+    },
     /// Decode + preprocess images exactly as inference does; writes raw little-endian f32 (CHW).
     Preprocess {
         /// Preprocessing spec as JSON (the `preprocess` object of an artifact manifest).
@@ -38,7 +77,7 @@ enum Cmd {
 
 fn main() -> ExitCode {
     match run(Cli::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
@@ -46,15 +85,63 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> Result<()> {
+fn run(cli: Cli) -> Result<ExitCode> {
     match cli.cmd {
+        Cmd::Predict {
+            model,
+            top_k,
+            json,
+            images,
+        } => {
+            let m = model.load(cli.threads)?;
+            let mut failed = 0;
+            for img in &images {
+                let name = img.display().to_string();
+                let r = std::fs::read(img)
+                    .map_err(|e| anyhow::anyhow!("{name}: {e}"))
+                    .and_then(|b| m.predict(&b, &name, top_k).map_err(anyhow::Error::from));
+                match r {
+                    Ok(p) if json => println!("{}", serde_json::to_string(&p)?),
+                    Ok(p) => {
+                        let top: Vec<String> = p
+                            .top
+                            .iter()
+                            .map(|c| format!("{} ({:.3})", c.label, c.score))
+                            .collect();
+                        println!("{name}: {}  [{:.1} ms]", top.join(", "), p.latency_ms);
+                    }
+                    Err(e) => {
+                        failed += 1;
+                        eprintln!("error: {e:#}");
+                    }
+                }
+            }
+            if failed > 0 {
+                eprintln!(
+                    "{failed} of {} images could not be classified",
+                    images.len()
+                );
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        Cmd::Check { model } => {
+            let m = model.load(cli.threads)?;
+            println!(
+                "{} v{} ({}): {} files verified, {} golden samples pass",
+                m.manifest.name,
+                m.manifest.version,
+                m.manifest.quantization.form,
+                m.manifest.files.len(),
+                m.manifest.golden.len()
+            );
+        }
         Cmd::Preprocess { spec, out, images } => {
             let text = std::fs::read_to_string(&spec)
                 .with_context(|| format!("reading {}", spec.display()))?;
             let spec: PreprocessSpec = serde_json::from_str(&text)
                 .with_context(|| format!("parsing spec {}", spec.display()))?;
             kestrel_shared::preprocess::dump_tensors(&spec, &images, &out)?;
-            Ok(())
         }
     }
+    Ok(ExitCode::SUCCESS)
 }

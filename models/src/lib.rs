@@ -5,6 +5,7 @@
 //! run time). Without them the crate is tract-only, which is what the edge agent builds.
 
 pub mod arch;
+pub mod artifact;
 pub mod engine;
 pub mod onnx;
 pub mod quant;

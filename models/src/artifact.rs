@@ -1,0 +1,269 @@
+//! Loading an exported artifact the way a device does: verify every file against the manifest,
+//! run the golden samples (health check), then serve predictions with tract and the manifest's
+//! preprocessing. Pure Rust (tract only): this is what the edge agent builds on.
+
+use std::path::{Component, Path};
+
+use kestrel_shared::manifest::{MANIFEST_FILE, Manifest};
+use kestrel_shared::{ImageLimits, PreprocessError};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::engine::{Engine, EngineError, TractEngine};
+use crate::tensor::Tensor;
+
+/// Largest accepted |logit − expected| of a golden sample.
+pub const GOLDEN_TOLERANCE: f32 = 1e-3;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    #[error("{path}: {reason}")]
+    Io { path: String, reason: String },
+    #[error("{path}: invalid manifest: {reason}")]
+    Manifest { path: String, reason: String },
+    #[error("unsafe file name `{0}` in the manifest (absolute, `..` or empty)")]
+    UnsafePath(String),
+    #[error("{file}: sha256 {found} does not match the manifest's {expected}")]
+    Hash {
+        file: String,
+        expected: String,
+        found: String,
+    },
+    #[error("{file}: {found} bytes, the manifest says {expected}")]
+    Size {
+        file: String,
+        expected: u64,
+        found: u64,
+    },
+    #[error("artifact is {bytes} bytes, over the limit of {limit}")]
+    TooLarge { bytes: u64, limit: u64 },
+    #[error("health check failed: {0}")]
+    Health(String),
+    #[error(transparent)]
+    Preprocess(#[from] PreprocessError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+fn io(path: &Path, e: std::io::Error) -> ArtifactError {
+    ArtifactError::Io {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A file name from a manifest, accepted only as a plain relative path inside the artifact.
+pub fn safe_relative(name: &str) -> Result<&Path, ArtifactError> {
+    let p = Path::new(name);
+    let ok = !name.is_empty() && p.components().all(|c| matches!(c, Component::Normal(_)));
+    if ok {
+        Ok(p)
+    } else {
+        Err(ArtifactError::UnsafePath(name.to_string()))
+    }
+}
+
+/// Reads `dir/manifest.json`.
+pub fn read_manifest(dir: &Path) -> Result<Manifest, ArtifactError> {
+    let path = dir.join(MANIFEST_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
+    let m: Manifest = serde_json::from_str(&text).map_err(|e| ArtifactError::Manifest {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    m.preprocess
+        .validate()
+        .map_err(|e| ArtifactError::Manifest {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+    Ok(m)
+}
+
+/// Checks every file the manifest lists (safe name, size, sha256) and the total against `max_bytes`.
+pub fn verify_files(dir: &Path, m: &Manifest, max_bytes: u64) -> Result<(), ArtifactError> {
+    for f in &m.files {
+        safe_relative(&f.path)?;
+    }
+    let total: u64 = m.files.iter().map(|f| f.size).sum();
+    if total > max_bytes {
+        return Err(ArtifactError::TooLarge {
+            bytes: total,
+            limit: max_bytes,
+        });
+    }
+    if !m.files.iter().any(|f| f.path == "model.onnx") {
+        return Err(ArtifactError::Manifest {
+            path: MANIFEST_FILE.into(),
+            reason: "no model.onnx listed".into(),
+        });
+    }
+    for f in &m.files {
+        let path = dir.join(safe_relative(&f.path)?);
+        let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
+        if bytes.len() as u64 != f.size {
+            return Err(ArtifactError::Size {
+                file: f.path.clone(),
+                expected: f.size,
+                found: bytes.len() as u64,
+            });
+        }
+        let found = sha256_hex(&bytes);
+        if found != f.sha256 {
+            return Err(ArtifactError::Hash {
+                file: f.path.clone(),
+                expected: f.sha256.clone(),
+                found,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Class {
+    pub class: usize,
+    pub label: String,
+    pub score: f32,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Prediction {
+    pub image: String,
+    pub top: Vec<Class>,
+    pub model: String,
+    pub version: u64,
+    pub latency_ms: f64,
+}
+
+/// A verified, health-checked model ready to serve.
+pub struct LoadedModel {
+    pub manifest: Manifest,
+    engine: TractEngine,
+    pub limits: ImageLimits,
+}
+
+impl LoadedModel {
+    /// Verifies the files, builds the tract plan and runs the golden samples.
+    pub fn load(dir: &Path, max_bytes: u64, threads: usize) -> Result<Self, ArtifactError> {
+        let manifest = read_manifest(dir)?;
+        verify_files(dir, &manifest, max_bytes)?;
+        let onnx = dir.join("model.onnx");
+        let bytes = std::fs::read(&onnx).map_err(|e| io(&onnx, e))?;
+        let shape: Vec<usize> = manifest.input.shape[1..]
+            .iter()
+            .map(|d| d.as_u64().unwrap_or(0) as usize)
+            .collect();
+        let engine = TractEngine::from_onnx(&bytes, shape, threads)?;
+        let this = Self {
+            manifest,
+            engine,
+            limits: ImageLimits::default(),
+        };
+        this.health_check(dir)?;
+        Ok(this)
+    }
+
+    fn logits(&self, data: Vec<f32>) -> Result<Vec<f32>, ArtifactError> {
+        let [h, w] = self.manifest.preprocess.input_size.map(|v| v as usize);
+        Ok(self.engine.run(&Tensor::new(vec![1, 3, h, w], data))?.data)
+    }
+
+    /// Golden samples: the preprocessed tensor must hash as recorded (no preprocessing skew),
+    /// top-1 must match and logits agree within [`GOLDEN_TOLERANCE`].
+    pub fn health_check(&self, dir: &Path) -> Result<(), ArtifactError> {
+        if self.manifest.golden.is_empty() {
+            return Err(ArtifactError::Health(
+                "the manifest has no golden samples".into(),
+            ));
+        }
+        for g in &self.manifest.golden {
+            let path = dir.join(safe_relative(&g.file)?);
+            let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
+            let x = self
+                .manifest
+                .preprocess
+                .run_bytes(&bytes, &g.file, &self.limits)?;
+            let sha = sha256_hex(&x.to_le_bytes());
+            if sha != g.input_sha256 {
+                return Err(ArtifactError::Health(format!(
+                    "{}: preprocessed input hash {sha} differs from {}",
+                    g.file, g.input_sha256
+                )));
+            }
+            let logits = self.logits(x.data)?;
+            let top = argmax(&logits);
+            let diff = logits
+                .iter()
+                .zip(&g.logits)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            if top != g.expected_top1 || logits.len() != g.logits.len() || diff > GOLDEN_TOLERANCE {
+                return Err(ArtifactError::Health(format!(
+                    "{}: top-1 {top} (expected {}), max |logit diff| {diff:.3e} (tolerance {GOLDEN_TOLERANCE:e})",
+                    g.file, g.expected_top1
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Classifies encoded image bytes; `name` names the image in errors.
+    pub fn predict(&self, bytes: &[u8], name: &str, k: usize) -> Result<Prediction, ArtifactError> {
+        let start = std::time::Instant::now();
+        let x = self
+            .manifest
+            .preprocess
+            .run_bytes(bytes, name, &self.limits)?;
+        let logits = self.logits(x.data)?;
+        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let e: Vec<f32> = logits.iter().map(|v| (v - m).exp()).collect();
+        let sum: f32 = e.iter().sum();
+        let mut idx: Vec<usize> = (0..e.len()).collect();
+        idx.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
+        let top = idx
+            .into_iter()
+            .take(k.max(1))
+            .map(|i| Class {
+                class: i,
+                label: self.manifest.labels.get(i).cloned().unwrap_or_default(),
+                score: e[i] / sum,
+            })
+            .collect();
+        Ok(Prediction {
+            image: name.to_string(),
+            top,
+            model: self.manifest.name.clone(),
+            version: self.manifest.version,
+            latency_ms: start.elapsed().as_secs_f64() * 1000.0,
+        })
+    }
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .fold(0, |b, (i, x)| if *x > v[b] { i } else { b })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_like_names_are_rejected() {
+        assert!(safe_relative("golden/0.png").is_ok());
+        for bad in ["../x", "/etc/passwd", "a/../../b", "", "./."] {
+            assert!(
+                matches!(safe_relative(bad), Err(ArtifactError::UnsafePath(_))),
+                "{bad}"
+            );
+        }
+    }
+}
