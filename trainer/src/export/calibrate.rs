@@ -1,0 +1,141 @@
+//! Calibration of quantized exports: a probe graph run in tract measures every Conv/Gemm input
+//! (activation ranges for static int8, per-channel means for bias correction).
+
+use std::collections::BTreeMap;
+
+use kestrel_models::Tensor;
+use kestrel_models::engine::TractEngine;
+use kestrel_models::onnx::{self, Linear, LowerOpts};
+use kestrel_models::quant::{Quant, quantize_per_channel};
+use kestrel_models::weights::FoldedConv;
+
+use crate::train::{Prepped, TrainError};
+
+/// What calibration measures at the input of every Conv/Gemm (keyed by layer name).
+pub(super) struct Calibration {
+    /// `(min, max)` over all samples (static int8 activation ranges).
+    pub ranges: BTreeMap<String, (f32, f32)>,
+    /// Per-channel mean (bias correction).
+    pub means: BTreeMap<String, Vec<f64>>,
+}
+
+/// Runs the network (quantized as `quant`) with probes in tract over `samples`, recording each
+/// Conv/Gemm input's range and per-channel mean.
+pub(super) fn calibrate(
+    pp: &Prepped,
+    folded: &[FoldedConv],
+    head: &Linear,
+    quant: &Quant,
+    samples: &[Vec<f32>],
+) -> Result<Calibration, TrainError> {
+    let net = &pp.backbone.net;
+    let opts = LowerOpts {
+        quant: quant.clone(),
+        probe: true,
+        ..LowerOpts::logits(net, head.clone())
+    };
+    let model = onnx::lower(net, folded, &opts);
+    let names: Vec<String> = model.graph.as_ref().expect("graph").output[1..]
+        .iter()
+        .map(|o| o.name.trim_start_matches("act:").to_string())
+        .collect();
+    let engine = TractEngine::from_onnx(&onnx::to_bytes(&model), opts.input_shape(net), 1)?;
+    let mut cal = Calibration {
+        ranges: BTreeMap::new(),
+        means: BTreeMap::new(),
+    };
+    let [h, w] = net.preprocess.input_size.map(|v| v as usize);
+    for s in samples {
+        let outs = engine.run_all_outputs(&Tensor::new(vec![1, 3, h, w], s.clone()))?;
+        for (name, t) in names.iter().zip(&outs[1..]) {
+            let (lo, hi) = t
+                .data
+                .iter()
+                .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| {
+                    (a.min(*v), b.max(*v))
+                });
+            let e = cal.ranges.entry(name.clone()).or_insert((lo, hi));
+            *e = (e.0.min(lo), e.1.max(hi));
+            let channels = t.shape[1];
+            let per = t.numel() / channels;
+            let m = cal
+                .means
+                .entry(name.clone())
+                .or_insert_with(|| vec![0.0; channels]);
+            for (c, chunk) in t.data.chunks(per).enumerate() {
+                m[c] += chunk.iter().map(|v| *v as f64).sum::<f64>()
+                    / per as f64
+                    / samples.len() as f64;
+            }
+        }
+    }
+    Ok(cal)
+}
+
+/// `Σ w[o, ci, k] · mean[input channel of (o, ci)]` per output channel `o` (grouped convs included).
+fn channel_dot(w: &Tensor, groups: usize, mean: &[f64]) -> Vec<f64> {
+    let out = w.shape[0];
+    let per = w.numel() / out;
+    let cin_per_group = w.shape[1];
+    let k = per / cin_per_group;
+    (0..out)
+        .map(|o| {
+            let g = o / (out / groups);
+            let row = &w.data[o * per..(o + 1) * per];
+            (0..cin_per_group)
+                .map(|ci| {
+                    row[ci * k..(ci + 1) * k]
+                        .iter()
+                        .map(|v| *v as f64)
+                        .sum::<f64>()
+                        * mean[g * cin_per_group + ci]
+                })
+                .sum()
+        })
+        .collect()
+}
+
+/// The int8 weights as the graph dequantizes them.
+fn dequantized(w: &Tensor) -> Tensor {
+    let (q, scales) = quantize_per_channel(w);
+    let per = w.numel() / w.shape[0];
+    Tensor::new(
+        w.shape.clone(),
+        q.iter()
+            .enumerate()
+            .map(|(i, v)| *v as f32 * scales[i / per])
+            .collect(),
+    )
+}
+
+/// Bias correction (Nagel et al., "Data-Free Quantization", 2019): rounding a layer's weights to
+/// int8 shifts its mean output by `(W_q − W)·E[x]`; that systematic error otherwise accumulates
+/// through the network. `means` are the layer inputs as the quantized network sees them; the bias
+/// absorbs the shift: `b_q = b − (W_q − W)·E[x]`. (Also correcting for upstream mean errors, i.e.
+/// matching the float network's means, over-corrects when done for all layers at once: measured,
+/// it diverged.)
+pub(super) fn bias_correct(
+    net: &kestrel_models::Network,
+    float: (&[FoldedConv], &Linear),
+    quant: (&mut [FoldedConv], &mut Linear),
+    means: &BTreeMap<String, Vec<f64>>,
+) {
+    let correct = |w: &Tensor, b: &[f32], groups: usize, name: &str, out: &mut Vec<f32>| {
+        let Some(m) = means.get(name) else { return };
+        let exact = channel_dot(w, groups, m);
+        let rounded = channel_dot(&dequantized(w), groups, m);
+        for (o, v) in out.iter_mut().enumerate() {
+            *v = (b[o] as f64 + exact[o] - rounded[o]) as f32;
+        }
+    };
+    for ((c, f), q) in net.convs().zip(float.0).zip(quant.0.iter_mut()) {
+        correct(&f.weight, &f.bias, c.groups, &c.name, &mut q.bias);
+    }
+    correct(
+        &float.1.weight,
+        &float.1.bias,
+        1,
+        "classifier",
+        &mut quant.1.bias,
+    );
+}
