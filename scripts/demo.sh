@@ -28,4 +28,7 @@ log "export an int8-weights artifact, verified in tract and ONNX Runtime"
 "$trainer" export --run "$run" --out "$art" --quantize int8-weights
 log "evaluate the artifact through its manifest only, as the edge will"
 "$trainer" evaluate --model "$art/model.onnx" --data "$KESTREL_HOME/datasets/lfw/manifest.csv" --engine tract
+log "the edge agent verifies the artifact (hashes, golden samples) and classifies two images with tract"
+"$KESTREL_BIN/edge-agent" check --model "$art"
+"$KESTREL_BIN/edge-agent" predict --model "$art" "$KESTREL_HOME"/datasets/lfw/imagefolder/{face/000.png,nonface/199.png}
 ls -l "$art"
