@@ -8,14 +8,33 @@ fn edge_agent_tree_is_pure_rust_for_pi_targets() {
     let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.toml");
     for target in ["aarch64-unknown-linux-gnu", "armv7-unknown-linux-gnueabihf"] {
         let o = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-            .args(["tree", "--locked", "--manifest-path", manifest, "-p", "edge-agent", "--target", target])
+            .args([
+                "tree",
+                "--locked",
+                "--manifest-path",
+                manifest,
+                "-p",
+                "edge-agent",
+                "--target",
+                target,
+            ])
             .args(["-e", "normal,build", "--prefix", "none"])
             .output()
             .expect("run cargo tree");
-        assert!(o.status.success(), "{target}: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.status.success(),
+            "{target}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         let tree = String::from_utf8_lossy(&o.stdout);
-        let crates: Vec<&str> = tree.lines().filter_map(|l| l.split_whitespace().next()).collect();
-        assert!(crates.contains(&"tract-onnx"), "{target}: unexpected tree:\n{tree}");
+        let crates: Vec<&str> = tree
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .collect();
+        assert!(
+            crates.contains(&"tract-onnx"),
+            "{target}: unexpected tree:\n{tree}"
+        );
         let bad: Vec<&&str> = crates
             .iter()
             .filter(|c| {

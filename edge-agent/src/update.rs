@@ -1,0 +1,344 @@
+//! The model-update logic as a sans-IO state machine: it is fed [`Event`]s (what the IO layer
+//! observed) and returns [`Action`]s (what the IO layer must do next). It never touches the network
+//! or the disk, so every transition is unit-tested without a broker.
+//!
+//! ```text
+//! idle ──offer──▶ downloading ──all chunks──▶ verifying ──ok──▶ staged ──▶ checking ──pass──▶ activating ──▶ active
+//!                     │ corrupt chunk ×3          │ fail                       │ fail
+//!                     ▼                           ▼                            ▼
+//!                  rejected                    rejected                 rolled back (previous stays active)
+//! ```
+//!
+//! The whole [`Updater`] is serde-serializable: the IO layer journals it after every event, and
+//! after a crash [`Updater::resume`] says how to continue from the journaled phase (re-fetch the
+//! missing chunks, re-verify staged files, or redo the idempotent atomic activation).
+
+use std::collections::BTreeSet;
+
+use serde::{Deserialize, Serialize};
+
+/// A signed manifest for a new desired version (the IO layer checked the signature).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Offer {
+    pub version: u64,
+    pub chunks: u32,
+    pub total_bytes: u64,
+    /// Explicitly allowed to go below the active version.
+    pub rollback: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Event {
+    Offered(Offer),
+    /// A chunk arrived, matched its sha256 and is journaled on disk.
+    ChunkStored {
+        version: u64,
+        index: u32,
+    },
+    /// A chunk arrived but did not match its sha256.
+    ChunkCorrupt {
+        version: u64,
+        index: u32,
+    },
+    /// The assembled files match the manifest (sizes, hashes, safe names).
+    Verified {
+        version: u64,
+    },
+    VerifyFailed {
+        version: u64,
+        reason: String,
+    },
+    /// The verified files are in the store's staging slot.
+    Staged {
+        version: u64,
+    },
+    HealthPassed {
+        version: u64,
+    },
+    HealthFailed {
+        version: u64,
+        reason: String,
+    },
+    /// The atomic swap to the new version is durable.
+    Activated {
+        version: u64,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Action {
+    Fetch {
+        version: u64,
+        chunks: Vec<u32>,
+    },
+    Verify {
+        version: u64,
+    },
+    Stage {
+        version: u64,
+    },
+    HealthCheck {
+        version: u64,
+    },
+    Activate {
+        version: u64,
+    },
+    /// Delete everything downloaded or staged for this version.
+    Discard {
+        version: u64,
+    },
+    /// Publish a transition (and the retained status).
+    Report(Report),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Report {
+    Downloading {
+        version: u64,
+    },
+    Rejected {
+        version: u64,
+        reason: String,
+    },
+    RolledBack {
+        version: u64,
+        active: Option<u64>,
+        reason: String,
+    },
+    Active {
+        version: u64,
+        previous: Option<u64>,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Phase {
+    Idle,
+    Downloading {
+        offer: Offer,
+        have: BTreeSet<u32>,
+        corrupt: u32,
+    },
+    Verifying {
+        version: u64,
+    },
+    Staging {
+        version: u64,
+    },
+    Checking {
+        version: u64,
+    },
+    Activating {
+        version: u64,
+    },
+}
+
+impl Phase {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Phase::Idle => "idle",
+            Phase::Downloading { .. } => "downloading",
+            Phase::Verifying { .. } => "verifying",
+            Phase::Staging { .. } => "staged",
+            Phase::Checking { .. } => "health-check",
+            Phase::Activating { .. } => "activating",
+        }
+    }
+
+    /// The version being installed, if any.
+    pub fn target(&self) -> Option<u64> {
+        match self {
+            Phase::Idle => None,
+            Phase::Downloading { offer, .. } => Some(offer.version),
+            Phase::Verifying { version }
+            | Phase::Staging { version }
+            | Phase::Checking { version }
+            | Phase::Activating { version } => Some(*version),
+        }
+    }
+}
+
+/// Corrupt deliveries of chunks tolerated per update before it is rejected.
+pub const MAX_CORRUPT_CHUNKS: u32 = 3;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Updater {
+    pub active: Option<u64>,
+    pub previous: Option<u64>,
+    pub phase: Phase,
+    pub last_error: Option<String>,
+    /// Largest artifact accepted.
+    pub max_bytes: u64,
+}
+
+impl Updater {
+    pub fn new(max_bytes: u64) -> Self {
+        Self {
+            active: None,
+            previous: None,
+            phase: Phase::Idle,
+            last_error: None,
+            max_bytes,
+        }
+    }
+
+    fn reject(&mut self, version: u64, reason: String) -> Vec<Action> {
+        let mut out = Vec::new();
+        if self.phase.target() == Some(version) {
+            out.push(Action::Discard { version });
+            self.phase = Phase::Idle;
+        }
+        self.last_error = Some(reason.clone());
+        out.push(Action::Report(Report::Rejected { version, reason }));
+        out
+    }
+
+    /// Feeds one event; returns what to do.
+    pub fn handle(&mut self, ev: Event) -> Vec<Action> {
+        let target = self.phase.target();
+        match ev {
+            Event::Offered(o) => {
+                if target == Some(o.version) || (self.active == Some(o.version) && target.is_none())
+                {
+                    return vec![]; // redelivery of what is in progress or already active
+                }
+                let mut out = Vec::new();
+                if let Some(t) = target {
+                    out.push(Action::Discard { version: t }); // a newer desired state supersedes
+                    self.phase = Phase::Idle;
+                }
+                let why = match self.active {
+                    _ if o.chunks == 0 => Some("the offer has no chunks".to_string()),
+                    _ if o.total_bytes > self.max_bytes => Some(format!(
+                        "artifact of {} bytes is over the limit of {}",
+                        o.total_bytes, self.max_bytes
+                    )),
+                    Some(a) if o.version < a && !o.rollback => Some(format!(
+                        "v{} is older than the active v{a}: a downgrade needs --rollback",
+                        o.version
+                    )),
+                    _ => None,
+                };
+                if let Some(reason) = why {
+                    out.extend(self.reject(o.version, reason));
+                    return out;
+                }
+                out.push(Action::Fetch {
+                    version: o.version,
+                    chunks: (0..o.chunks).collect(),
+                });
+                out.push(Action::Report(Report::Downloading { version: o.version }));
+                self.phase = Phase::Downloading {
+                    offer: o,
+                    have: BTreeSet::new(),
+                    corrupt: 0,
+                };
+                out
+            }
+            Event::ChunkStored { version, index } => match &mut self.phase {
+                Phase::Downloading { offer, have, .. }
+                    if offer.version == version && index < offer.chunks =>
+                {
+                    have.insert(index);
+                    if have.len() as u32 == offer.chunks {
+                        self.phase = Phase::Verifying { version };
+                        vec![Action::Verify { version }]
+                    } else {
+                        vec![]
+                    }
+                }
+                _ => vec![],
+            },
+            Event::ChunkCorrupt { version, index } => {
+                match &mut self.phase {
+                    Phase::Downloading { offer, corrupt, .. } if offer.version == version => {
+                        *corrupt += 1;
+                        if *corrupt >= MAX_CORRUPT_CHUNKS {
+                            self.reject(version, format!("chunk {index} failed its sha256 check {MAX_CORRUPT_CHUNKS} times"))
+                        } else {
+                            vec![Action::Fetch {
+                                version,
+                                chunks: vec![index],
+                            }]
+                        }
+                    }
+                    _ => vec![],
+                }
+            }
+            Event::Verified { version } if self.phase == (Phase::Verifying { version }) => {
+                self.phase = Phase::Staging { version };
+                vec![Action::Stage { version }]
+            }
+            Event::VerifyFailed { version, reason }
+                if self.phase == (Phase::Verifying { version }) =>
+            {
+                self.reject(version, format!("verification failed: {reason}"))
+            }
+            Event::Staged { version } if self.phase == (Phase::Staging { version }) => {
+                self.phase = Phase::Checking { version };
+                vec![Action::HealthCheck { version }]
+            }
+            Event::HealthPassed { version } if self.phase == (Phase::Checking { version }) => {
+                self.phase = Phase::Activating { version };
+                vec![Action::Activate { version }]
+            }
+            Event::HealthFailed { version, reason }
+                if self.phase == (Phase::Checking { version }) =>
+            {
+                let reason = format!("health check failed: {reason}");
+                self.phase = Phase::Idle;
+                self.last_error = Some(reason.clone());
+                vec![
+                    Action::Discard { version },
+                    Action::Report(Report::RolledBack {
+                        version,
+                        active: self.active,
+                        reason,
+                    }),
+                ]
+            }
+            Event::Activated { version } if self.phase == (Phase::Activating { version }) => {
+                if self.active != Some(version) {
+                    self.previous = self.active;
+                }
+                self.active = Some(version);
+                self.phase = Phase::Idle;
+                self.last_error = None;
+                vec![Action::Report(Report::Active {
+                    version,
+                    previous: self.previous,
+                })]
+            }
+            // Stale or out-of-order results (e.g. for a superseded version) change nothing.
+            _ => vec![],
+        }
+    }
+
+    /// After a restart with this (journaled) state: the actions that continue the update.
+    pub fn resume(&mut self) -> Vec<Action> {
+        if let Phase::Staging { version } | Phase::Checking { version } = self.phase {
+            // Staged files may be half-written: verify them again before going on.
+            self.phase = Phase::Verifying { version };
+        }
+        match &self.phase {
+            Phase::Idle => vec![],
+            Phase::Downloading { offer, have, .. } => {
+                let missing: Vec<u32> = (0..offer.chunks).filter(|i| !have.contains(i)).collect();
+                vec![Action::Fetch {
+                    version: offer.version,
+                    chunks: missing,
+                }]
+            }
+            Phase::Verifying { version }
+            | Phase::Staging { version }
+            | Phase::Checking { version } => {
+                vec![Action::Verify { version: *version }]
+            }
+            // The swap is idempotent: redo it.
+            Phase::Activating { version } => vec![Action::Activate { version: *version }],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

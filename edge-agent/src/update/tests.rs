@@ -1,0 +1,271 @@
+use super::*;
+
+const MB: u64 = 1 << 20;
+
+fn offer(version: u64, chunks: u32) -> Offer {
+    Offer {
+        version,
+        chunks,
+        total_bytes: chunks as u64 * 1000,
+        rollback: false,
+    }
+}
+
+/// Drives a full successful install of `version` and returns the actions of each step.
+fn install(u: &mut Updater, version: u64, chunks: u32) -> Vec<Vec<Action>> {
+    let mut steps = vec![u.handle(Event::Offered(offer(version, chunks)))];
+    for i in 0..chunks {
+        steps.push(u.handle(Event::ChunkStored { version, index: i }));
+    }
+    steps.push(u.handle(Event::Verified { version }));
+    steps.push(u.handle(Event::Staged { version }));
+    steps.push(u.handle(Event::HealthPassed { version }));
+    steps.push(u.handle(Event::Activated { version }));
+    steps
+}
+
+#[test]
+fn happy_path_then_upgrade_keeps_previous() {
+    let mut u = Updater::new(MB);
+    let s = install(&mut u, 1, 3);
+    assert_eq!(
+        s[0],
+        vec![
+            Action::Fetch {
+                version: 1,
+                chunks: vec![0, 1, 2]
+            },
+            Action::Report(Report::Downloading { version: 1 })
+        ]
+    );
+    assert_eq!(s[1], vec![]);
+    assert_eq!(s[3], vec![Action::Verify { version: 1 }]);
+    assert_eq!(s[4], vec![Action::Stage { version: 1 }]);
+    assert_eq!(s[5], vec![Action::HealthCheck { version: 1 }]);
+    assert_eq!(s[6], vec![Action::Activate { version: 1 }]);
+    assert_eq!(
+        s[7],
+        vec![Action::Report(Report::Active {
+            version: 1,
+            previous: None
+        })]
+    );
+    install(&mut u, 2, 1);
+    assert_eq!(
+        (u.active, u.previous, &u.phase),
+        (Some(2), Some(1), &Phase::Idle)
+    );
+}
+
+#[test]
+fn redelivery_and_duplicates_are_ignored() {
+    let mut u = Updater::new(MB);
+    install(&mut u, 1, 2);
+    assert_eq!(u.handle(Event::Offered(offer(1, 2))), vec![]); // already active
+    u.handle(Event::Offered(offer(2, 2)));
+    assert_eq!(u.handle(Event::Offered(offer(2, 2))), vec![]); // in progress
+    assert_eq!(
+        u.handle(Event::ChunkStored {
+            version: 2,
+            index: 0
+        }),
+        vec![]
+    );
+    assert_eq!(
+        u.handle(Event::ChunkStored {
+            version: 2,
+            index: 0
+        }),
+        vec![]
+    ); // duplicate chunk
+    assert_eq!(
+        u.handle(Event::ChunkStored {
+            version: 2,
+            index: 7
+        }),
+        vec![]
+    ); // out of range
+    assert_eq!(
+        u.handle(Event::ChunkStored {
+            version: 2,
+            index: 1
+        }),
+        vec![Action::Verify { version: 2 }]
+    );
+}
+
+#[test]
+fn rejections_keep_the_active_model() {
+    let mut u = Updater::new(10_000);
+    install(&mut u, 5, 1);
+    // Downgrade without --rollback.
+    let a = u.handle(Event::Offered(offer(4, 1)));
+    assert!(
+        matches!(&a[..], [Action::Report(Report::Rejected { version: 4, reason })] if reason.contains("--rollback")),
+        "{a:?}"
+    );
+    // With --rollback it proceeds.
+    let a = u.handle(Event::Offered(Offer {
+        rollback: true,
+        ..offer(4, 1)
+    }));
+    assert!(matches!(a[0], Action::Fetch { version: 4, .. }));
+    // Over the size limit (supersedes the rollback in progress).
+    let a = u.handle(Event::Offered(Offer {
+        total_bytes: 20_000,
+        ..offer(6, 2)
+    }));
+    assert_eq!(a[0], Action::Discard { version: 4 });
+    assert!(
+        matches!(&a[1], Action::Report(Report::Rejected { version: 6, reason }) if reason.contains("over the limit"))
+    );
+    // Empty offer.
+    let a = u.handle(Event::Offered(offer(7, 0)));
+    assert!(matches!(
+        &a[..],
+        [Action::Report(Report::Rejected { version: 7, .. })]
+    ));
+    assert_eq!((u.active, &u.phase), (Some(5), &Phase::Idle));
+    assert!(u.last_error.is_some());
+}
+
+#[test]
+fn corrupt_chunks_are_refetched_then_rejected() {
+    let mut u = Updater::new(MB);
+    u.handle(Event::Offered(offer(1, 4)));
+    for _ in 1..MAX_CORRUPT_CHUNKS {
+        assert_eq!(
+            u.handle(Event::ChunkCorrupt {
+                version: 1,
+                index: 2
+            }),
+            vec![Action::Fetch {
+                version: 1,
+                chunks: vec![2]
+            }]
+        );
+    }
+    let a = u.handle(Event::ChunkCorrupt {
+        version: 1,
+        index: 2,
+    });
+    assert_eq!(a[0], Action::Discard { version: 1 });
+    assert!(
+        matches!(&a[1], Action::Report(Report::Rejected { reason, .. }) if reason.contains("chunk 2"))
+    );
+    assert_eq!(u.phase, Phase::Idle);
+}
+
+#[test]
+fn failed_verification_is_rejected() {
+    let mut u = Updater::new(MB);
+    install(&mut u, 1, 1);
+    u.handle(Event::Offered(offer(2, 1)));
+    u.handle(Event::ChunkStored {
+        version: 2,
+        index: 0,
+    });
+    let a = u.handle(Event::VerifyFailed {
+        version: 2,
+        reason: "model.onnx: sha256 mismatch".into(),
+    });
+    assert_eq!(a[0], Action::Discard { version: 2 });
+    assert!(
+        matches!(&a[1], Action::Report(Report::Rejected { version: 2, reason }) if reason.contains("sha256"))
+    );
+    assert_eq!(u.active, Some(1));
+}
+
+#[test]
+fn failed_health_check_rolls_back() {
+    let mut u = Updater::new(MB);
+    install(&mut u, 1, 1);
+    u.handle(Event::Offered(offer(2, 1)));
+    u.handle(Event::ChunkStored {
+        version: 2,
+        index: 0,
+    });
+    u.handle(Event::Verified { version: 2 });
+    u.handle(Event::Staged { version: 2 });
+    let a = u.handle(Event::HealthFailed {
+        version: 2,
+        reason: "golden/0.png: top-1 1 (expected 0)".into(),
+    });
+    assert_eq!(a[0], Action::Discard { version: 2 });
+    assert!(matches!(
+        &a[1],
+        Action::Report(Report::RolledBack {
+            version: 2,
+            active: Some(1),
+            ..
+        })
+    ));
+    assert_eq!(
+        (u.active, u.previous, &u.phase),
+        (Some(1), None, &Phase::Idle)
+    );
+}
+
+#[test]
+fn stale_events_change_nothing() {
+    let mut u = Updater::new(MB);
+    u.handle(Event::Offered(offer(1, 1)));
+    let before = u.clone();
+    for ev in [
+        Event::Verified { version: 1 },
+        Event::Staged { version: 1 },
+        Event::HealthPassed { version: 1 },
+        Event::Activated { version: 1 },
+        Event::HealthFailed {
+            version: 1,
+            reason: String::new(),
+        },
+        Event::ChunkStored {
+            version: 9,
+            index: 0,
+        },
+        Event::ChunkCorrupt {
+            version: 9,
+            index: 0,
+        },
+    ] {
+        assert_eq!(u.handle(ev.clone()), vec![], "{ev:?}");
+        assert_eq!(u, before, "{ev:?}");
+    }
+}
+
+#[test]
+fn resume_continues_from_every_phase() {
+    let mut u = Updater::new(MB);
+    u.handle(Event::Offered(offer(1, 3)));
+    u.handle(Event::ChunkStored {
+        version: 1,
+        index: 1,
+    });
+    // Journal round trip, as the IO layer does after every event.
+    let mut j: Updater = serde_json::from_str(&serde_json::to_string(&u).unwrap()).unwrap();
+    assert_eq!(
+        j.resume(),
+        vec![Action::Fetch {
+            version: 1,
+            chunks: vec![0, 2]
+        }]
+    );
+    for i in [0, 2] {
+        j.handle(Event::ChunkStored {
+            version: 1,
+            index: i,
+        });
+    }
+    assert_eq!(j.resume(), vec![Action::Verify { version: 1 }]);
+    j.handle(Event::Verified { version: 1 });
+    assert_eq!(j.resume(), vec![Action::Verify { version: 1 }]); // staged files are re-verified
+    assert_eq!(j.phase, Phase::Verifying { version: 1 });
+    j.handle(Event::Verified { version: 1 });
+    j.handle(Event::Staged { version: 1 });
+    j.handle(Event::HealthPassed { version: 1 });
+    assert_eq!(j.resume(), vec![Action::Activate { version: 1 }]); // the swap is idempotent
+    j.handle(Event::Activated { version: 1 });
+    assert_eq!(j.resume(), vec![]);
+    assert_eq!(j.active, Some(1));
+}
