@@ -1,0 +1,174 @@
+//! The on-device model store: downloads assemble in `staging/<v>`, verified models live in
+//! `versions/<v>`, and `active` / `previous` are symlinks swapped atomically (new link under a
+//! temporary name, rename over the old one, fsync the directory). Only the active and previous
+//! versions are kept. A crash at any point leaves `active` naming a complete model.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+pub struct Store {
+    root: PathBuf,
+}
+
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    fs::File::open(dir)?.sync_all()
+}
+
+impl Store {
+    pub fn open(root: &Path) -> io::Result<Self> {
+        for d in ["staging", "versions"] {
+            fs::create_dir_all(root.join(d))?;
+        }
+        Ok(Self {
+            root: root.to_path_buf(),
+        })
+    }
+
+    /// Where the chunks of `version` are assembled.
+    pub fn staging_dir(&self, version: u64) -> PathBuf {
+        self.root.join("staging").join(version.to_string())
+    }
+
+    pub fn version_dir(&self, version: u64) -> PathBuf {
+        self.root.join("versions").join(version.to_string())
+    }
+
+    /// The active model's directory (through the `active` link).
+    pub fn active_dir(&self) -> PathBuf {
+        self.root.join("active")
+    }
+
+    fn link_version(&self, name: &str) -> Option<u64> {
+        let target = fs::read_link(self.root.join(name)).ok()?;
+        target.file_name()?.to_str()?.parse().ok()
+    }
+
+    pub fn active(&self) -> Option<u64> {
+        self.link_version("active")
+    }
+
+    pub fn previous(&self) -> Option<u64> {
+        self.link_version("previous")
+    }
+
+    /// Moves a verified staging directory into `versions/` (atomic rename).
+    pub fn stage(&self, version: u64) -> io::Result<PathBuf> {
+        let dst = self.version_dir(version);
+        if dst.exists() && Some(version) != self.active() && Some(version) != self.previous() {
+            fs::remove_dir_all(&dst)?;
+        }
+        if !dst.exists() {
+            fs::rename(self.staging_dir(version), &dst)?;
+            sync_dir(&self.root.join("versions"))?;
+        }
+        Ok(dst)
+    }
+
+    fn swap_link(&self, name: &str, version: u64) -> io::Result<()> {
+        let tmp = self.root.join(format!(".{name}.tmp"));
+        let _ = fs::remove_file(&tmp); // left by a crash
+        std::os::unix::fs::symlink(Path::new("versions").join(version.to_string()), &tmp)?;
+        fs::rename(&tmp, self.root.join(name))
+    }
+
+    /// Makes `version` (already staged) active; the old active becomes previous. Idempotent.
+    pub fn activate(&self, version: u64) -> io::Result<()> {
+        if !self.version_dir(version).is_dir() {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("version {version} is not staged"),
+            ));
+        }
+        let old = self.active();
+        if old != Some(version) {
+            if let Some(o) = old {
+                self.swap_link("previous", o)?;
+            }
+            self.swap_link("active", version)?;
+            sync_dir(&self.root)?;
+        }
+        self.prune()
+    }
+
+    /// Removes every version except the active and previous ones, and abandoned staging dirs.
+    pub fn prune(&self) -> io::Result<()> {
+        let keep = [self.active(), self.previous()];
+        for e in fs::read_dir(self.root.join("versions"))? {
+            let e = e?;
+            let v = e.file_name().to_str().and_then(|s| s.parse::<u64>().ok());
+            if !keep.contains(&v) || v.is_none() {
+                fs::remove_dir_all(e.path())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes whatever was downloaded or staged for `version`, never the active or previous model.
+    pub fn discard(&self, version: u64) -> io::Result<()> {
+        let _ = fs::remove_dir_all(self.staging_dir(version));
+        if Some(version) != self.active() && Some(version) != self.previous() {
+            let _ = fs::remove_dir_all(self.version_dir(version));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(store: &Store, v: u64) {
+        let d = store.staging_dir(v);
+        fs::create_dir_all(&d).unwrap();
+        fs::write(d.join("model.onnx"), format!("model {v}")).unwrap();
+        store.stage(v).unwrap();
+    }
+
+    #[test]
+    fn activation_swaps_links_and_keeps_two_versions() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = Store::open(tmp.path()).unwrap();
+        assert_eq!(s.active(), None);
+        put(&s, 1);
+        s.activate(1).unwrap();
+        assert_eq!((s.active(), s.previous()), (Some(1), None));
+        put(&s, 2);
+        s.activate(2).unwrap();
+        s.activate(2).unwrap(); // idempotent: previous stays 1
+        assert_eq!((s.active(), s.previous()), (Some(2), Some(1)));
+        assert_eq!(
+            fs::read_to_string(s.active_dir().join("model.onnx")).unwrap(),
+            "model 2"
+        );
+        put(&s, 3);
+        s.activate(3).unwrap();
+        assert_eq!((s.active(), s.previous()), (Some(3), Some(2)));
+        assert!(
+            !s.version_dir(1).exists(),
+            "only active and previous are kept"
+        );
+        // Rolling back is activating the previous version.
+        s.activate(2).unwrap();
+        assert_eq!((s.active(), s.previous()), (Some(2), Some(3)));
+    }
+
+    #[test]
+    fn discard_never_touches_active_and_crash_leftovers_are_replaced() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = Store::open(tmp.path()).unwrap();
+        put(&s, 1);
+        s.activate(1).unwrap();
+        s.discard(1).unwrap();
+        assert!(s.version_dir(1).exists());
+        fs::create_dir_all(s.staging_dir(2)).unwrap();
+        s.discard(2).unwrap();
+        assert!(!s.staging_dir(2).exists());
+        assert!(s.activate(9).is_err());
+        // A crash between creating the temporary link and the rename.
+        std::os::unix::fs::symlink("versions/1", tmp.path().join(".active.tmp")).unwrap();
+        put(&s, 2);
+        s.activate(2).unwrap();
+        assert_eq!(s.active(), Some(2));
+    }
+}
