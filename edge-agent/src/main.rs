@@ -34,12 +34,31 @@ struct ModelArgs {
     /// Largest artifact accepted, in bytes (sum of the manifest's files).
     #[arg(long, default_value_t = 64 << 20)]
     max_bytes: u64,
+    /// Trusted public key file (`trainer keygen`'s kestrel.pub); repeatable. With any given, the
+    /// artifact's manifest.sig must verify with one of them.
+    #[arg(long = "trusted-key")]
+    trusted_keys: Vec<PathBuf>,
 }
 
 impl ModelArgs {
     fn load(&self, threads: usize) -> Result<LoadedModel> {
-        LoadedModel::load(&self.model, self.max_bytes, threads)
-            .with_context(|| format!("model {}", self.model.display()))
+        let ctx = || format!("model {}", self.model.display());
+        if !self.trusted_keys.is_empty() {
+            let keys = self
+                .trusted_keys
+                .iter()
+                .map(|p| {
+                    let text = std::fs::read_to_string(p)
+                        .with_context(|| format!("reading {}", p.display()))?;
+                    Ok(kestrel_shared::signing::public_key(
+                        &text,
+                        &p.display().to_string(),
+                    )?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            kestrel_models::artifact::verify_signature(&self.model, &keys).with_context(ctx)?;
+        }
+        LoadedModel::load(&self.model, self.max_bytes, threads).with_context(ctx)
     }
 }
 

@@ -40,6 +40,8 @@ pub enum ArtifactError {
     #[error("health check failed: {0}")]
     Health(String),
     #[error(transparent)]
+    Signature(#[from] kestrel_shared::signing::SignError),
+    #[error(transparent)]
     Preprocess(#[from] PreprocessError),
     #[error(transparent)]
     Engine(#[from] EngineError),
@@ -85,6 +87,22 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, ArtifactError> {
             reason: e.to_string(),
         })?;
     Ok(m)
+}
+
+/// Checks `manifest.sig` against the exact bytes of `manifest.json` with the trusted keys;
+/// returns the signing key's id.
+pub fn verify_signature(
+    dir: &Path,
+    trusted: &[ed25519_dalek::VerifyingKey],
+) -> Result<String, ArtifactError> {
+    use kestrel_shared::signing::{SIGNATURE_FILE, SignError, SignatureFile, verify};
+    let mpath = dir.join(MANIFEST_FILE);
+    let manifest = std::fs::read(&mpath).map_err(|e| io(&mpath, e))?;
+    let spath = dir.join(SIGNATURE_FILE);
+    let text = std::fs::read_to_string(&spath).map_err(|e| io(&spath, e))?;
+    let sig: SignatureFile =
+        serde_json::from_str(&text).map_err(|e| SignError::Format(e.to_string()))?;
+    Ok(verify(trusted, &manifest, &sig)?)
 }
 
 /// Checks every file the manifest lists (safe name, size, sha256) and the total against `max_bytes`.

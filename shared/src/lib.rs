@@ -6,5 +6,6 @@
 pub mod fsutil;
 pub mod manifest;
 pub mod preprocess;
+pub mod signing;
 
 pub use preprocess::{ImageLimits, PreprocessError, PreprocessSpec, Preprocessed};

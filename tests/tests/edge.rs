@@ -158,4 +158,49 @@ fn edge_predicts_like_the_trainer_and_rejects_bad_artifacts() {
     check_fails(&unhealthy, &[], "health check failed");
 
     check_fails(&art, &["--max-bytes", "1000"], "over the limit of 1000");
+
+    // Signatures: a manifest signed by a trusted key passes; unknown key and altered manifest fail.
+    let (ka, kb) = (tmp.path().join("key-a"), tmp.path().join("key-b"));
+    for k in [&ka, &kb] {
+        let o = run("trainer", &["keygen", "--out", k.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let o = run("trainer", &["keygen", "--out", ka.to_str().unwrap()]);
+    assert!(!o.status.success() && stderr(&o).contains("refusing to overwrite"));
+    let o = run(
+        "trainer",
+        &[
+            "sign",
+            "--artifact",
+            art.to_str().unwrap(),
+            "--key",
+            ka.join("kestrel.key").to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let trusted_a = ka.join("kestrel.pub");
+    let o = run(
+        "edge-agent",
+        &[
+            "check",
+            "--model",
+            art.to_str().unwrap(),
+            "--trusted-key",
+            trusted_a.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    check_fails(
+        &art,
+        &["--trusted-key", kb.join("kestrel.pub").to_str().unwrap()],
+        "signed by unknown key",
+    );
+    let altered = tmp.path().join("altered");
+    copy_dir(&art, &altered);
+    edit_manifest(&altered, |m| m["version"] = 99.into());
+    check_fails(
+        &altered,
+        &["--trusted-key", trusted_a.to_str().unwrap()],
+        "bad signature",
+    );
 }

@@ -272,6 +272,19 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Generate an ed25519 signing key pair: DIR/kestrel.key (secret, mode 0600) and DIR/kestrel.pub.
+    Keygen {
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Sign an artifact's manifest.json into manifest.sig (devices only accept signed manifests).
+    Sign {
+        #[arg(long)]
+        artifact: PathBuf,
+        /// Secret key file written by `trainer keygen`.
+        #[arg(long)]
+        key: PathBuf,
+    },
     /// Import a PyTorch (.pth, legacy or zip) or safetensors checkpoint into canonical safetensors.
     ImportWeights {
         #[arg(long, value_parser = parse_arch)]
@@ -604,6 +617,55 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 (None, None) => bail!("pass --spec FILE or --arch NAME"),
             };
             kestrel_shared::preprocess::dump_tensors(&spec, &images, &out)?;
+        }
+        Cmd::Keygen { out } => {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let (secret, public) = (out.join("kestrel.key"), out.join("kestrel.pub"));
+            if secret.exists() {
+                bail!(
+                    "{} exists: refusing to overwrite a signing key",
+                    secret.display()
+                );
+            }
+            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+            let mut seed = [0u8; 32];
+            rand::Rng::fill(&mut rand::rng(), &mut seed);
+            let (sk, pk) = kestrel_shared::signing::keypair_hex(seed);
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&secret)
+                .with_context(|| format!("creating {}", secret.display()))?;
+            writeln!(f, "{sk}")?;
+            f.sync_all()?;
+            kestrel_shared::fsutil::write_atomic(&public, format!("{pk}\n").as_bytes())
+                .with_context(|| format!("writing {}", public.display()))?;
+            let id = kestrel_shared::signing::key_id(&kestrel_shared::signing::public_key(
+                &pk, "new key",
+            )?);
+            println!(
+                "key {id}: {} (secret), {} (public)",
+                secret.display(),
+                public.display()
+            );
+        }
+        Cmd::Sign { artifact, key } => {
+            let text = std::fs::read_to_string(&key)
+                .with_context(|| format!("reading {}", key.display()))?;
+            let sk = kestrel_shared::signing::secret_key(&text, &key.display().to_string())?;
+            let mpath = artifact.join(kestrel_shared::manifest::MANIFEST_FILE);
+            let manifest =
+                std::fs::read(&mpath).with_context(|| format!("reading {}", mpath.display()))?;
+            let sig = kestrel_shared::signing::sign(&sk, &manifest);
+            let spath = artifact.join(kestrel_shared::signing::SIGNATURE_FILE);
+            kestrel_shared::fsutil::write_atomic(
+                &spath,
+                serde_json::to_string_pretty(&sig)?.as_bytes(),
+            )
+            .with_context(|| format!("writing {}", spath.display()))?;
+            println!("signed {} with key {}", mpath.display(), sig.key_id);
         }
         Cmd::Latency {
             model,
