@@ -6,6 +6,7 @@ pub mod classify;
 pub mod data;
 pub mod export;
 pub mod images;
+pub mod model;
 pub mod optim;
 pub mod report;
 pub mod split;

@@ -4,7 +4,8 @@
 use candle_core::{Device, Tensor as CTensor, Var};
 use kestrel_models::Weights;
 
-use crate::train::{FitParams, Optimizer, TrainError, to_plain};
+use crate::model::to_plain;
+use crate::train::{FitParams, Optimizer, TrainError};
 
 /// SGD with momentum (PyTorch semantics, L2 weight decay) and AdamW (decoupled decay), written out so
 /// their state can be checkpointed exactly.
