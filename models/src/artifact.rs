@@ -264,7 +264,8 @@ impl LoadedModel {
     }
 }
 
-fn argmax(v: &[f32]) -> usize {
+/// Index of the largest value (the first on ties).
+pub fn argmax(v: &[f32]) -> usize {
     v.iter()
         .enumerate()
         .fold(0, |b, (i, x)| if *x > v[b] { i } else { b })

@@ -2,20 +2,8 @@
 
 use std::path::Path;
 
-use kestrel_tests::{fetched, run, stderr, stdout};
+use kestrel_tests::{copy_dir, fetched, run, stderr, stdout};
 use serde_json::Value;
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &to.join(e.file_name()));
-        } else {
-            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-        }
-    }
-}
 
 fn edit_manifest(dir: &Path, f: impl FnOnce(&mut Value)) {
     let p = dir.join("manifest.json");

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kestrel_tests::{bin, fetched, run, stderr, stdout};
+use kestrel_tests::{bin, copy_dir, fetched, run, stderr, stdout};
 
 use serde_json::Value;
 
@@ -245,19 +245,6 @@ fn killed_and_resumed_run_ends_with_identical_weights() {
         .lines()
         .count();
     assert_eq!(lines, 60);
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        let dst = to.join(e.file_name());
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &dst);
-        } else {
-            std::fs::copy(e.path(), dst).unwrap();
-        }
-    }
 }
 
 fn fit_err(args: &[&str], cache: &str) -> String {

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use candle_core::{Device, Tensor as CTensor};
+use kestrel_models::artifact::argmax;
 use kestrel_models::engine::{Engine, TractEngine};
 use kestrel_models::onnx::{self, Linear, LowerOpts};
 use kestrel_models::quant::{Quant, quantize_per_channel};
@@ -94,12 +95,6 @@ fn trained_network(pp: &Prepped, w: &Weights) -> Result<(Vec<FoldedConv>, Linear
             bias: get("classifier.bias")?.data,
         },
     ))
-}
-
-fn argmax(v: &[f32]) -> usize {
-    v.iter()
-        .enumerate()
-        .fold(0, |b, (i, x)| if *x > v[b] { i } else { b })
 }
 
 /// The trainer's reference logits (cached features + trained part in candle).
