@@ -1,34 +1,80 @@
 #!/usr/bin/env bash
-# The main job, end to end as far as it is built: set up, classify real photos with the pretrained
-# backbone on every engine, turn the LFW-subset table into a trained head, export it as a verified
-# artifact and evaluate that through its manifest. (MQTT delivery to the edge agent is not built yet.)
+# The main job, end to end on one machine: set up, classify real photos with the pretrained
+# backbone, turn the LFW-subset table (Parquet, as Spark writes it) into a trained head, export an
+# int8-weights artifact, start the embedded broker and an edge agent, publish the signed model,
+# wait until the agent reports it active, send the held-out images as MQTT inference requests,
+# and print edge accuracy, latency and artifact size. Ends with no stray processes.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
 "$here/setup.sh"
 trainer="$KESTREL_BIN/trainer"
-photos=("$KESTREL_HOME"/photos/{chelsea.png,coffee.png,astronaut.png,rocket.jpg})
-for engine in tract ort candle; do
-  log "classify with $engine"
-  "$trainer" classify --backbone efficientnet-lite0 --engine "$engine" --top-k 3 "${photos[@]}"
-done
+agent="$KESTREL_BIN/edge-agent"
+data="$KESTREL_HOME/datasets/lfw/lfw.parquet"
+
+log "classify photos with the pretrained EfficientNet-Lite0 (tract, pure Rust)"
+"$trainer" classify --backbone efficientnet-lite0 --engine tract --top-k 3 \
+  "$KESTREL_HOME"/photos/{chelsea.png,coffee.png,astronaut.png,rocket.jpg}
 
 run="$KESTREL_HOME/runs/demo-lfw"
 rm -rf "$run"
-log "prepare the LFW subset (Parquet, as Spark writes it): decode once, backbone once"
-"$trainer" prepare --data "$KESTREL_HOME/datasets/lfw/lfw.parquet" --engine ort
-log "fit a new head on the cached features"
-"$trainer" fit --data "$KESTREL_HOME/datasets/lfw/lfw.parquet" --engine ort --epochs 10 --test-fraction 0.2 --out "$run"
-log "evaluate the run on the whole table (ImageFolder form: same images, same cache)"
-"$trainer" evaluate --run "$run" --data "$KESTREL_HOME/datasets/lfw/imagefolder"
-log "run directory: $run"
-ls "$run"
+log "prepare the LFW subset: decode once, backbone once (feature cache)"
+"$trainer" prepare --data "$data" --engine ort
+log "fit a new head on the cached features (20% held out for testing)"
+"$trainer" fit --data "$data" --engine ort --epochs 10 --test-fraction 0.2 --out "$run"
+
 art="$KESTREL_HOME/artifacts/demo-lfw-int8-weights"
 log "export an int8-weights artifact, verified in tract and ONNX Runtime"
-"$trainer" export --run "$run" --out "$art" --quantize int8-weights
-log "evaluate the artifact through its manifest only, as the edge will"
-"$trainer" evaluate --model "$art/model.onnx" --data "$KESTREL_HOME/datasets/lfw/manifest.csv" --engine tract
-log "the edge agent verifies the artifact (hashes, golden samples) and classifies two images with tract"
-"$KESTREL_BIN/edge-agent" check --model "$art"
-"$KESTREL_BIN/edge-agent" predict --model "$art" "$KESTREL_HOME"/datasets/lfw/imagefolder/{face/000.png,nonface/199.png}
-ls -l "$art"
+"$trainer" export --run "$run" --out "$art" --quantize int8-weights --name lfw --model-version 1
+
+keys="$KESTREL_HOME/demo-keys"
+[ -f "$keys/kestrel.key" ] || "$trainer" keygen --out "$keys"
+
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+broker="mqtt://127.0.0.1:$port"
+
+log "start the embedded broker (rumqttd) on $broker"
+"$trainer" broker --listen "127.0.0.1:$port" 2>"$work/broker.log" &
+pids+=($!)
+for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+
+log "start an edge agent (device demo-pi, trusts $keys/kestrel.pub)"
+cat >"$work/agent.toml" <<EOF
+device_id = "demo-pi"
+groups = ["demo"]
+store = "store"
+trusted_keys = ["$keys/kestrel.pub"]
+[broker]
+url = "$broker"
+EOF
+"$agent" run --config "$work/agent.toml" 2>"$work/agent.log" &
+pids+=($!)
+
+log "publish the signed artifact to device/demo-pi"
+"$trainer" publish --broker "$broker" --artifact "$art" --key "$keys/kestrel.key" --target device/demo-pi
+"$trainer" status --broker "$broker" --device demo-pi --wait-active 1 --timeout 120
+
+log "send the held-out test images as MQTT inference requests"
+"$trainer" infer --broker "$broker" --device demo-pi --data "$data" --held-out "$run" --json >"$work/infer.jsonl"
+python3 - "$work/infer.jsonl" "$art" <<'PY'
+import json, os, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+summary = lines[-1]
+ev = summary["evaluation"]
+files = json.load(open(os.path.join(sys.argv[2], "manifest.json")))["files"]
+size = lambda p: next(f["size"] for f in files if f["path"] == p)
+print(f"edge accuracy on {ev['samples']} held-out images: {ev['accuracy']:.3f}")
+print(f"edge latency (tract, 1 thread, per image): p50 {summary['device_latency_p50_ms']:.1f} ms, "
+      f"p95 {summary['device_latency_p95_ms']:.1f} ms; {summary['requests']} requests in {summary['seconds']:.1f} s")
+print(f"artifact: model.onnx {size('model.onnx')/1e6:.1f} MB int8-weights "
+      f"(f32 weights {size('model.safetensors')/1e6:.1f} MB)")
+PY
+"$trainer" status --broker "$broker" --device demo-pi

@@ -6,10 +6,15 @@ here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
 mkdir -p "$KESTREL_HOME"/{wheels,onnxruntime,photos}
 
-# Font for the text in training-curve PNGs (plotters + ab_glyph read it at run time; no fontconfig).
-if [ ! -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]; then
-  log "installing fonts-dejavu-core"
-  apt-get update -qq && apt-get install -y -qq fonts-dejavu-core >&2
+# Debian packages: the font for the text in training-curve PNGs (plotters + ab_glyph read it at
+# run time; no fontconfig) and Mosquitto, the production broker the tests run against (each test
+# starts its own instance; no system service is needed).
+need=()
+[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
+command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
+if [ ${#need[@]} -gt 0 ]; then
+  log "installing ${need[*]}"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2
 fi
 
 

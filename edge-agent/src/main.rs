@@ -1,8 +1,8 @@
 //! `edge-agent`: the device side of Kestrel.
 //!
-//! Built so far: loading an exported artifact as a device does (files verified against the
-//! manifest, golden-sample health check, tract inference with the manifest's preprocessing) and the
-//! shared preprocessing. Model delivery over MQTT, activation and rollback build on these.
+//! `run` is the agent: signed models over MQTT, atomic activation after a health check, rollback,
+//! inference requests over MQTT and from a watched directory. `predict`, `check` and `preprocess`
+//! do the same work on local files.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -64,6 +64,16 @@ impl ModelArgs {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Run the agent: follow the desired state over MQTT, install signed models, serve inference.
+    Run {
+        /// Agent configuration (see edge-agent/agent.toml).
+        #[arg(long)]
+        config: PathBuf,
+        /// Also classify images dropped into this directory (results in DIR/results.jsonl,
+        /// images moved to DIR/done/).
+        #[arg(long)]
+        watch: Option<PathBuf>,
+    },
     /// Classify images with an artifact (verified and health-checked first), as the agent serves them.
     Predict {
         #[command(flatten)]
@@ -106,6 +116,10 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.cmd {
+        Cmd::Run { config, watch } => {
+            let cfg = edge_agent::config::Config::load(&config)?;
+            edge_agent::agent::run(cfg, watch)?;
+        }
         Cmd::Predict {
             model,
             top_k,

@@ -7,6 +7,7 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
+#[derive(Debug, Clone)]
 pub struct Store {
     root: PathBuf,
 }
@@ -17,7 +18,7 @@ fn sync_dir(dir: &Path) -> io::Result<()> {
 
 impl Store {
     pub fn open(root: &Path) -> io::Result<Self> {
-        for d in ["staging", "versions"] {
+        for d in ["downloads", "staging", "versions"] {
             fs::create_dir_all(root.join(d))?;
         }
         Ok(Self {
@@ -25,7 +26,12 @@ impl Store {
         })
     }
 
-    /// Where the chunks of `version` are assembled.
+    /// Where the chunks of `version` and its offer are journaled while downloading.
+    pub fn download_dir(&self, version: u64) -> PathBuf {
+        self.root.join("downloads").join(version.to_string())
+    }
+
+    /// Where the files of `version` are assembled from its chunks.
     pub fn staging_dir(&self, version: u64) -> PathBuf {
         self.root.join("staging").join(version.to_string())
     }
@@ -52,16 +58,20 @@ impl Store {
         self.link_version("previous")
     }
 
-    /// Moves a verified staging directory into `versions/` (atomic rename).
+    /// Moves a verified staging directory into `versions/` (atomic rename) and drops its download.
     pub fn stage(&self, version: u64) -> io::Result<PathBuf> {
         let dst = self.version_dir(version);
         if dst.exists() && Some(version) != self.active() && Some(version) != self.previous() {
             fs::remove_dir_all(&dst)?;
         }
-        if !dst.exists() {
+        if dst.exists() {
+            // Kept as active or previous: the verified copy is the same files.
+            fs::remove_dir_all(self.staging_dir(version))?;
+        } else {
             fs::rename(self.staging_dir(version), &dst)?;
             sync_dir(&self.root.join("versions"))?;
         }
+        let _ = fs::remove_dir_all(self.download_dir(version));
         Ok(dst)
     }
 
@@ -106,6 +116,7 @@ impl Store {
 
     /// Deletes whatever was downloaded or staged for `version`, never the active or previous model.
     pub fn discard(&self, version: u64) -> io::Result<()> {
+        let _ = fs::remove_dir_all(self.download_dir(version));
         let _ = fs::remove_dir_all(self.staging_dir(version));
         if Some(version) != self.active() && Some(version) != self.previous() {
             let _ = fs::remove_dir_all(self.version_dir(version));

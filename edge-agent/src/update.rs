@@ -30,6 +30,12 @@ pub struct Offer {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Event {
     Offered(Offer),
+    /// A desired state or offer for `version` was refused before it became an offer (bad
+    /// signature, unsafe file name, inconsistent offer).
+    Refused {
+        version: u64,
+        reason: String,
+    },
     /// A chunk arrived, matched its sha256 and is journaled on disk.
     ChunkStored {
         version: u64,
@@ -198,14 +204,16 @@ impl Updater {
         let target = self.phase.target();
         match ev {
             Event::Offered(o) => {
-                if target == Some(o.version) || (self.active == Some(o.version) && target.is_none())
-                {
-                    return vec![]; // redelivery of what is in progress or already active
+                if target == Some(o.version) {
+                    return vec![]; // redelivery of what is in progress
                 }
                 let mut out = Vec::new();
                 if let Some(t) = target {
                     out.push(Action::Discard { version: t }); // a newer desired state supersedes
                     self.phase = Phase::Idle;
+                }
+                if self.active == Some(o.version) {
+                    return out; // already active (a redelivery, or back to it mid-update)
                 }
                 let why = match self.active {
                     _ if o.chunks == 0 => Some("the offer has no chunks".to_string()),
@@ -235,6 +243,7 @@ impl Updater {
                 };
                 out
             }
+            Event::Refused { version, reason } => self.reject(version, reason),
             Event::ChunkStored { version, index } => match &mut self.phase {
                 Phase::Downloading { offer, have, .. }
                     if offer.version == version && index < offer.chunks =>

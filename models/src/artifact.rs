@@ -4,10 +4,10 @@
 
 use std::path::{Component, Path};
 
-use kestrel_shared::manifest::{MANIFEST_FILE, Manifest};
+use kestrel_shared::manifest::{FileEntry, MANIFEST_FILE, Manifest};
+use kestrel_shared::protocol::sha256_hex;
+pub use kestrel_shared::protocol::{Class, Prediction, device_files};
 use kestrel_shared::{ImageLimits, PreprocessError};
-use serde::Serialize;
-use sha2::{Digest, Sha256};
 
 use crate::engine::{Engine, EngineError, TractEngine};
 use crate::tensor::Tensor;
@@ -52,13 +52,6 @@ fn io(path: &Path, e: std::io::Error) -> ArtifactError {
         path: path.display().to_string(),
         reason: e.to_string(),
     }
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 /// A file name from a manifest, accepted only as a plain relative path inside the artifact.
@@ -107,23 +100,33 @@ pub fn verify_signature(
 
 /// Checks every file the manifest lists (safe name, size, sha256) and the total against `max_bytes`.
 pub fn verify_files(dir: &Path, m: &Manifest, max_bytes: u64) -> Result<(), ArtifactError> {
-    for f in &m.files {
+    verify_entries(dir, &m.files.iter().collect::<Vec<_>>(), max_bytes)
+}
+
+/// Checks the files a device receives and runs ([`device_files`]: the model and the golden
+/// samples), and their total against `max_bytes`.
+pub fn verify_device_files(dir: &Path, m: &Manifest, max_bytes: u64) -> Result<(), ArtifactError> {
+    verify_entries(dir, &device_files(m), max_bytes)
+}
+
+fn verify_entries(dir: &Path, files: &[&FileEntry], max_bytes: u64) -> Result<(), ArtifactError> {
+    for f in files {
         safe_relative(&f.path)?;
     }
-    let total: u64 = m.files.iter().map(|f| f.size).sum();
+    let total: u64 = files.iter().map(|f| f.size).sum();
     if total > max_bytes {
         return Err(ArtifactError::TooLarge {
             bytes: total,
             limit: max_bytes,
         });
     }
-    if !m.files.iter().any(|f| f.path == "model.onnx") {
+    if !files.iter().any(|f| f.path == "model.onnx") {
         return Err(ArtifactError::Manifest {
             path: MANIFEST_FILE.into(),
             reason: "no model.onnx listed".into(),
         });
     }
-    for f in &m.files {
+    for f in files {
         let path = dir.join(safe_relative(&f.path)?);
         let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
         if bytes.len() as u64 != f.size {
@@ -145,22 +148,6 @@ pub fn verify_files(dir: &Path, m: &Manifest, max_bytes: u64) -> Result<(), Arti
     Ok(())
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct Class {
-    pub class: usize,
-    pub label: String,
-    pub score: f32,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct Prediction {
-    pub image: String,
-    pub top: Vec<Class>,
-    pub model: String,
-    pub version: u64,
-    pub latency_ms: f64,
-}
-
 /// A verified, health-checked model ready to serve.
 pub struct LoadedModel {
     pub manifest: Manifest,
@@ -169,10 +156,10 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
-    /// Verifies the files, builds the tract plan and runs the golden samples.
+    /// Verifies the device files, builds the tract plan and runs the golden samples.
     pub fn load(dir: &Path, max_bytes: u64, threads: usize) -> Result<Self, ArtifactError> {
         let manifest = read_manifest(dir)?;
-        verify_files(dir, &manifest, max_bytes)?;
+        verify_device_files(dir, &manifest, max_bytes)?;
         let onnx = dir.join("model.onnx");
         let bytes = std::fs::read(&onnx).map_err(|e| io(&onnx, e))?;
         let shape: Vec<usize> = manifest.input.shape[1..]

@@ -2,10 +2,15 @@
 //!
 //! - [`preprocess`]: the preprocessing spec (a serde type carried in every artifact manifest)
 //!   and the one implementation of it, used by both binaries.
+//! - [`manifest`], [`signing`]: the artifact manifest and its ed25519 signatures.
+//! - [`protocol`]: the MQTT topics and messages between trainer and devices.
 
 pub mod fsutil;
 pub mod manifest;
+#[cfg(feature = "mqtt")]
+pub mod mqtt;
 pub mod preprocess;
+pub mod protocol;
 pub mod signing;
 
 pub use preprocess::{ImageLimits, PreprocessError, PreprocessSpec, Preprocessed};

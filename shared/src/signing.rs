@@ -15,9 +15,9 @@ pub enum SignError {
         what: String,
         expected: &'static str,
     },
-    #[error("manifest signed by unknown key {0}")]
+    #[error("signed by unknown key {0}")]
     UnknownKey(String),
-    #[error("bad signature: the manifest was altered or not signed by key {0}")]
+    #[error("bad signature: altered, or not signed by key {0}")]
     BadSignature(String),
     #[error("manifest.sig: {0}")]
     Format(String),

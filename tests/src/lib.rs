@@ -2,6 +2,8 @@
 //! The tests live in `tests/tests/`; run them through `scripts/test.sh`, which fetches and builds
 //! what they need.
 
+pub mod fleet;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 

@@ -1,10 +1,12 @@
 //! Kestrel trainer as a library: every CLI command is a function here, so the pipeline can be
 //! driven from Rust code as well as from the `trainer` binary.
 
+pub mod broker;
 pub mod cache;
 pub mod classify;
 pub mod data;
 pub mod export;
+pub mod fleet;
 pub mod images;
 pub mod model;
 pub mod optim;

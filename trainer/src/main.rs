@@ -1,5 +1,7 @@
 //! `trainer`: the cloud side of Kestrel. Thin CLI over the `kestrel_trainer` library.
 
+mod fleet_cli;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -349,6 +351,8 @@ enum Cmd {
         #[arg(required = true)]
         images: Vec<PathBuf>,
     },
+    #[command(flatten)]
+    Fleet(fleet_cli::FleetCmd),
 }
 
 fn main() -> ExitCode {
@@ -369,6 +373,7 @@ fn log(line: String) {
 
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.cmd {
+        Cmd::Fleet(cmd) => return fleet_cli::run(cmd),
         Cmd::Prepare { data, fit, json } => {
             let p = fit.params(&data)?;
             let pp = train::prepare(&p, &data.cache_root(), cli.threads, &mut log)?;
@@ -652,9 +657,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             );
         }
         Cmd::Sign { artifact, key } => {
-            let text = std::fs::read_to_string(&key)
-                .with_context(|| format!("reading {}", key.display()))?;
-            let sk = kestrel_shared::signing::secret_key(&text, &key.display().to_string())?;
+            let sk = fleet_cli::secret_key(&key)?;
             let mpath = artifact.join(kestrel_shared::manifest::MANIFEST_FILE);
             let manifest =
                 std::fs::read(&mpath).with_context(|| format!("reading {}", mpath.display()))?;

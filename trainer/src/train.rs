@@ -210,6 +210,30 @@ impl Prepped {
     }
 }
 
+/// Which sample went to which split, written into every run directory.
+pub const SPLIT_FILE: &str = "split.json";
+
+/// One sample's assignment: its id in the table, label, content hash and split.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SplitRecord {
+    pub split: Split,
+    pub id: String,
+    pub label: String,
+    pub sha256: String,
+}
+
+fn split_records(pp: &Prepped) -> Vec<SplitRecord> {
+    let m = &pp.prepared.meta;
+    (0..pp.splits.len())
+        .map(|i| SplitRecord {
+            split: pp.splits[i],
+            id: m.ids[i].clone(),
+            label: m.labels[m.sample_labels[i]].clone(),
+            sha256: m.content_sha256[i].clone(),
+        })
+        .collect()
+}
+
 /// Loads the table, builds or reuses the sample and feature caches, and splits.
 pub fn prepare(
     p: &FitParams,
@@ -430,6 +454,7 @@ pub fn fit(
         }
     }
     report::write_json_atomic(&run_dir.join("params.json"), p)?;
+    report::write_json_atomic(&run_dir.join(SPLIT_FILE), &split_records(&pp))?;
     // metrics.jsonl is rewritten from the checkpoint's history, dropping lines of a lost epoch.
     let metrics_path = run_dir.join("metrics.jsonl");
     let _ = std::fs::remove_file(&metrics_path);

@@ -269,3 +269,37 @@ fn resume_continues_from_every_phase() {
     assert_eq!(j.resume(), vec![]);
     assert_eq!(j.active, Some(1));
 }
+
+#[test]
+fn back_to_the_active_version_mid_update_cancels_without_download() {
+    let mut u = Updater::new(MB);
+    install(&mut u, 1, 2);
+    u.handle(Event::Offered(offer(2, 3)));
+    assert_eq!(
+        u.handle(Event::Offered(offer(1, 2))),
+        vec![Action::Discard { version: 2 }]
+    );
+    assert_eq!((u.active, &u.phase), (Some(1), &Phase::Idle));
+}
+
+#[test]
+fn refusals_are_reported_and_keep_the_active_model() {
+    let mut u = Updater::new(MB);
+    install(&mut u, 1, 2);
+    let a = u.handle(Event::Refused {
+        version: 5,
+        reason: "manifest signed by unknown key abc".into(),
+    });
+    assert_eq!(
+        a,
+        vec![Action::Report(Report::Rejected {
+            version: 5,
+            reason: "manifest signed by unknown key abc".into()
+        })]
+    );
+    assert_eq!((u.active, &u.phase), (Some(1), &Phase::Idle));
+    assert_eq!(
+        u.last_error.as_deref(),
+        Some("manifest signed by unknown key abc")
+    );
+}

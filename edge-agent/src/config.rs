@@ -1,0 +1,175 @@
+//! `agent.toml`: who the device is, how it reaches the broker, whom it trusts, where it keeps
+//! models and what it accepts. Relative paths are resolved against the file's directory.
+
+use std::path::{Path, PathBuf};
+
+use kestrel_shared::mqtt::BrokerConfig;
+use kestrel_shared::protocol::check_name;
+use serde::Deserialize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: {reason}")]
+    Read { path: String, reason: String },
+    #[error("{path}: {reason}")]
+    Invalid { path: String, reason: String },
+}
+
+fn default_max_artifact() -> u64 {
+    64 << 20
+}
+fn default_max_image() -> usize {
+    8 << 20
+}
+fn default_queue() -> usize {
+    16
+}
+fn default_threads() -> usize {
+    1
+}
+fn default_top_k() -> usize {
+    3
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// Largest artifact (sum of the device files) accepted.
+    #[serde(default = "default_max_artifact")]
+    pub max_artifact_bytes: u64,
+    /// Largest image accepted in an inference request.
+    #[serde(default = "default_max_image")]
+    pub max_image_bytes: usize,
+    /// Inference requests waiting at most; more get a "busy" error reply.
+    #[serde(default = "default_queue")]
+    pub queue: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_artifact_bytes: default_max_artifact(),
+            max_image_bytes: default_max_image(),
+            queue: default_queue(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Inference {
+    #[serde(default = "default_threads")]
+    pub threads: usize,
+    #[serde(default = "default_top_k")]
+    pub top_k: usize,
+}
+
+impl Default for Inference {
+    fn default() -> Self {
+        Self {
+            threads: default_threads(),
+            top_k: default_top_k(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub device_id: String,
+    #[serde(default)]
+    pub groups: Vec<String>,
+    /// Model store: versions/, active and previous links, downloads, journal, outbox.
+    pub store: PathBuf,
+    /// Public keys (`trainer keygen`'s kestrel.pub) whose signatures are accepted.
+    pub trusted_keys: Vec<PathBuf>,
+    pub broker: BrokerConfig,
+    #[serde(default)]
+    pub limits: Limits,
+    #[serde(default)]
+    pub inference: Inference,
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let p = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: p.clone(),
+            reason: e.to_string(),
+        })?;
+        let invalid = |reason: String| ConfigError::Invalid {
+            path: p.clone(),
+            reason,
+        };
+        let mut c: Config = toml::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        for p in std::iter::once(&mut c.store).chain(c.trusted_keys.iter_mut()) {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+        c.broker.resolve(base);
+        for name in std::iter::once(&c.device_id).chain(&c.groups) {
+            check_name(name).map_err(|e| invalid(e.to_string()))?;
+        }
+        if c.trusted_keys.is_empty() {
+            return Err(invalid(
+                "trusted_keys is empty: the agent accepts only signed models".into(),
+            ));
+        }
+        c.broker.endpoint().map_err(|e| invalid(e.to_string()))?;
+        Ok(c)
+    }
+
+    /// The trusted public keys, read and parsed.
+    pub fn keys(&self) -> Result<Vec<ed25519_dalek::VerifyingKey>, ConfigError> {
+        self.trusted_keys
+            .iter()
+            .map(|p| {
+                let path = p.display().to_string();
+                let text = std::fs::read_to_string(p).map_err(|e| ConfigError::Read {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                })?;
+                kestrel_shared::signing::public_key(&text, &path).map_err(|e| {
+                    ConfigError::Invalid {
+                        path,
+                        reason: e.to_string(),
+                    }
+                })
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sample_config_parses_and_bad_ones_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/agent.toml");
+        let c = Config::load(Path::new(sample)).unwrap();
+        assert_eq!(c.broker.prefix, "kestrel");
+        assert!(c.store.is_absolute());
+        let write = |body: &str| {
+            let p = dir.path().join("agent.toml");
+            std::fs::write(&p, body).unwrap();
+            Config::load(&p).map(|_| ()).unwrap_err().to_string()
+        };
+        let base = "store = \"s\"\ntrusted_keys = [\"k.pub\"]\n[broker]\nurl = \"mqtt://h:1\"\n";
+        let e = write(&format!("device_id = \"a/b\"\n{base}"));
+        assert!(e.contains("a/b") && e.contains("agent.toml"), "{e}");
+        let e = write(&format!("device_id = \"a\"\nbogus = 1\n{base}"));
+        assert!(e.contains("bogus"), "{e}");
+        let e = write(
+            "device_id = \"a\"\nstore = \"s\"\ntrusted_keys = []\n[broker]\nurl = \"mqtt://h:1\"\n",
+        );
+        assert!(e.contains("trusted_keys"), "{e}");
+        let e = write(
+            "device_id = \"a\"\nstore = \"s\"\ntrusted_keys = [\"k\"]\n[broker]\nurl = \"ftp://h\"\n",
+        );
+        assert!(e.contains("ftp://h"), "{e}");
+    }
+}

@@ -1,0 +1,199 @@
+//! Broker connection settings shared by the agent, the publisher and the rollout controller:
+//! `mqtt://host:port` or `mqtts://host:port` (TLS with rustls and the ring provider, the broker's
+//! CA pinned from a PEM file), optional username/password, packet limits sized for the chunks.
+//! Behind the `mqtt` feature so the rest of this crate stays free of IO dependencies.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rumqttc::{MqttOptions, TlsConfiguration, Transport};
+use serde::{Deserialize, Serialize};
+
+use crate::protocol::DEFAULT_PREFIX;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    #[error("broker URL `{0}`: expected mqtt://HOST:PORT or mqtts://HOST:PORT")]
+    Url(String),
+    #[error("{path}: {reason}")]
+    File { path: String, reason: String },
+    #[error("TLS: {0}")]
+    Tls(String),
+}
+
+fn default_prefix() -> String {
+    DEFAULT_PREFIX.to_string()
+}
+fn default_keep_alive() -> u64 {
+    30
+}
+fn default_max_packet() -> usize {
+    1 << 20
+}
+
+/// How to reach the broker (the `[broker]` table of `agent.toml`, and the trainer's flags).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BrokerConfig {
+    /// `mqtt://HOST:PORT` (plain TCP) or `mqtts://HOST:PORT` (TLS; needs `ca_file`).
+    pub url: String,
+    /// Topic prefix.
+    #[serde(default = "default_prefix")]
+    pub prefix: String,
+    #[serde(default)]
+    pub username: Option<String>,
+    /// File holding the password (first line).
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
+    /// PEM file with the CA certificate(s) the broker's certificate must chain to.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    #[serde(default = "default_keep_alive")]
+    pub keep_alive_s: u64,
+    /// Largest MQTT packet sent or accepted; must exceed the chunk size.
+    #[serde(default = "default_max_packet")]
+    pub max_packet_bytes: usize,
+}
+
+impl BrokerConfig {
+    pub fn new(url: &str) -> Self {
+        Self {
+            url: url.to_string(),
+            prefix: default_prefix(),
+            username: None,
+            password_file: None,
+            ca_file: None,
+            keep_alive_s: default_keep_alive(),
+            max_packet_bytes: default_max_packet(),
+        }
+    }
+
+    /// Resolves relative file paths against `base` (the config file's directory).
+    pub fn resolve(&mut self, base: &Path) {
+        for p in [&mut self.password_file, &mut self.ca_file]
+            .into_iter()
+            .flatten()
+        {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+    }
+
+    /// (TLS?, host, port) of the URL.
+    pub fn endpoint(&self) -> Result<(bool, String, u16), BrokerError> {
+        let bad = || BrokerError::Url(self.url.clone());
+        let (tls, rest) = if let Some(r) = self.url.strip_prefix("mqtts://") {
+            (true, r)
+        } else if let Some(r) = self.url.strip_prefix("mqtt://") {
+            (false, r)
+        } else if self.url.contains("://") {
+            return Err(bad());
+        } else {
+            (false, self.url.as_str())
+        };
+        let rest = rest.trim_end_matches('/');
+        let (host, port) = match rest.rsplit_once(':') {
+            Some((h, p)) => (h, p.parse().map_err(|_| bad())?),
+            None => (rest, if tls { 8883 } else { 1883 }),
+        };
+        if host.is_empty() || host.contains('/') {
+            return Err(bad());
+        }
+        Ok((tls, host.to_string(), port))
+    }
+
+    /// Connection options for `client_id`; `clean_session = false` keeps the broker-side session
+    /// (subscriptions and QoS 1 messages queued while offline).
+    pub fn options(
+        &self,
+        client_id: &str,
+        clean_session: bool,
+    ) -> Result<MqttOptions, BrokerError> {
+        let (tls, host, port) = self.endpoint()?;
+        let mut o = MqttOptions::new(client_id, host, port);
+        o.set_keep_alive(Duration::from_secs(self.keep_alive_s.max(5)))
+            .set_max_packet_size(self.max_packet_bytes, self.max_packet_bytes)
+            .set_clean_session(clean_session)
+            .set_inflight(64);
+        if let Some(user) = &self.username {
+            let password = match &self.password_file {
+                Some(p) => std::fs::read_to_string(p)
+                    .map_err(|e| BrokerError::File {
+                        path: p.display().to_string(),
+                        reason: e.to_string(),
+                    })?
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string(),
+                None => String::new(),
+            };
+            o.set_credentials(user.clone(), password);
+        }
+        if tls {
+            o.set_transport(Transport::tls_with_config(self.tls_config()?));
+        }
+        Ok(o)
+    }
+
+    fn tls_config(&self) -> Result<TlsConfiguration, BrokerError> {
+        use rustls::pki_types::CertificateDer;
+        use rustls::pki_types::pem::PemObject;
+        let ca = self.ca_file.as_ref().ok_or_else(|| {
+            BrokerError::Tls(format!(
+                "{}: mqtts:// needs ca_file (the broker's CA, PEM)",
+                self.url
+            ))
+        })?;
+        let file_err = |reason: String| BrokerError::File {
+            path: ca.display().to_string(),
+            reason,
+        };
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_file_iter(ca).map_err(|e| file_err(e.to_string()))? {
+            let cert = cert.map_err(|e| file_err(e.to_string()))?;
+            roots.add(cert).map_err(|e| file_err(e.to_string()))?;
+        }
+        if roots.is_empty() {
+            return Err(file_err("no certificate found".into()));
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| BrokerError::Tls(e.to_string()))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        Ok(TlsConfiguration::Rustls(Arc::new(config)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        let e = |u: &str| BrokerConfig::new(u).endpoint();
+        assert_eq!(
+            e("mqtt://127.0.0.1:1884").unwrap(),
+            (false, "127.0.0.1".into(), 1884)
+        );
+        assert_eq!(
+            e("mqtts://broker.lan").unwrap(),
+            (true, "broker.lan".into(), 8883)
+        );
+        assert_eq!(
+            e("localhost:1883").unwrap(),
+            (false, "localhost".into(), 1883)
+        );
+        assert!(e("http://x:1").is_err());
+        assert!(e("mqtt://x:port").is_err());
+        assert!(e("mqtt://:1883").is_err());
+        let err = BrokerConfig::new("mqtts://x:8883")
+            .options("c", true)
+            .unwrap_err();
+        assert!(err.to_string().contains("ca_file"), "{err}");
+    }
+}

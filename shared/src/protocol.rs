@@ -1,0 +1,427 @@
+//! The MQTT protocol between the trainer (publisher, rollout controller) and edge agents: topic
+//! layout and message types. `docs/PROTOCOL.md` describes the same thing for people; the two must
+//! agree. No IO here: both sides build topics and payloads with these functions and types.
+//!
+//! Topics, under a configurable prefix (default `kestrel`):
+//!
+//! | topic | payload | retained | publisher |
+//! |---|---|---|---|
+//! | `P/artifacts/<name>/<version>/manifest` | [`ArtifactOffer`] JSON | yes | trainer publish |
+//! | `P/artifacts/<name>/<version>/chunks/<i>` | raw bytes of chunk `i` | yes | trainer publish |
+//! | `P/devices/<id>/desired` | [`SignedDesired`] JSON | yes | trainer publish / rollout |
+//! | `P/groups/<group>/desired` | [`SignedDesired`] JSON | yes | trainer publish / rollout |
+//! | `P/devices/<id>/status` | [`Status`] JSON | yes | agent |
+//! | `P/devices/<id>/online` | `1` or `0` (last will) | yes | agent / broker |
+//! | `P/devices/<id>/events` | [`DeviceEvent`] JSON | no | agent |
+//! | `P/devices/<id>/infer/<request>` | encoded image bytes | no | any client |
+//! | `P/devices/<id>/result/<request>` | [`InferReply`] JSON | no | agent |
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::manifest::{FileEntry, Manifest};
+use crate::signing::{SignError, SignatureFile, sign, verify};
+
+pub const DEFAULT_PREFIX: &str = "kestrel";
+/// Default chunk size of artifact delivery (AWS IoT streams use ≤ 128 KB blocks).
+pub const DEFAULT_CHUNK_BYTES: usize = 128 * 1024;
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ProtocolError {
+    #[error("{topic}: {reason}")]
+    Payload { topic: String, reason: String },
+    #[error("{0}: not a valid name (1-64 of a-z A-Z 0-9 . _ -)")]
+    BadName(String),
+    #[error(transparent)]
+    Signature(#[from] SignError),
+}
+
+/// Device ids, group names and model names become topic levels: keep them plain.
+pub fn check_name(name: &str) -> Result<&str, ProtocolError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name != "."
+        && name != ".."
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if ok {
+        Ok(name)
+    } else {
+        Err(ProtocolError::BadName(name.to_string()))
+    }
+}
+
+/// Builds every topic of the protocol under one prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topics {
+    prefix: String,
+}
+
+impl Default for Topics {
+    fn default() -> Self {
+        Self::new(DEFAULT_PREFIX)
+    }
+}
+
+impl Topics {
+    pub fn new(prefix: &str) -> Self {
+        Self {
+            prefix: prefix.trim_end_matches('/').to_string(),
+        }
+    }
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+    pub fn artifact_manifest(&self, name: &str, version: u64) -> String {
+        format!("{}/artifacts/{name}/{version}/manifest", self.prefix)
+    }
+    pub fn chunk(&self, name: &str, version: u64, index: u32) -> String {
+        format!("{}/artifacts/{name}/{version}/chunks/{index}", self.prefix)
+    }
+    pub fn chunks_filter(&self, name: &str, version: u64) -> String {
+        format!("{}/artifacts/{name}/{version}/chunks/+", self.prefix)
+    }
+    pub fn desired(&self, target: &Target) -> String {
+        match target {
+            Target::Device(d) => format!("{}/devices/{d}/desired", self.prefix),
+            Target::Group(g) => format!("{}/groups/{g}/desired", self.prefix),
+        }
+    }
+    pub fn status(&self, device: &str) -> String {
+        format!("{}/devices/{device}/status", self.prefix)
+    }
+    pub fn status_filter(&self) -> String {
+        format!("{}/devices/+/status", self.prefix)
+    }
+    pub fn online(&self, device: &str) -> String {
+        format!("{}/devices/{device}/online", self.prefix)
+    }
+    pub fn events(&self, device: &str) -> String {
+        format!("{}/devices/{device}/events", self.prefix)
+    }
+    pub fn infer(&self, device: &str, request: &str) -> String {
+        format!("{}/devices/{device}/infer/{request}", self.prefix)
+    }
+    pub fn infer_filter(&self, device: &str) -> String {
+        format!("{}/devices/{device}/infer/+", self.prefix)
+    }
+    pub fn result(&self, device: &str, request: &str) -> String {
+        format!("{}/devices/{device}/result/{request}", self.prefix)
+    }
+    pub fn result_filter(&self, device: &str) -> String {
+        format!("{}/devices/{device}/result/+", self.prefix)
+    }
+
+    /// The chunk index of a chunk topic of `name` v`version`.
+    pub fn parse_chunk(&self, topic: &str, name: &str, version: u64) -> Option<u32> {
+        let base = format!("{}/artifacts/{name}/{version}/chunks/", self.prefix);
+        topic.strip_prefix(&base)?.parse().ok()
+    }
+
+    /// The last level of a topic under `base_filter` (a filter ending in `/+`).
+    pub fn last_level<'a>(topic: &'a str, base_filter: &str) -> Option<&'a str> {
+        let base = base_filter.strip_suffix('+')?;
+        let rest = topic.strip_prefix(base)?;
+        (!rest.is_empty() && !rest.contains('/')).then_some(rest)
+    }
+}
+
+/// Who a desired state is for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Target {
+    Device(String),
+    Group(String),
+}
+
+impl std::str::FromStr for Target {
+    type Err = ProtocolError;
+    /// `device/<id>` or `group/<name>`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.split_once('/') {
+            Some(("device", id)) => Ok(Target::Device(check_name(id)?.to_string())),
+            Some(("group", g)) => Ok(Target::Group(check_name(g)?.to_string())),
+            _ => Err(ProtocolError::BadName(format!(
+                "{s} (expected device/<id> or group/<name>)"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Device(d) => write!(f, "device/{d}"),
+            Target::Group(g) => write!(f, "group/{g}"),
+        }
+    }
+}
+
+/// The retained description of a published artifact: the exact signed manifest, and how its
+/// device files are cut into chunks. The bundle is the concatenation of [`device_files`] in
+/// order; chunk `i` is bytes `[i*chunk_bytes, (i+1)*chunk_bytes)` of it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ArtifactOffer {
+    pub name: String,
+    pub version: u64,
+    /// The exact bytes of `manifest.json` (signed).
+    pub manifest: String,
+    pub signature: SignatureFile,
+    pub chunk_bytes: u64,
+    /// sha256 (hex) of every chunk.
+    pub chunks: Vec<String>,
+    pub total_bytes: u64,
+}
+
+/// The files a device needs: the model and the golden samples of its health check, in manifest
+/// order. The trainer-side files (full weights, head) stay in the artifact directory.
+pub fn device_files(m: &Manifest) -> Vec<&FileEntry> {
+    m.files
+        .iter()
+        .filter(|f| f.path == "model.onnx" || m.golden.iter().any(|g| g.file == f.path))
+        .collect()
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+impl ArtifactOffer {
+    /// Describes `bundle` (the device files concatenated) cut into `chunk_bytes` chunks.
+    pub fn new(
+        manifest: &Manifest,
+        manifest_text: String,
+        signature: SignatureFile,
+        bundle: &[u8],
+        chunk_bytes: usize,
+    ) -> Self {
+        Self {
+            name: manifest.name.clone(),
+            version: manifest.version,
+            manifest: manifest_text,
+            signature,
+            chunk_bytes: chunk_bytes as u64,
+            chunks: bundle.chunks(chunk_bytes).map(sha256_hex).collect(),
+            total_bytes: bundle.len() as u64,
+        }
+    }
+
+    /// Checks the signature with `trusted` keys, parses the manifest and checks that it agrees
+    /// with the offer (name, version, chunk count and total size of the device files).
+    pub fn open(&self, trusted: &[ed25519_dalek::VerifyingKey]) -> Result<Manifest, ProtocolError> {
+        verify(trusted, self.manifest.as_bytes(), &self.signature)?;
+        let bad = |reason: String| ProtocolError::Payload {
+            topic: format!("artifact {} v{}", self.name, self.version),
+            reason,
+        };
+        let m: Manifest = serde_json::from_str(&self.manifest)
+            .map_err(|e| bad(format!("invalid manifest: {e}")))?;
+        if m.name != self.name || m.version != self.version {
+            return Err(bad(format!(
+                "the signed manifest is {} v{}",
+                m.name, m.version
+            )));
+        }
+        let total: u64 = device_files(&m).iter().map(|f| f.size).sum();
+        let expect_chunks = total.div_ceil(self.chunk_bytes.max(1));
+        if total != self.total_bytes || expect_chunks != self.chunks.len() as u64 {
+            return Err(bad(format!(
+                "offer says {} bytes in {} chunks, the manifest's device files are {total} bytes",
+                self.total_bytes,
+                self.chunks.len()
+            )));
+        }
+        Ok(m)
+    }
+}
+
+/// What a device (or every device of a group) should run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Desired {
+    pub target: Target,
+    pub name: String,
+    pub version: u64,
+    /// Explicitly allowed to go below the device's active version.
+    #[serde(default)]
+    pub rollback: bool,
+    /// Seconds since the Unix epoch when this was issued; the newest group state wins.
+    pub issued: u64,
+    /// Rollout that issued it, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<String>,
+}
+
+/// A desired state as published: the exact JSON of [`Desired`] and its signature.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SignedDesired {
+    pub body: String,
+    pub signature: SignatureFile,
+}
+
+impl SignedDesired {
+    pub fn new(key: &ed25519_dalek::SigningKey, d: &Desired) -> Self {
+        let body = serde_json::to_string(d).expect("serializable");
+        Self {
+            signature: sign(key, body.as_bytes()),
+            body,
+        }
+    }
+
+    /// Verifies the signature and returns the desired state.
+    pub fn open(
+        &self,
+        trusted: &[ed25519_dalek::VerifyingKey],
+        topic: &str,
+    ) -> Result<Desired, ProtocolError> {
+        verify(trusted, self.body.as_bytes(), &self.signature)?;
+        serde_json::from_str(&self.body).map_err(|e| ProtocolError::Payload {
+            topic: topic.to_string(),
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// Parses a JSON payload, naming the topic on failure.
+pub fn parse<T: serde::de::DeserializeOwned>(
+    topic: &str,
+    payload: &[u8],
+) -> Result<T, ProtocolError> {
+    serde_json::from_slice(payload).map_err(|e| ProtocolError::Payload {
+        topic: topic.to_string(),
+        reason: e.to_string(),
+    })
+}
+
+/// Inference latency over the device's recent requests.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LatencyStats {
+    pub count: u64,
+    pub mean_ms: f64,
+    pub p50_ms: f64,
+    pub p95_ms: f64,
+}
+
+/// A device's retained status.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Status {
+    pub device: String,
+    pub groups: Vec<String>,
+    /// idle | downloading | verifying | staged | health-check | activating
+    pub state: String,
+    pub model: Option<String>,
+    pub active: Option<u64>,
+    pub previous: Option<u64>,
+    /// Version being installed.
+    pub target: Option<u64>,
+    /// Chunks received of the version being installed, and how many there are.
+    #[serde(default)]
+    pub progress: Option<(u32, u32)>,
+    pub last_error: Option<String>,
+    pub latency: LatencyStats,
+    /// RFC 3339 UTC.
+    pub updated: String,
+}
+
+/// A transition, published as it happens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceEvent {
+    pub device: String,
+    /// downloading | rejected | rolled-back | active
+    pub kind: String,
+    pub version: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    pub time: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Class {
+    pub class: usize,
+    pub label: String,
+    pub score: f32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Prediction {
+    pub image: String,
+    pub top: Vec<Class>,
+    pub model: String,
+    pub version: u64,
+    pub latency_ms: f64,
+}
+
+/// The answer to an inference request: a prediction or an error.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InferReply {
+    pub request: String,
+    pub device: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prediction: Option<Prediction>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::signing::{keypair_hex, public_key, secret_key};
+
+    #[test]
+    fn topics_and_names() {
+        let t = Topics::new("kestrel/");
+        assert_eq!(t.chunk("m", 3, 7), "kestrel/artifacts/m/3/chunks/7");
+        assert_eq!(
+            t.parse_chunk("kestrel/artifacts/m/3/chunks/7", "m", 3),
+            Some(7)
+        );
+        assert_eq!(
+            t.parse_chunk("kestrel/artifacts/m/4/chunks/7", "m", 3),
+            None
+        );
+        assert_eq!(
+            Topics::last_level("kestrel/devices/a/infer/r1", &t.infer_filter("a")),
+            Some("r1")
+        );
+        assert_eq!(
+            Topics::last_level("kestrel/devices/a/infer/r/x", &t.infer_filter("a")),
+            None
+        );
+        assert_eq!(
+            "group/canary".parse::<Target>().map(|g| t.desired(&g)),
+            Ok("kestrel/groups/canary/desired".to_string())
+        );
+        assert!("device/../x".parse::<Target>().is_err());
+        assert!("device/a+b".parse::<Target>().is_err());
+        assert!("devices/a".parse::<Target>().is_err());
+    }
+
+    #[test]
+    fn signed_desired_round_trip_and_rejections() {
+        let (sk, pk) = keypair_hex([1; 32]);
+        let (_, other) = keypair_hex([2; 32]);
+        let sk = secret_key(&sk, "k").unwrap();
+        let pk = public_key(&pk, "p").unwrap();
+        let other = public_key(&other, "o").unwrap();
+        let d = Desired {
+            target: Target::Device("pi".into()),
+            name: "m".into(),
+            version: 2,
+            rollback: false,
+            issued: 5,
+            rollout: None,
+        };
+        let s = SignedDesired::new(&sk, &d);
+        assert_eq!(s.open(&[pk], "t"), Ok(d));
+        assert!(matches!(
+            s.open(&[other], "t"),
+            Err(ProtocolError::Signature(SignError::UnknownKey(_)))
+        ));
+        let mut forged = s.clone();
+        forged.body = forged.body.replace("\"version\":2", "\"version\":9");
+        assert!(matches!(
+            forged.open(&[pk], "t"),
+            Err(ProtocolError::Signature(SignError::BadSignature(_)))
+        ));
+    }
+}

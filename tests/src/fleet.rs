@@ -1,0 +1,344 @@
+//! Fleet test helpers: real brokers (the embedded rumqttd via `trainer broker`, and Mosquitto),
+//! real agents (`edge-agent run`) as child processes killed on drop, a signing key, and exported
+//! artifacts of a real LFW run, built once per test binary.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use kestrel_shared::mqtt::BrokerConfig;
+use kestrel_shared::protocol::Status;
+use serde_json::Value;
+
+use crate::{bin, fetched, run, stderr, stdout};
+
+/// A child process killed (SIGKILL) and reaped on drop; its output goes to `log`.
+pub struct Proc {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    pub fn spawn(cmd: &mut Command, log: &Path) -> Self {
+        let f = std::fs::File::create(log).unwrap();
+        let child = cmd
+            .stdout(f.try_clone().unwrap())
+            .stderr(f)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
+        Self {
+            child,
+            log: log.to_path_buf(),
+        }
+    }
+
+    pub fn output(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGKILL, as a power cut would.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and wait for a clean exit; returns the exit status.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not stop on SIGTERM",
+                self.log.display()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_port(port: u16, p: &mut Proc) {
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
+        assert!(p.is_running(), "broker exited: {}", p.output());
+        assert!(
+            Instant::now() < deadline,
+            "broker not listening: {}",
+            p.output()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum BrokerKind {
+    Rumqttd,
+    Mosquitto,
+}
+
+pub struct Broker {
+    pub kind: BrokerKind,
+    pub port: u16,
+    pub proc: Option<Proc>,
+    dir: PathBuf,
+}
+
+impl Broker {
+    /// Starts a broker on a free loopback port; Mosquitto with persistence under `dir`.
+    pub fn start(kind: BrokerKind, dir: &Path) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let mut b = Self {
+            kind,
+            port: free_port(),
+            proc: None,
+            dir: dir.to_path_buf(),
+        };
+        b.restart();
+        b
+    }
+
+    /// (Re)starts the broker process on the same port (Mosquitto keeps its persisted state).
+    pub fn restart(&mut self) {
+        if let Some(p) = self.proc.take() {
+            p.terminate();
+        }
+        let log = self.dir.join(format!("{:?}.log", self.kind));
+        let mut p = match self.kind {
+            BrokerKind::Rumqttd => Proc::spawn(
+                Command::new(bin("trainer")).args([
+                    "broker",
+                    "--listen",
+                    &format!("127.0.0.1:{}", self.port),
+                ]),
+                &log,
+            ),
+            BrokerKind::Mosquitto => {
+                let conf = self.dir.join("mosquitto.conf");
+                std::fs::write(
+                    &conf,
+                    format!(
+                        "listener {} 127.0.0.1\nallow_anonymous true\npersistence true\n\
+                         persistence_location {}/\nautosave_interval 1\nuser root\n\
+                         max_inflight_messages 64\nmax_queued_messages 10000\n",
+                        self.port,
+                        self.dir.display()
+                    ),
+                )
+                .unwrap();
+                let exe = ["/usr/sbin/mosquitto", "/usr/bin/mosquitto"]
+                    .into_iter()
+                    .find(|p| Path::new(p).exists())
+                    .expect("mosquitto is not installed: run scripts/setup.sh");
+                Proc::spawn(Command::new(exe).arg("-c").arg(&conf), &log)
+            }
+        };
+        wait_port(self.port, &mut p);
+        self.proc = Some(p);
+    }
+
+    pub fn url(&self) -> String {
+        format!("mqtt://127.0.0.1:{}", self.port)
+    }
+
+    pub fn config(&self) -> BrokerConfig {
+        BrokerConfig::new(&self.url())
+    }
+}
+
+/// Trainer CLI call that must succeed; returns stdout.
+pub fn trainer_ok(args: &[&str]) -> String {
+    let o = run("trainer", args);
+    assert!(
+        o.status.success(),
+        "trainer {args:?}: {}{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    stdout(&o)
+}
+
+/// Signing keys, a run and exported artifacts shared by the fleet tests of one test binary.
+pub struct Fixture {
+    pub dir: PathBuf,
+    /// Trusted key pair (kestrel.key, kestrel.pub).
+    pub keys: PathBuf,
+    /// A key pair the devices do not trust.
+    pub rogue_keys: PathBuf,
+    /// LFW int8-weights artifacts: v1 and v2 (two exports of one run).
+    pub v1: PathBuf,
+    pub v2: PathBuf,
+    /// The same run exported as f32 (v6): 13 MB of device files.
+    pub f32_v6: PathBuf,
+}
+
+pub fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        // target/tmp/fleet-<test binary>, beside the profile directory; replaced on every run.
+        let exe = std::env::current_exe().unwrap();
+        let name = exe.file_stem().unwrap().to_string_lossy();
+        let target = bin("trainer")
+            .parent()
+            .and_then(Path::parent)
+            .unwrap()
+            .to_path_buf();
+        let dir = target
+            .join("tmp")
+            .join(format!("fleet-{}", name.split('-').next().unwrap()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let s = |p: &Path| p.display().to_string();
+        let (keys, rogue) = (dir.join("keys"), dir.join("rogue"));
+        trainer_ok(&["keygen", "--out", &s(&keys)]);
+        trainer_ok(&["keygen", "--out", &s(&rogue)]);
+        let data = fetched("datasets/lfw/imagefolder");
+        let run_dir = dir.join("run");
+        trainer_ok(&[
+            "fit",
+            "--data",
+            &s(&data),
+            "--engine",
+            "ort",
+            "--epochs",
+            "10",
+            "--test-fraction",
+            "0.2",
+            "--out",
+            &s(&run_dir),
+        ]);
+        let export = |out: &Path, form: &str, version: &str| {
+            trainer_ok(&[
+                "export",
+                "--run",
+                &s(&run_dir),
+                "--out",
+                &s(out),
+                "--quantize",
+                form,
+                "--model-version",
+                version,
+                "--name",
+                "lfw",
+            ]);
+        };
+        let f = Fixture {
+            v1: dir.join("v1"),
+            v2: dir.join("v2"),
+            f32_v6: dir.join("f32-v6"),
+            keys,
+            rogue_keys: rogue,
+            dir,
+        };
+        export(&f.v1, "int8-weights", "1");
+        export(&f.v2, "int8-weights", "2");
+        export(&f.f32_v6, "none", "6");
+        f
+    })
+}
+
+/// The secret key in a `trainer keygen` directory.
+pub fn signing_key(dir: &Path) -> ed25519_dalek::SigningKey {
+    let p = dir.join("kestrel.key");
+    kestrel_shared::signing::secret_key(
+        &std::fs::read_to_string(&p).unwrap(),
+        &p.display().to_string(),
+    )
+    .unwrap()
+}
+
+impl Fixture {
+    pub fn key(&self) -> PathBuf {
+        self.keys.join("kestrel.key")
+    }
+
+    pub fn signing(&self) -> ed25519_dalek::SigningKey {
+        signing_key(&self.keys)
+    }
+
+    /// A copy of `src` as `version` with its manifest edited by `edit` (files untouched).
+    pub fn variant(&self, src: &Path, version: u64, edit: impl Fn(&mut Value)) -> PathBuf {
+        let dst = self.dir.join(format!("variant-{version}"));
+        let _ = std::fs::remove_dir_all(&dst);
+        crate::copy_dir(src, &dst);
+        let mpath = dst.join("manifest.json");
+        let mut m: Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+        m["version"] = version.into();
+        edit(&mut m);
+        std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+        dst
+    }
+}
+
+/// Writes `agent.toml` for `device` under `dir` and returns its path.
+pub fn agent_config(
+    dir: &Path,
+    device: &str,
+    broker: &str,
+    keys: &Path,
+    extra_limits: &str,
+) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let p = dir.join("agent.toml");
+    std::fs::write(
+        &p,
+        format!(
+            "device_id = \"{device}\"\ngroups = [\"all\"]\nstore = \"store\"\n\
+             trusted_keys = [\"{}\"]\n[broker]\nurl = \"{broker}\"\nkeep_alive_s = 5\n\
+             [limits]\n{extra_limits}\n",
+            keys.join("kestrel.pub").display()
+        ),
+    )
+    .unwrap();
+    p
+}
+
+/// Starts `edge-agent run --config CONFIG` with extra environment.
+pub fn start_agent(config: &Path, env: &[(&str, &str)]) -> Proc {
+    let dir = config.parent().unwrap();
+    let n = std::fs::read_dir(dir).unwrap().count();
+    let mut cmd = Command::new(bin("edge-agent"));
+    cmd.arg("run").arg("--config").arg(config);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    Proc::spawn(&mut cmd, &dir.join(format!("agent-{n}.log")))
+}
+
+/// Polls the device's retained status until `done` holds (panics after `secs`).
+pub fn wait_status(
+    broker: &BrokerConfig,
+    device: &str,
+    secs: u64,
+    what: &str,
+    done: impl Fn(&Status) -> bool,
+) -> Status {
+    kestrel_trainer::fleet::wait_status(broker, device, Duration::from_secs(secs), done)
+        .unwrap_or_else(|e| panic!("waiting for {device}: {what}: {e}"))
+}
