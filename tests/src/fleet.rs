@@ -321,10 +321,15 @@ pub fn agent_config(
 
 /// Starts `edge-agent run --config CONFIG` with extra environment.
 pub fn start_agent(config: &Path, env: &[(&str, &str)]) -> Proc {
+    start_agent_with(config, env, &[])
+}
+
+/// `edge-agent run --config CONFIG ARGS...` with extra environment.
+pub fn start_agent_with(config: &Path, env: &[(&str, &str)], args: &[&str]) -> Proc {
     let dir = config.parent().unwrap();
     let n = std::fs::read_dir(dir).unwrap().count();
     let mut cmd = Command::new(bin("edge-agent"));
-    cmd.arg("run").arg("--config").arg(config);
+    cmd.arg("run").arg("--config").arg(config).args(args);
     for (k, v) in env {
         cmd.env(k, v);
     }

@@ -6,7 +6,8 @@ use std::process::Output;
 
 use kestrel_shared::protocol::{ArtifactOffer, Desired, SignedDesired, Target, sha256_hex};
 use kestrel_tests::fleet::{
-    Broker, BrokerKind, agent_config, fixture, start_agent, trainer_ok, wait_status,
+    Broker, BrokerKind, agent_config, fixture, start_agent, start_agent_with, trainer_ok,
+    wait_status,
 };
 use kestrel_tests::{fetched, run, stderr, stdout};
 use kestrel_trainer::fleet::{Bundle, Conn, now_unix};
@@ -411,8 +412,9 @@ fn mosquitto_late_device_update_and_broker_restart() {
     // Mosquitto restarts with its persisted retained messages: a new device still installs v2.
     b.restart();
     let conf2 = agent_config(&dir.join("pi-n"), "pi-n", &b.url(), &f.keys, "");
-    let _agent2 = start_agent(&conf2, &[]);
-    wait_status(
+    let watch = dir.join("watch");
+    let _agent2 = start_agent_with(&conf2, &[], &["--watch", &s(&watch)]);
+    let st = wait_status(
         &cfg,
         "pi-n",
         120,
@@ -422,4 +424,49 @@ fn mosquitto_late_device_update_and_broker_restart() {
     // The first device's status survived the restart too (retained, persisted).
     let all = kestrel_trainer::fleet::statuses(&cfg, Some("pi-m")).unwrap();
     assert_eq!(all.first().and_then(|s| s.active), Some(2));
+
+    // A broker outage: the agent reconnects by itself and publishes its status again.
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    b.restart();
+    wait_status(
+        &cfg,
+        "pi-n",
+        60,
+        "status re-published after the outage",
+        |s| s.active == Some(2) && s.updated > st.updated,
+    );
+
+    // Images dropped into the watched directory are classified into results.jsonl.
+    for (i, img) in ["face/000.png", "nonface/199.png"].iter().enumerate() {
+        let src = fetched(&format!("datasets/lfw/imagefolder/{img}"));
+        std::fs::copy(src, watch.join(format!(".{i}.tmp"))).unwrap();
+        std::fs::rename(
+            watch.join(format!(".{i}.tmp")),
+            watch.join(format!("{i}.png")),
+        )
+        .unwrap();
+    }
+    let results = watch.join("results.jsonl");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let lines: Vec<Value> = loop {
+        let text = std::fs::read_to_string(&results).unwrap_or_default();
+        if text.lines().count() >= 2 || std::time::Instant::now() > deadline {
+            break text
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let labels: Vec<(&str, u64)> = lines
+        .iter()
+        .map(|l| {
+            (
+                l["top"][0]["label"].as_str().unwrap(),
+                l["version"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(labels, [("face", 2), ("nonface", 2)]);
+    assert!(watch.join("done/0.png").exists() && !watch.join("0.png").exists());
 }
