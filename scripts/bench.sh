@@ -95,3 +95,39 @@ print(f"{form:<14}{os.path.getsize(model) / 1e6:>10.1f}{t:>10.1f}{o:>10.1f}{p:>1
 PY
 done
 echo "(tract runs the static int8 QDQ graph in float with extra Q/DQ work: slower than f32 here, as measured above.)"
+
+echo
+echo "# Edge over MQTT: embedded rumqttd, one agent (tract, 1 thread), the int8-weights LFW artifact above"
+pids=()
+trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"' EXIT
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+broker="mqtt://127.0.0.1:$port"
+"$trainer" broker --listen "127.0.0.1:$port" 2>/dev/null & pids+=($!)
+"$trainer" keygen --out "$work/keys" >/dev/null
+mkdir -p "$work/agent"
+printf 'device_id = "bench-pi"\nstore = "store"\ntrusted_keys = ["%s"]\n[broker]\nurl = "%s"\n' \
+  "$work/keys/kestrel.pub" "$broker" > "$work/agent/agent.toml"
+for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+"$KESTREL_BIN/edge-agent" run --config "$work/agent/agent.toml" 2>/dev/null & pids+=($!)
+start=$(date +%s.%N)
+"$trainer" publish --broker "$broker" --artifact "$work/art-int8-weights" --key "$work/keys/kestrel.key" \
+  --target device/bench-pi --json > "$work/publish.json"
+"$trainer" status --broker "$broker" --device bench-pi --wait-active 1 --timeout 120 >/dev/null
+active=$(date +%s.%N)
+lfw=("$KESTREL_HOME"/datasets/lfw/imagefolder/*/*.png)
+"$trainer" infer --broker "$broker" --device bench-pi --json "${lfw[@]}" > "$work/infer.jsonl"
+p=$("$KESTREL_PY" "$here/bench_peer.py" --latency --model "$work/art-int8-weights/model.onnx" --threads 1 --rounds 50 "${lfw[0]}")
+python3 - "$work/publish.json" "$start" "$active" "$work/infer.jsonl" "$p" <<'PY'
+import json, sys
+pub, start, active, infer, peer = sys.argv[1:]
+pub = json.load(open(pub))
+s = [json.loads(l) for l in open(infer)][-1]
+peer_ms = json.loads(peer)["ms"]
+print(f"publish {pub['bytes'] / 1e6:.1f} MB in {pub['chunks']} chunks: {pub['seconds']:.2f} s; "
+      f"publish start -> device reports it active: {float(active) - float(start):.2f} s")
+rate = s["requests"] / s["seconds"]
+print(f"{'path':<36}{'images/s':>10}{'ms/image':>10}{'vs peer':>10}")
+print(f"{'MQTT round trip (window 8)':<36}{rate:>10.1f}{1000 / rate:>10.1f}{rate * peer_ms / 1000:>9.2f}x")
+print(f"{'  of which device inference p50':<36}{'':>10}{s['device_latency_p50_ms']:>10.1f}")
+print(f"{'python onnxruntime, batch 1':<36}{1000 / peer_ms:>10.1f}{peer_ms:>10.1f}{1:>9.2f}x")
+PY
