@@ -4,10 +4,10 @@
 //! and reports back through a channel. Every updater event is journaled (`state.json`) before
 //! its actions run, so a restart continues where the agent stopped.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::mpsc::{SyncSender, TrySendError};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
@@ -39,7 +39,7 @@ struct Journal {
 /// Results of work done off the event loop.
 enum Done {
     Verified(u64, Result<(), String>),
-    Health(u64, Result<LoadedModel, String>),
+    Health(u64, Result<Arc<LoadedModel>, String>),
     Reply(InferReply, Option<f64>),
 }
 
@@ -49,6 +49,43 @@ struct Job {
 }
 
 type Shared<T> = Arc<RwLock<Option<Arc<T>>>>;
+
+/// Loaded models shared by the devices of one process (`--simulate N`): every device verifies
+/// its own files against the manifest; the tract plan is built and the golden samples run once
+/// per distinct signed manifest (which binds every file's hash).
+pub struct ModelCache {
+    models: Mutex<HashMap<String, Arc<LoadedModel>>>,
+    max_bytes: u64,
+    threads: usize,
+}
+
+impl ModelCache {
+    pub fn new(max_bytes: u64, threads: usize) -> Self {
+        Self {
+            models: Mutex::new(HashMap::new()),
+            max_bytes,
+            threads,
+        }
+    }
+
+    /// Verifies `dir`'s device files and returns its health-checked model.
+    pub fn load(&self, dir: &std::path::Path) -> Result<Arc<LoadedModel>, String> {
+        let mpath = dir.join(MANIFEST_FILE);
+        let text = std::fs::read(&mpath).map_err(|e| format!("{}: {e}", mpath.display()))?;
+        let key = sha256_hex(&text);
+        let mut models = self.models.lock().expect("lock");
+        if let Some(m) = models.get(&key) {
+            artifact::verify_device_files(dir, &m.manifest, self.max_bytes)
+                .map_err(|e| e.to_string())?;
+            return Ok(m.clone());
+        }
+        let m = Arc::new(
+            LoadedModel::load(dir, self.max_bytes, self.threads).map_err(|e| e.to_string())?,
+        );
+        models.insert(key, m.clone());
+        Ok(m)
+    }
+}
 
 pub struct Agent {
     cfg: Config,
@@ -62,7 +99,8 @@ pub struct Agent {
     /// The accepted offer of the version being downloaded.
     offer: Option<(ArtifactOffer, Manifest)>,
     model: Shared<LoadedModel>,
-    candidate: Option<(u64, LoadedModel)>,
+    candidate: Option<(u64, Arc<LoadedModel>)>,
+    models: Arc<ModelCache>,
     outbox: Outbox,
     client: AsyncClient,
     done_tx: mpsc::UnboundedSender<Done>,
@@ -125,6 +163,7 @@ impl Agent {
             target: self.updater.phase.target(),
             progress,
             last_error: self.updater.last_error.clone(),
+            failed_version: self.updater.last_failed,
             latency: LatencyStats {
                 count: self.served,
                 mean_ms: if sorted.is_empty() {
@@ -308,7 +347,7 @@ impl Agent {
                     .with_context(|| format!("activating v{version}"))?;
                 match self.candidate.take() {
                     Some((v, m)) if v == version => {
-                        *self.model.write().expect("lock") = Some(Arc::new(m));
+                        *self.model.write().expect("lock") = Some(m);
                     }
                     _ => self.load_active(version), // after a restart: load it again
                 }
@@ -336,14 +375,9 @@ impl Agent {
     /// blocking thread.
     fn spawn_health_check(&self, version: u64) {
         let dir = self.store.version_dir(version);
-        let (max, threads) = (
-            self.cfg.limits.max_artifact_bytes,
-            self.cfg.inference.threads,
-        );
-        let tx = self.done_tx.clone();
+        let (models, tx) = (self.models.clone(), self.done_tx.clone());
         tokio::task::spawn_blocking(move || {
-            let r = LoadedModel::load(&dir, max, threads).map_err(|e| e.to_string());
-            let _ = tx.send(Done::Health(version, r));
+            let _ = tx.send(Done::Health(version, models.load(&dir)));
         });
     }
 
@@ -351,13 +385,8 @@ impl Agent {
     /// restart), so no request is answered "no active model" while one is installed.
     fn load_active(&mut self, version: u64) {
         eprintln!("{}: loading active v{version}", self.cfg.device_id);
-        let dir = self.store.version_dir(version);
-        let (max, threads) = (
-            self.cfg.limits.max_artifact_bytes,
-            self.cfg.inference.threads,
-        );
-        match LoadedModel::load(&dir, max, threads) {
-            Ok(m) => *self.model.write().expect("lock") = Some(Arc::new(m)),
+        match self.models.load(&self.store.version_dir(version)) {
+            Ok(m) => *self.model.write().expect("lock") = Some(m),
             Err(e) => {
                 eprintln!(
                     "error: {}: active v{version} does not load: {e}",
@@ -810,15 +839,37 @@ fn watch_dir(dir: PathBuf, model: Shared<LoadedModel>, top_k: usize) {
 }
 
 /// `edge-agent run`: connects, resumes any journaled update and serves until SIGINT/SIGTERM.
-pub fn run(cfg: Config, watch: Option<PathBuf>) -> Result<()> {
+/// With `simulate = Some(n)`, runs `n` virtual devices `<device_id>-000`... in this process
+/// (each with its own connection, store `<store>/<id>` and update machine; one model cache).
+pub fn run(cfg: Config, watch: Option<PathBuf>, simulate: Option<usize>) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
+        .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(run_async(cfg, watch))
+    let models = Arc::new(ModelCache::new(
+        cfg.limits.max_artifact_bytes,
+        cfg.inference.threads,
+    ));
+    rt.block_on(async move {
+        let Some(n) = simulate else {
+            return run_device(cfg, watch, models).await;
+        };
+        let mut tasks = Vec::new();
+        for i in 0..n {
+            let mut c = cfg.clone();
+            c.device_id = format!("{}-{i:03}", cfg.device_id);
+            kestrel_shared::protocol::check_name(&c.device_id)?;
+            c.store = cfg.store.join(&c.device_id);
+            tasks.push(tokio::spawn(run_device(c, None, models.clone())));
+        }
+        for t in tasks {
+            t.await??;
+        }
+        Ok(())
+    })
 }
 
-async fn run_async(cfg: Config, watch: Option<PathBuf>) -> Result<()> {
+async fn run_device(cfg: Config, watch: Option<PathBuf>, models: Arc<ModelCache>) -> Result<()> {
     let keys = cfg.keys()?;
     let store =
         Store::open(&cfg.store).with_context(|| format!("store {}", cfg.store.display()))?;
@@ -880,6 +931,7 @@ async fn run_async(cfg: Config, watch: Option<PathBuf>) -> Result<()> {
         offer,
         model,
         candidate: None,
+        models,
         outbox,
         client,
         done_tx,

@@ -73,6 +73,10 @@ enum Cmd {
         /// images moved to DIR/done/).
         #[arg(long)]
         watch: Option<PathBuf>,
+        /// Simulate N devices in this process (ids <device_id>-000..., stores under <store>/),
+        /// sharing one model cache: for fleet tests and benchmarks.
+        #[arg(long, value_name = "N", conflicts_with = "watch")]
+        simulate: Option<usize>,
     },
     /// Classify images with an artifact (verified and health-checked first), as the agent serves them.
     Predict {
@@ -116,9 +120,13 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.cmd {
-        Cmd::Run { config, watch } => {
+        Cmd::Run {
+            config,
+            watch,
+            simulate,
+        } => {
             let cfg = edge_agent::config::Config::load(&config)?;
-            edge_agent::agent::run(cfg, watch)?;
+            edge_agent::agent::run(cfg, watch, simulate)?;
         }
         Cmd::Predict {
             model,

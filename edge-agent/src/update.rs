@@ -173,6 +173,9 @@ pub struct Updater {
     pub previous: Option<u64>,
     pub phase: Phase,
     pub last_error: Option<String>,
+    /// The version whose installation failed last (rejected or rolled back).
+    #[serde(default)]
+    pub last_failed: Option<u64>,
     /// Largest artifact accepted.
     pub max_bytes: u64,
 }
@@ -184,6 +187,7 @@ impl Updater {
             previous: None,
             phase: Phase::Idle,
             last_error: None,
+            last_failed: None,
             max_bytes,
         }
     }
@@ -195,6 +199,7 @@ impl Updater {
             self.phase = Phase::Idle;
         }
         self.last_error = Some(reason.clone());
+        self.last_failed = Some(version);
         out.push(Action::Report(Report::Rejected { version, reason }));
         out
     }
@@ -297,6 +302,7 @@ impl Updater {
                 let reason = format!("health check failed: {reason}");
                 self.phase = Phase::Idle;
                 self.last_error = Some(reason.clone());
+                self.last_failed = Some(version);
                 vec![
                     Action::Discard { version },
                     Action::Report(Report::RolledBack {

@@ -318,6 +318,9 @@ pub struct Status {
     #[serde(default)]
     pub progress: Option<(u32, u32)>,
     pub last_error: Option<String>,
+    /// The version whose installation failed last (rejected or rolled back), if any.
+    #[serde(default)]
+    pub failed_version: Option<u64>,
     pub latency: LatencyStats,
     /// RFC 3339 UTC.
     pub updated: String,

@@ -8,7 +8,8 @@ use anyhow::{Context, Result, bail};
 use clap::Subcommand;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{DEFAULT_CHUNK_BYTES, DEFAULT_PREFIX, Target};
-use kestrel_trainer::fleet::{self, Bundle};
+use kestrel_trainer::fleet::{self, Bundle, Conn};
+use kestrel_trainer::rollout::{Plan, RolloutState, driver};
 
 #[derive(clap::Args, Clone)]
 pub struct BrokerArgs {
@@ -91,6 +92,30 @@ pub enum FleetCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Staged rollout of a signed artifact across the fleet (phases, thresholds, abort and roll
+    /// back); `trainer rollout status` shows one. A restarted rollout resumes from the broker.
+    #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+    Rollout {
+        #[command(subcommand)]
+        status: Option<RolloutCmd>,
+        #[command(flatten)]
+        broker: BrokerArgs,
+        /// Exported artifact directory.
+        #[arg(long, required = true)]
+        artifact: Option<PathBuf>,
+        /// Secret key from `trainer keygen`.
+        #[arg(long, required = true)]
+        key: Option<PathBuf>,
+        /// Rollout plan (TOML): [[phases]] with group or percent, success, failure or
+        /// max_failures, timeout_s, soak_s; optional name and devices.
+        #[arg(long, required = true)]
+        fleet: Option<PathBuf>,
+        #[arg(long, default_value_t = DEFAULT_CHUNK_BYTES)]
+        chunk_bytes: usize,
+        /// Print the final state as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Classify images on a device over MQTT: files, or a whole labelled table (--data) with
     /// accuracy and a confusion matrix.
     Infer {
@@ -114,6 +139,23 @@ pub enum FleetCmd {
         #[arg(long)]
         json: bool,
         images: Vec<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum RolloutCmd {
+    /// A rollout's state: devices per phase and state (from the broker).
+    Status {
+        #[command(flatten)]
+        broker: BrokerArgs,
+        /// Rollout name (fleet.toml's name, default <model>-v<version>).
+        #[arg(long)]
+        name: String,
+        /// Keep printing the table as it changes, until the rollout ends.
+        #[arg(long)]
+        follow: bool,
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -217,6 +259,54 @@ pub fn run(cmd: FleetCmd) -> Result<ExitCode> {
                         s.last_error.as_deref().unwrap_or("")
                     );
                 }
+            }
+        }
+        FleetCmd::Rollout {
+            status:
+                Some(RolloutCmd::Status {
+                    broker,
+                    name,
+                    follow,
+                    json,
+                }),
+            ..
+        } => return rollout_status(&broker.config(), &name, follow, json),
+        FleetCmd::Rollout {
+            status: None,
+            broker,
+            artifact,
+            key,
+            fleet: plan_path,
+            chunk_bytes,
+            json,
+        } => {
+            let (artifact, key, plan_path) = (
+                artifact.expect("required"),
+                key.expect("required"),
+                plan_path.expect("required"),
+            );
+            let text = std::fs::read_to_string(&plan_path)
+                .with_context(|| format!("reading {}", plan_path.display()))?;
+            let plan = Plan::parse(&text, &plan_path.display().to_string())?;
+            let sk = secret_key(&key)?;
+            let bundle = Bundle::from_dir(&artifact, &sk, chunk_bytes)
+                .with_context(|| format!("artifact {}", artifact.display()))?;
+            let start = std::time::Instant::now();
+            let c = driver::run(&broker.config(), &bundle, &sk, plan, &mut |l| {
+                eprintln!("{l}")
+            })?;
+            if json {
+                println!("{}", serde_json::to_string(&c)?);
+            } else {
+                print!("{}", driver::table(&c));
+            }
+            eprintln!(
+                "rollout {} ended after {:.1} s",
+                c.name,
+                start.elapsed().as_secs_f64()
+            );
+            if c.state != RolloutState::Completed {
+                return Ok(ExitCode::FAILURE);
             }
         }
         FleetCmd::Infer {
@@ -389,4 +479,38 @@ fn infer(
     } else {
         ExitCode::SUCCESS
     })
+}
+
+fn rollout_status(cfg: &BrokerConfig, name: &str, follow: bool, json: bool) -> Result<ExitCode> {
+    let mut conn = Conn::connect(cfg, "rollout-status")?;
+    let Some(mut c) = driver::load(&mut conn, name)? else {
+        bail!("no rollout named {name} on {}", cfg.url);
+    };
+    let show = |c: &kestrel_trainer::rollout::Controller| -> Result<()> {
+        if json {
+            println!("{}", serde_json::to_string(c)?);
+        } else {
+            println!("{}", driver::table(c));
+        }
+        Ok(())
+    };
+    show(&c)?;
+    if follow {
+        let topic = driver::state_topic(&conn, name);
+        conn.subscribe(&topic)?;
+        while c.state == RolloutState::Running {
+            if let Some((t, p)) = conn.recv(Duration::from_secs(1))?
+                && t == topic
+                && !p.is_empty()
+            {
+                let next: kestrel_trainer::rollout::Controller = serde_json::from_slice(&p)?;
+                if next != c {
+                    c = next;
+                    show(&c)?;
+                }
+            }
+        }
+    }
+    conn.disconnect();
+    Ok(ExitCode::SUCCESS)
 }

@@ -11,6 +11,7 @@ pub mod images;
 pub mod model;
 pub mod optim;
 pub mod report;
+pub mod rollout;
 pub mod split;
 pub mod train;
 

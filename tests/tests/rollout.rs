@@ -1,0 +1,563 @@
+//! Fleet rollouts with the real binaries: `trainer rollout` against simulated devices
+//! (`edge-agent run --simulate N`, each with its own connection, store and update machine) on
+//! Mosquitto; TLS, passwords and the ACL from edge-agent/deploy/.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use kestrel_shared::mqtt::BrokerConfig;
+use kestrel_shared::protocol::Target;
+use kestrel_tests::fleet::{
+    Broker, BrokerKind, Proc, agent_config, fixture, free_port, start_agent_with, wait_status,
+};
+use kestrel_tests::{bin, run, stderr, stdout};
+use kestrel_trainer::fleet::{Conn, statuses};
+use serde_json::Value;
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+fn write_plan(dir: &Path, name: &str, body: &str) -> String {
+    std::fs::create_dir_all(dir).unwrap();
+    let p = dir.join(format!("{name}.toml"));
+    std::fs::write(&p, format!("name = \"{name}\"\n{body}")).unwrap();
+    s(&p)
+}
+
+fn rollout_cmd(b: &Broker, art: &Path, plan: &str) -> Command {
+    let mut c = Command::new(bin("trainer"));
+    c.args([
+        "rollout",
+        "--broker",
+        &b.url(),
+        "--artifact",
+        &s(art),
+        "--key",
+    ])
+    .arg(fixture().key())
+    .args(["--fleet", plan, "--json"]);
+    c
+}
+
+/// Waits until `n` devices have reported a status.
+fn wait_fleet(cfg: &BrokerConfig, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while statuses(cfg, None).unwrap().len() < n {
+        assert!(Instant::now() < deadline, "fewer than {n} devices reported");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+const THREE_PHASES: &str = r#"
+[[phases]]
+name = "canary"
+percent = 5
+timeout_s = 120
+[[phases]]
+name = "half"
+percent = 50
+failure = 0.05
+timeout_s = 120
+[[phases]]
+name = "all"
+percent = 100
+failure = 0.05
+timeout_s = 120
+"#;
+
+#[test]
+fn hundred_simulated_devices_three_phases_on_mosquitto() {
+    let f = fixture();
+    let dir = f.dir.join("hundred");
+    let b = Broker::start(BrokerKind::Mosquitto, &dir.join("broker"));
+    let cfg = b.config();
+    let conf = agent_config(&dir.join("sim"), "sim", &b.url(), &f.keys, "");
+    let mut fleet = start_agent_with(&conf, &[], &["--simulate", "100"]);
+    wait_fleet(&cfg, 100);
+    let plan = write_plan(&dir, "hundred", THREE_PHASES);
+    let start = Instant::now();
+    let o = rollout_cmd(&b, &f.v1, &plan).output().unwrap();
+    let secs = start.elapsed().as_secs_f64();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let c: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(c["state"]["state"], "completed");
+    let all = statuses(&cfg, None).unwrap();
+    assert_eq!(all.len(), 100);
+    assert!(
+        all.iter()
+            .all(|s| s.active == Some(1) && s.model.as_deref() == Some("lfw")),
+        "{all:?}"
+    );
+    // Phases were 5, 45 and 50 devices.
+    let mut per_phase = [0; 3];
+    for d in c["devices"].as_object().unwrap().values() {
+        per_phase[d["phase"].as_u64().unwrap() as usize] += 1;
+    }
+    assert_eq!(per_phase, [5, 45, 50]);
+    eprintln!("100-device rollout took {secs:.1} s");
+    assert!(fleet.is_running());
+}
+
+#[test]
+fn failing_canary_aborts_and_only_the_canary_ever_sees_the_bad_model() {
+    let f = fixture();
+    let dir = f.dir.join("abort");
+    let b = Broker::start(BrokerKind::Mosquitto, &dir.join("broker"));
+    let cfg = b.config();
+    let conf = agent_config(&dir.join("sim"), "ab", &b.url(), &f.keys, "");
+    let _fleet = start_agent_with(&conf, &[], &["--simulate", "20"]);
+    wait_fleet(&cfg, 20);
+    // Everyone on v1 first.
+    let plan = write_plan(&dir, "good", "[[phases]]\nname = \"all\"\npercent = 100\n");
+    let o = rollout_cmd(&b, &f.v1, &plan).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    // v9: golden outputs that this model does not produce.
+    let bad = f.variant(&f.v2, 9, |m| {
+        for g in m["golden"].as_array_mut().unwrap() {
+            g["expected_top1"] = (1 - g["expected_top1"].as_u64().unwrap()).into();
+        }
+    });
+    let plan = write_plan(
+        &dir,
+        "bad",
+        THREE_PHASES
+            .replace("percent = 5\n", "percent = 10\n")
+            .as_str(),
+    );
+    let o = rollout_cmd(&b, &bad, &plan).output().unwrap();
+    assert!(
+        !o.status.success(),
+        "the rollout must abort: {}",
+        stderr(&o)
+    );
+    let c: Value =
+        serde_json::from_str(stdout(&o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stderr(&o)));
+    assert_eq!(c["state"]["state"], "aborted", "{c}");
+    assert!(
+        c["state"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("phase 0 `canary`")
+    );
+    let canary: Vec<String> = c["devices"]
+        .as_object()
+        .unwrap()
+        .values()
+        .filter(|d| d["phase"] == 0)
+        .map(|d| d["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(canary.len(), 2);
+    let failed = canary
+        .iter()
+        .filter(|d| c["devices"][d.as_str()]["state"]["state"] == "failed")
+        .count();
+    assert!(failed >= 1, "{c}");
+    for s in statuses(&cfg, None).unwrap() {
+        assert_eq!(s.active, Some(1), "{} must be on v1", s.device);
+        let store = dir.join("sim/store").join(&s.device);
+        let journal = std::fs::read_to_string(store.join("state.json")).unwrap();
+        if canary.contains(&s.device) {
+            // The first failure aborts: a canary device still installing then is sent back
+            // before its own health check fails.
+            let state = &c["devices"][&s.device]["state"]["state"];
+            if s.failed_version == Some(9) {
+                assert_eq!(state, "failed", "{}", s.device);
+                assert!(
+                    s.last_error
+                        .as_deref()
+                        .unwrap()
+                        .contains("health check failed")
+                );
+            } else {
+                assert_eq!(state, "rolled-back", "{}", s.device);
+            }
+        } else {
+            assert_eq!(s.failed_version, None, "{}", s.device);
+            assert!(
+                !journal.contains("\"version\": 9"),
+                "{} saw v9: {journal}",
+                s.device
+            );
+            assert!(!store.join("versions/9").exists() && !store.join("downloads/9").exists());
+        }
+    }
+    // The abort is visible in `trainer rollout status`.
+    let o = run(
+        "trainer",
+        &["rollout", "status", "--broker", &b.url(), "--name", "bad"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("aborted: phase 0 `canary`"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
+fn controller_killed_mid_rollout_resumes_and_completes() {
+    let f = fixture();
+    let dir = f.dir.join("resume");
+    let b = Broker::start(BrokerKind::Mosquitto, &dir.join("broker"));
+    let cfg = b.config();
+    let conf = agent_config(&dir.join("sim"), "rs", &b.url(), &f.keys, "");
+    let _fleet = start_agent_with(&conf, &[], &["--simulate", "10"]);
+    wait_fleet(&cfg, 10);
+    // Soak time between phases keeps the rollout mid-way long enough to kill it there.
+    let plan = write_plan(
+        &dir,
+        "resume",
+        "[[phases]]\nname = \"first\"\npercent = 30\nsoak_s = 2\n[[phases]]\nname = \"second\"\npercent = 60\nsoak_s = 30\n[[phases]]\nname = \"rest\"\npercent = 100\n",
+    );
+    let ctl = Proc::spawn(
+        &mut rollout_cmd(&b, &f.v1, &plan),
+        &dir.join("controller-1.log"),
+    );
+    // Wait until the second phase has started (retained controller state), then SIGKILL.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let o = run(
+            "trainer",
+            &[
+                "rollout",
+                "status",
+                "--broker",
+                &b.url(),
+                "--name",
+                "resume",
+                "--json",
+            ],
+        );
+        let phase = serde_json::from_str::<Value>(stdout(&o).trim())
+            .ok()
+            .and_then(|c| c["phase"].as_u64());
+        if phase == Some(1) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the rollout never reached phase 1: {}",
+            ctl.output()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    ctl.kill();
+    let active_before = statuses(&cfg, None)
+        .unwrap()
+        .iter()
+        .filter(|s| s.active == Some(1))
+        .count();
+    assert!(active_before < 10, "killed mid-way, not at the end");
+    let o = rollout_cmd(&b, &f.v1, &plan).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("resuming rollout resume at phase 1"),
+        "{}",
+        stderr(&o)
+    );
+    let c: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(c["state"]["state"], "completed");
+    assert!(
+        statuses(&cfg, None)
+            .unwrap()
+            .iter()
+            .all(|s| s.active == Some(1))
+    );
+}
+
+/// A Mosquitto with TLS, passwords and the repo's ACL (edge-agent/deploy/kestrel.acl).
+struct SecureBroker {
+    proc: Proc,
+    port: u16,
+    dir: std::path::PathBuf,
+}
+
+fn openssl(args: &[&str], dir: &Path) {
+    let o = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "openssl {args:?}: {}", stderr(&o));
+}
+
+fn secure_broker(dir: &Path) -> SecureBroker {
+    std::fs::create_dir_all(dir).unwrap();
+    openssl(
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=kestrel-test-ca",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+        ],
+        dir,
+    );
+    openssl(
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ],
+        dir,
+    );
+    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    openssl(
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            "-out",
+            "server.pem",
+        ],
+        dir,
+    );
+    // A second CA the devices do not trust.
+    openssl(
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=other-ca",
+            "-keyout",
+            "other.key",
+            "-out",
+            "other.pem",
+        ],
+        dir,
+    );
+    let passwd = dir.join("passwd");
+    for (i, (user, pw)) in [
+        ("kestrel-trainer", "t-secret"),
+        ("pi-a", "a-secret"),
+        ("pi-b", "b-secret"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut c = Command::new("mosquitto_passwd");
+        if i == 0 {
+            c.arg("-c");
+        }
+        let o = c.arg("-b").arg(&passwd).args([user, pw]).output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        std::fs::write(dir.join(format!("{user}.pw")), pw).unwrap();
+    }
+    let repo_acl = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../edge-agent/deploy/kestrel.acl"
+    );
+    let acl = std::fs::read_to_string(repo_acl).unwrap()
+        + "\nuser pi-a\ntopic read kestrel/groups/lab/desired\n";
+    std::fs::write(dir.join("acl"), acl).unwrap();
+    let port = free_port();
+    let d = dir.display();
+    std::fs::write(
+        dir.join("mosquitto.conf"),
+        format!(
+            "per_listener_settings false\nlistener {port} 127.0.0.1\ncafile {d}/ca.pem\ncertfile {d}/server.pem\n\
+             keyfile {d}/server.key\ntls_version tlsv1.2\nallow_anonymous false\npassword_file {d}/passwd\n\
+             acl_file {d}/acl\nuser root\npersistence false\n"
+        ),
+    )
+    .unwrap();
+    let exe = if Path::new("/usr/sbin/mosquitto").exists() {
+        "/usr/sbin/mosquitto"
+    } else {
+        "mosquitto"
+    };
+    let mut proc = Proc::spawn(
+        Command::new(exe).arg("-c").arg(dir.join("mosquitto.conf")),
+        &dir.join("mosquitto.log"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            proc.is_running() && Instant::now() < deadline,
+            "{}",
+            proc.output()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    SecureBroker {
+        proc,
+        port,
+        dir: dir.to_path_buf(),
+    }
+}
+
+impl SecureBroker {
+    fn config(&self, user: Option<&str>, ca: &str) -> BrokerConfig {
+        let mut c = BrokerConfig::new(&format!("mqtts://127.0.0.1:{}", self.port));
+        c.ca_file = Some(self.dir.join(ca));
+        if let Some(u) = user {
+            c.username = Some(u.into());
+            c.password_file = Some(self.dir.join(format!("{u}.pw")));
+        }
+        c
+    }
+}
+
+#[test]
+fn tls_credentials_and_acl_on_mosquitto() {
+    let f = fixture();
+    let dir = f.dir.join("secure");
+    let sb = secure_broker(&dir.join("broker"));
+    let trainer = sb.config(Some("kestrel-trainer"), "ca.pem");
+
+    // A device with TLS (CA pinned) and its credentials installs a model.
+    let conf = dir.join("pi-a/agent.toml");
+    std::fs::create_dir_all(conf.parent().unwrap()).unwrap();
+    std::fs::write(
+        &conf,
+        format!(
+            "device_id = \"pi-a\"\ngroups = [\"lab\"]\nstore = \"store\"\ntrusted_keys = [\"{}\"]\n[broker]\n\
+             url = \"mqtts://127.0.0.1:{}\"\nca_file = \"{}\"\nusername = \"pi-a\"\npassword_file = \"{}\"\n",
+            f.keys.join("kestrel.pub").display(),
+            sb.port,
+            sb.dir.join("ca.pem").display(),
+            sb.dir.join("pi-a.pw").display()
+        ),
+    )
+    .unwrap();
+    let agent = start_agent_with(&conf, &[], &[]);
+    let o = run(
+        "trainer",
+        &[
+            "publish",
+            "--broker",
+            &trainer.url,
+            "--ca-file",
+            &s(&sb.dir.join("ca.pem")),
+            "--username",
+            "kestrel-trainer",
+            "--password-file",
+            &s(&sb.dir.join("kestrel-trainer.pw")),
+            "--artifact",
+            &s(&f.v1),
+            "--key",
+            &s(&f.key()),
+            "--target",
+            "device/pi-a",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_status(&trainer, "pi-a", 120, "v1 active over TLS", |s| {
+        s.active == Some(1) && s.state == "idle"
+    });
+    assert!(
+        agent.output().contains("connected to mqtts://"),
+        "{}",
+        agent.output()
+    );
+
+    // Refused: no credentials, a wrong password, a CA the broker's certificate does not chain to,
+    // and plain MQTT on the TLS port.
+    let refused = |c: &BrokerConfig, what: &str| {
+        let e = match Conn::connect(c, "probe") {
+            Ok(_) => panic!("{what}: connected"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(&c.url), "{what}: {e}");
+        e
+    };
+    let e = refused(&sb.config(None, "ca.pem"), "no credentials");
+    assert!(
+        e.to_lowercase().contains("refused")
+            || e.contains("NotAuthorized")
+            || e.contains("BadUserName"),
+        "{e}"
+    );
+    let mut wrong = sb.config(Some("pi-b"), "ca.pem");
+    wrong.password_file = Some(sb.dir.join("pi-a.pw"));
+    refused(&wrong, "wrong password");
+    let e = refused(&sb.config(Some("pi-a"), "other.pem"), "untrusted CA");
+    assert!(
+        e.to_lowercase().contains("certificate") || e.contains("Tls"),
+        "{e}"
+    );
+    let mut plain = sb.config(Some("pi-a"), "ca.pem");
+    plain.url = format!("mqtt://127.0.0.1:{}", sb.port);
+    refused(&plain, "plain MQTT on the TLS port");
+
+    // ACL: pi-a reads its own desired state but not pi-b's, and cannot write pi-b's status.
+    let mut t = Conn::connect(&trainer, "acl").unwrap();
+    let key = f.signing();
+    let d = |dev: &str| kestrel_shared::protocol::Desired {
+        target: Target::Device(dev.into()),
+        name: "lfw".into(),
+        version: 1,
+        rollback: false,
+        issued: 1,
+        rollout: None,
+    };
+    let signed = |dev: &str| {
+        serde_json::to_vec(&kestrel_shared::protocol::SignedDesired::new(&key, &d(dev))).unwrap()
+    };
+    t.publish_all(
+        vec![(
+            t.topics.desired(&Target::Device("pi-b".into())),
+            signed("pi-b"),
+            true,
+        )],
+        None,
+    )
+    .unwrap();
+    let mut a = Conn::connect(&sb.config(Some("pi-a"), "ca.pem"), "acl-a").unwrap();
+    let own = a
+        .retained("kestrel/devices/pi-a/desired", Duration::from_millis(700))
+        .unwrap();
+    assert_eq!(own.len(), 1, "pi-a reads its own desired state");
+    let other = a
+        .retained("kestrel/devices/pi-b/#", Duration::from_millis(700))
+        .unwrap();
+    assert!(
+        other.is_empty(),
+        "pi-a must not read pi-b's topics: {:?}",
+        other.keys()
+    );
+    let forged = br#"{"device":"pi-b","forged":true}"#.to_vec();
+    a.publish_all(
+        vec![("kestrel/devices/pi-b/status".into(), forged, true)],
+        None,
+    )
+    .unwrap();
+    let st = t
+        .retained("kestrel/devices/pi-b/status", Duration::from_millis(700))
+        .unwrap();
+    assert!(st.is_empty(), "pi-a wrote pi-b's status: {st:?}");
+    drop(sb.proc);
+}

@@ -1,0 +1,254 @@
+//! The MQTT loop around the rollout [`Controller`]: publishes the artifact, feeds device statuses
+//! and clock ticks to the controller, publishes what it asks for (signed desired states), and
+//! keeps the controller retained at `P/rollouts/<name>/state` so a restart resumes it.
+
+use std::time::{Duration, Instant};
+
+use ed25519_dalek::SigningKey;
+use kestrel_shared::mqtt::BrokerConfig;
+use kestrel_shared::protocol::{Desired, SignedDesired, Status, Target, check_name, parse};
+
+use super::{Controller, DeviceState, Output, Plan, RolloutState};
+use crate::fleet::{Bundle, Conn, FleetError, now_unix};
+
+pub fn state_topic(conn: &Conn, name: &str) -> String {
+    format!("{}/rollouts/{name}/state", conn.topics.prefix())
+}
+
+/// The rollout's retained controller, if any.
+pub fn load(conn: &mut Conn, name: &str) -> Result<Option<Controller>, FleetError> {
+    let topic = state_topic(conn, name);
+    Ok(
+        match conn
+            .retained(&topic, Duration::from_millis(400))?
+            .get(&topic)
+        {
+            Some(p) if !p.is_empty() => Some(parse(&topic, p)?),
+            _ => None,
+        },
+    )
+}
+
+fn execute(
+    conn: &mut Conn,
+    c: &Controller,
+    key: &SigningKey,
+    outputs: Vec<Output>,
+    log: &mut dyn FnMut(String),
+) -> Result<(), FleetError> {
+    let mut batch = Vec::new();
+    for o in outputs {
+        match o {
+            Output::Desired {
+                device,
+                name,
+                version,
+                rollback,
+            } => {
+                let target = Target::Device(device);
+                let d = Desired {
+                    target: target.clone(),
+                    name,
+                    version,
+                    rollback,
+                    issued: now_unix(),
+                    rollout: Some(c.name.clone()),
+                };
+                let payload =
+                    serde_json::to_vec(&SignedDesired::new(key, &d)).expect("serializable");
+                batch.push((conn.topics.desired(&target), payload, true));
+            }
+            Output::Clear { device } => {
+                batch.push((
+                    conn.topics.desired(&Target::Device(device)),
+                    Vec::new(),
+                    true,
+                ));
+            }
+            Output::Save => {
+                // After the desired states it follows: a crash in between repeats them on resume.
+                batch.push((
+                    state_topic(conn, &c.name),
+                    serde_json::to_vec(c).expect("serializable"),
+                    true,
+                ));
+                conn.publish_all(std::mem::take(&mut batch), None)?;
+            }
+            Output::Log(line) => log(line),
+        }
+    }
+    conn.publish_all(batch, None)
+}
+
+/// Runs (or resumes) the rollout of `bundle` with `plan` until it completes or aborts.
+pub fn run(
+    cfg: &BrokerConfig,
+    bundle: &Bundle,
+    key: &SigningKey,
+    plan: Plan,
+    log: &mut dyn FnMut(String),
+) -> Result<Controller, FleetError> {
+    let (model, version) = (bundle.offer.name.clone(), bundle.offer.version);
+    let name = plan
+        .name
+        .clone()
+        .unwrap_or_else(|| format!("{model}-v{version}"));
+    check_name(&name)?;
+    let mut conn = Conn::connect(cfg, "rollout")?;
+    let mut c = match load(&mut conn, &name)? {
+        Some(c) if c.model != model || c.version != version => {
+            return Err(FleetError::Refused(format!(
+                "rollout {name} exists for {} v{}, not {model} v{version}: choose another name",
+                c.model, c.version
+            )));
+        }
+        Some(c) if c.state != RolloutState::Running => {
+            log(format!("rollout {name} already finished: {:?}", c.state));
+            conn.disconnect();
+            return Ok(c);
+        }
+        Some(c) => {
+            log(format!(
+                "resuming rollout {name} at phase {} `{}`",
+                c.phase, c.plan.phases[c.phase].name
+            ));
+            c
+        }
+        None => {
+            let mut fleet: Vec<Status> = conn
+                .retained(&conn.topics.status_filter(), Duration::from_millis(500))?
+                .iter()
+                .filter(|(_, p)| !p.is_empty())
+                .map(|(t, p)| parse(t, p))
+                .collect::<Result<_, _>>()?;
+            if let Some(list) = &plan.devices {
+                if let Some(missing) = list.iter().find(|d| !fleet.iter().any(|s| &s.device == *d))
+                {
+                    return Err(FleetError::Refused(format!(
+                        "device {missing} of the plan has never reported a status"
+                    )));
+                }
+                fleet.retain(|s| list.contains(&s.device));
+            }
+            let c = Controller::new(&name, &model, version, plan, &fleet)
+                .map_err(|e| FleetError::Refused(e.to_string()))?;
+            log(format!(
+                "rollout {name}: {model} v{version} to {} devices in {} phases",
+                fleet.len(),
+                c.plan.phases.len()
+            ));
+            conn.publish_all(bundle.messages(&conn.topics), None)?;
+            c
+        }
+    };
+    let outputs = c.start(now_unix());
+    execute(&mut conn, &c, key, outputs, log)?;
+    conn.subscribe(&conn.topics.status_filter())?;
+    let mut last_tick = Instant::now();
+    while c.state == RolloutState::Running {
+        if let Some((t, p)) = conn.recv(Duration::from_millis(250))?
+            && !p.is_empty()
+            && t.ends_with("/status")
+        {
+            let s: Status = parse(&t, &p)?;
+            let outputs = c.on_status(&s, now_unix());
+            execute(&mut conn, &c, key, outputs, log)?;
+        }
+        if last_tick.elapsed() >= Duration::from_secs(1) {
+            last_tick = Instant::now();
+            let outputs = c.on_tick(now_unix());
+            execute(&mut conn, &c, key, outputs, log)?;
+        }
+    }
+    if let RolloutState::Aborted(_) = &c.state {
+        wait_rolled_back(&mut conn, &c, log)?;
+    }
+    conn.disconnect();
+    Ok(c)
+}
+
+/// After an abort: waits (up to a minute) until every device sent back reports its previous model.
+fn wait_rolled_back(
+    conn: &mut Conn,
+    c: &Controller,
+    log: &mut dyn FnMut(String),
+) -> Result<(), FleetError> {
+    let mut left: std::collections::BTreeMap<&str, &(String, u64)> = c
+        .devices
+        .values()
+        .filter(|d| d.state != DeviceState::Waiting)
+        .filter_map(|d| d.previous.as_ref().map(|p| (d.id.as_str(), p)))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    conn.subscribe(&conn.topics.status_filter())?;
+    while !left.is_empty() && Instant::now() < deadline {
+        if let Some((t, p)) = conn.recv(Duration::from_millis(250))?
+            && !p.is_empty()
+            && t.ends_with("/status")
+        {
+            let s: Status = parse(&t, &p)?;
+            if let Some((name, v)) = left.get(s.device.as_str())
+                && s.active == Some(*v)
+                && s.model.as_deref() == Some(name.as_str())
+            {
+                left.remove(s.device.as_str());
+            }
+        }
+    }
+    match left.keys().next() {
+        None => {
+            log("every device sent back reports its previous model".into());
+            Ok(())
+        }
+        Some(d) => Err(FleetError::Refused(format!(
+            "{} devices (first: {d}) did not report their previous model within 60 s",
+            left.len()
+        ))),
+    }
+}
+
+/// One line per phase: devices per state.
+pub fn table(c: &Controller) -> String {
+    let mut out = format!(
+        "rollout {}: {} v{} — {}\n{:<4}{:<16}{:>8}{:>8}{:>8}{:>8}{:>10}{:>12}\n",
+        c.name,
+        c.model,
+        c.version,
+        match &c.state {
+            RolloutState::Running => format!("running phase {}", c.phase),
+            RolloutState::Completed => "completed".into(),
+            RolloutState::Aborted(r) => format!("aborted: {r}"),
+        },
+        "#",
+        "phase",
+        "devices",
+        "waiting",
+        "moved",
+        "active",
+        "failed",
+        "rolled-back"
+    );
+    for (i, ph) in c.plan.phases.iter().enumerate() {
+        let mut n = [0usize; 5];
+        for d in c.phase_devices(i) {
+            n[match d.state {
+                DeviceState::Waiting => 0,
+                DeviceState::Moved => 1,
+                DeviceState::Active => 2,
+                DeviceState::Failed(_) | DeviceState::TimedOut => 3,
+                DeviceState::RolledBack => 4,
+            }] += 1;
+        }
+        out.push_str(&format!(
+            "{i:<4}{:<16}{:>8}{:>8}{:>8}{:>8}{:>10}{:>12}\n",
+            ph.name,
+            n.iter().sum::<usize>(),
+            n[0],
+            n[1],
+            n[2],
+            n[3],
+            n[4]
+        ));
+    }
+    out
+}
