@@ -131,3 +131,28 @@ print(f"{'MQTT round trip (window 8)':<36}{rate:>10.1f}{1000 / rate:>10.1f}{rate
 print(f"{'  of which device inference p50':<36}{'':>10}{s['device_latency_p50_ms']:>10.1f}")
 print(f"{'python onnxruntime, batch 1':<36}{1000 / peer_ms:>10.1f}{peer_ms:>10.1f}{1:>9.2f}x")
 PY
+
+echo
+echo "# Fleet rollout: 100 simulated devices (one process, one connection each) on Mosquitto, 3 phases (5%, 50%, 100%)"
+mport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+mkdir -p "$work/mosq" "$work/fleet"
+printf 'listener %s 127.0.0.1\nallow_anonymous true\npersistence false\nuser root\nmax_queued_messages 10000\n' "$mport" > "$work/mosq/m.conf"
+mosquitto=$(command -v mosquitto || echo /usr/sbin/mosquitto)
+"$mosquitto" -c "$work/mosq/m.conf" 2>/dev/null & pids+=($!)
+for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$mport") 2>/dev/null && break; sleep 0.1; done
+printf 'device_id = "sim"\nstore = "store"\ntrusted_keys = ["%s"]\n[broker]\nurl = "mqtt://127.0.0.1:%s"\n' \
+  "$work/keys/kestrel.pub" "$mport" > "$work/fleet/agent.toml"
+"$KESTREL_BIN/edge-agent" run --config "$work/fleet/agent.toml" --simulate 100 2>/dev/null & pids+=($!)
+for _ in $(seq 120); do
+  [ "$("$trainer" status --broker "mqtt://127.0.0.1:$mport" --json | wc -l)" -ge 100 ] && break; sleep 0.5
+done
+printf '[[phases]]\nname = "canary"\npercent = 5\n[[phases]]\nname = "half"\npercent = 50\nfailure = 0.05\n[[phases]]\nname = "all"\npercent = 100\nfailure = 0.05\n' > "$work/fleet/plan.toml"
+start=$(date +%s.%N)
+"$trainer" rollout --broker "mqtt://127.0.0.1:$mport" --artifact "$work/art-int8-weights" \
+  --key "$work/keys/kestrel.key" --fleet "$work/fleet/plan.toml" 2>/dev/null | tail -4
+end=$(date +%s.%N)
+python3 - "$start" "$end" "$work/publish.json" <<'PY'
+import json, sys
+mb = json.load(open(sys.argv[3]))["bytes"] / 1e6
+print(f"100 devices, 3 phases, {mb:.1f} MB to each: {float(sys.argv[2]) - float(sys.argv[1]):.1f} s (goal <= 60 s)")
+PY

@@ -189,6 +189,12 @@ fn rumqttd_delivery_inference_updates_and_every_rejection() {
     let topics = Conn::connect(&cfg, "t").unwrap().topics.clone();
     publish_raw(&b, rogue.messages(&topics), desired("pi-1", 3, false));
     rejected("unknown key", "signed by unknown key");
+    // A desired state (and manifest) signed by that key, through the CLI.
+    let v10 = f.variant(&f.v2, 10, |_| {});
+    let rogue_key = f.rogue_keys.join("kestrel.key");
+    let o = publish(&b, &v10, &rogue_key, "device/pi-1", &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    rejected("unsigned desired state", "desired state refused: signed by unknown key");
 
     // A chunk altered in the broker after publishing.
     let v4 = Bundle::from_dir(&f.variant(&f.v2, 4, |_| {}), &f.signing(), 128 * 1024).unwrap();
