@@ -194,7 +194,10 @@ fn rumqttd_delivery_inference_updates_and_every_rejection() {
     let rogue_key = f.rogue_keys.join("kestrel.key");
     let o = publish(&b, &v10, &rogue_key, "device/pi-1", &[]);
     assert!(o.status.success(), "{}", stderr(&o));
-    rejected("unsigned desired state", "desired state refused: signed by unknown key");
+    rejected(
+        "unsigned desired state",
+        "desired state refused: signed by unknown key",
+    );
 
     // A chunk altered in the broker after publishing.
     let v4 = Bundle::from_dir(&f.variant(&f.v2, 4, |_| {}), &f.signing(), 128 * 1024).unwrap();

@@ -284,26 +284,17 @@ fn openssl(args: &[&str], dir: &Path) {
     assert!(o.status.success(), "openssl {args:?}: {}", stderr(&o));
 }
 
+fn self_signed_ca(dir: &Path, cn: &str, key: &str, cert: &str) {
+    let subj = format!("/CN={cn}");
+    let args = [
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", &subj,
+    ];
+    openssl(&[&args[..], &["-keyout", key, "-out", cert]].concat(), dir);
+}
+
 fn secure_broker(dir: &Path) -> SecureBroker {
     std::fs::create_dir_all(dir).unwrap();
-    openssl(
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=kestrel-test-ca",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-        ],
-        dir,
-    );
+    self_signed_ca(dir, "kestrel-test-ca", "ca.key", "ca.pem");
     openssl(
         &[
             "req",
@@ -341,24 +332,7 @@ fn secure_broker(dir: &Path) -> SecureBroker {
         dir,
     );
     // A second CA the devices do not trust.
-    openssl(
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=other-ca",
-            "-keyout",
-            "other.key",
-            "-out",
-            "other.pem",
-        ],
-        dir,
-    );
+    self_signed_ca(dir, "other-ca", "other.key", "other.pem");
     let passwd = dir.join("passwd");
     for (i, (user, pw)) in [
         ("kestrel-trainer", "t-secret"),
