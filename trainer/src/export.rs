@@ -54,6 +54,8 @@ pub struct ExportOpts {
     pub quantize: QuantForm,
     /// Training samples used to calibrate activation ranges (static int8).
     pub calibration: usize,
+    /// Static int8: the stem and this many leading blocks keep float activations.
+    pub float_blocks: usize,
     pub f16: bool,
     /// Largest accepted accuracy drop of a quantized form, in percentage points.
     pub max_accuracy_drop: f64,
@@ -62,6 +64,16 @@ pub struct ExportOpts {
     pub name: Option<String>,
     pub version: u64,
     pub golden: usize,
+}
+
+/// Layers kept with float activations in static int8: the stem and the first `blocks` blocks.
+fn float_layer(layer: &str, blocks: usize) -> bool {
+    layer == "stem"
+        || layer
+            .strip_prefix("blocks.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|b| b.parse::<usize>().ok())
+            .is_some_and(|b| b < blocks)
 }
 
 fn invalid(m: String) -> TrainError {
@@ -246,7 +258,11 @@ pub fn export(
         // the inputs the quantized network sees.
         let quant = match o.quantize {
             QuantForm::Int8 => {
-                Quant::Static(calibrate(&pp, &folded, &head, &Quant::None, &samples)?.ranges)
+                let mut ranges = calibrate(&pp, &folded, &head, &Quant::None, &samples)?.ranges;
+                // The layers nearest the input keep float activations (their weights stay int8):
+                // they see the widest, least regular ranges, and quantizing them costs the most.
+                ranges.retain(|k, _| !float_layer(k, o.float_blocks));
+                Quant::Static(ranges)
             }
             _ => Quant::Weights,
         };
@@ -520,7 +536,16 @@ pub fn export(
         },
         quantization: Quantization {
             form: o.quantize.name().into(),
-            int8_ops: quant.int8_ops(),
+            int8_ops: {
+                let mut ops = quant.int8_ops();
+                if o.quantize == QuantForm::Int8 {
+                    ops.push(format!(
+                        "float activations: stem and blocks 0..{} (int8 weights)",
+                        o.float_blocks
+                    ));
+                }
+                ops
+            },
             calibration_samples: if o.quantize == QuantForm::Int8 {
                 o.calibration
             } else {

@@ -250,6 +250,10 @@ enum Cmd {
         /// quantized forms).
         #[arg(long, default_value_t = 200)]
         calibration: usize,
+        /// Static int8 only: keep float activations in the stem and this many leading blocks
+        /// (their weights stay int8); the layers nearest the input are the most sensitive.
+        #[arg(long, default_value_t = 2)]
+        float_blocks: usize,
         /// Precision of model.safetensors: f32 | f16.
         #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
         dtype: String,
@@ -483,6 +487,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             out,
             quantize,
             calibration,
+            float_blocks,
             dtype,
             max_accuracy_drop,
             tolerance,
@@ -495,6 +500,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let opts = ExportOpts {
                 quantize,
                 calibration,
+                float_blocks,
                 f16: dtype == "f16",
                 max_accuracy_drop,
                 tolerance,
