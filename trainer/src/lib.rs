@@ -3,6 +3,7 @@
 
 pub mod cache;
 pub mod classify;
+pub mod collective;
 pub mod data;
 pub mod export;
 pub mod images;

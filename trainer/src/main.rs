@@ -12,7 +12,7 @@ use kestrel_models::{Arch, EngineKind, torch};
 use kestrel_shared::PreprocessSpec;
 use kestrel_trainer::classify::{Classifier, throughput};
 use kestrel_trainer::export::{self, ExportOpts, QuantForm};
-use kestrel_trainer::train::{self, FitParams, Optimizer, Schedule, SourceOptsSer};
+use kestrel_trainer::train::{self, FitParams, LrScaling, Optimizer, Schedule, SourceOptsSer};
 
 #[derive(Parser)]
 #[command(
@@ -139,9 +139,19 @@ struct FitArgs {
     /// Augment training views: flip, crop (comma-separated). Augmented views are not cached.
     #[arg(long, value_delimiter = ',', value_parser = ["flip", "crop"])]
     augment: Vec<String>,
-    /// Data-parallel workers (the cache gets at least this many shards).
+    /// Data-parallel workers (threads of this process): each computes the gradient of its part of
+    /// every global batch, gradients are averaged (allreduce) and every worker takes the same step,
+    /// so N workers train what 1 worker trains with the same --batch-size and --seed.
     #[arg(long, default_value_t = 1)]
     workers: usize,
+    /// Learning rate vs workers: none (same lr; equal to 1 worker at the same global batch) or
+    /// linear (lr x workers, Horovod's recipe when the global batch grows with the workers).
+    #[arg(long, value_enum, default_value = "none")]
+    lr_scaling: LrScaling,
+    /// Seconds a collective (gradient allreduce, broadcast, barrier) may wait for the other
+    /// workers before failing with the ranks that did not arrive.
+    #[arg(long, default_value_t = 60.0, value_name = "SECS")]
+    collective_timeout: f64,
 }
 
 impl FitArgs {
@@ -168,7 +178,15 @@ impl FitArgs {
             augment_crop: self.augment.iter().any(|a| a == "crop"),
             workers: self.workers,
             skip_invalid: data.skip_invalid,
+            lr_scaling: self.lr_scaling,
         })
+    }
+
+    fn collective_timeout(&self) -> Result<std::time::Duration> {
+        std::time::Duration::try_from_secs_f64(self.collective_timeout)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .context("--collective-timeout must be a positive number of seconds")
     }
 }
 
@@ -413,12 +431,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 }
                 None => (fit.params(&data)?, out.expect("clap requires --out"), false),
             };
-            let o = train::fit(
+            let o = train::fit_local(
                 &params,
                 &dir,
                 resuming,
                 &data.cache_root(),
                 cli.threads,
+                fit.collective_timeout()?,
                 &mut log,
             )?;
             let s = &o.summary;
