@@ -12,6 +12,7 @@ pub mod optim;
 pub mod report;
 pub mod split;
 pub mod train;
+pub mod tune;
 
 pub use kestrel_models as models;
 pub use kestrel_shared as shared;

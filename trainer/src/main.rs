@@ -13,6 +13,7 @@ use kestrel_shared::PreprocessSpec;
 use kestrel_trainer::classify::{Classifier, throughput};
 use kestrel_trainer::export::{self, ExportOpts, QuantForm};
 use kestrel_trainer::train::{self, FitParams, LrScaling, Optimizer, Schedule, SourceOptsSer};
+use kestrel_trainer::tune;
 
 #[derive(Parser)]
 #[command(
@@ -215,6 +216,70 @@ enum Cmd {
         #[arg(long, value_name = "RUN_DIR", conflicts_with = "out")]
         resume: Option<PathBuf>,
         /// Print summary.json on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Search head hyperparameters with TPE (seeded random warm-up, then Tree-structured Parzen
+    /// Estimator) over trials that train in parallel on the shared feature cache (computed once).
+    /// Writes OUT/trials.jsonl and OUT/best.json and prints the trials sorted by validation loss.
+    Tune {
+        #[command(flatten)]
+        data: DataArgs,
+        #[command(flatten)]
+        backbone: BackboneArgs,
+        /// Engine that runs the frozen backbone (once, for the feature cache): tract | ort | candle.
+        #[arg(long, default_value = "tract")]
+        engine: EngineKind,
+        /// Number of trials.
+        #[arg(long, default_value_t = 50)]
+        trials: usize,
+        /// Trials trained at the same time (worker threads).
+        #[arg(long, default_value_t = 1)]
+        parallel: usize,
+        /// Random warm-up trials before TPE proposes.
+        #[arg(long, default_value_t = 10)]
+        startup: usize,
+        /// Output directory (trials.jsonl, best.json).
+        #[arg(long)]
+        out: PathBuf,
+        /// Search space as TOML (keys lr, momentum, weight_decay: [lo, hi]; batch_size: [..];
+        /// optimizer: ["sgd", "adamw"]; epochs: [lo, hi]); the range flags below override it.
+        #[arg(long, value_name = "SPACE.toml")]
+        space: Option<PathBuf>,
+        /// Learning-rate range, log-uniform [default: 1e-4,0.3].
+        #[arg(long, value_delimiter = ',', value_name = "LO,HI")]
+        lr_range: Option<Vec<f64>>,
+        /// Momentum range, uniform [default: 0,0.99].
+        #[arg(long, value_delimiter = ',', value_name = "LO,HI")]
+        momentum_range: Option<Vec<f64>>,
+        /// Weight-decay range, uniform [default: 0,0.001].
+        #[arg(long, value_delimiter = ',', value_name = "LO,HI")]
+        weight_decay_range: Option<Vec<f64>>,
+        /// Batch sizes to choose from [default: 16,32,64].
+        #[arg(long, value_delimiter = ',')]
+        batch_sizes: Option<Vec<usize>>,
+        /// Optimizers to choose from [default: sgd,adamw].
+        #[arg(long, value_delimiter = ',', value_enum)]
+        optimizers: Option<Vec<Optimizer>>,
+        /// Epoch range, integers inclusive [default: 5,30].
+        #[arg(long, value_delimiter = ',', value_name = "LO,HI")]
+        epochs_range: Option<Vec<usize>>,
+        /// Seed of the split, of every trial's initialisation and order, and of the search.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        #[arg(long, default_value_t = 0.2)]
+        val_fraction: f64,
+        #[arg(long, default_value_t = 0.0)]
+        test_fraction: f64,
+        #[arg(long, value_enum, default_value = "none")]
+        schedule: Schedule,
+        /// Stop a trial after PATIENCE epochs without a lower validation loss.
+        #[arg(long, value_name = "PATIENCE")]
+        early_stopping: Option<usize>,
+        /// Then train the final model with the best trial's parameters into RUN_DIR.
+        #[arg(long, value_name = "RUN_DIR")]
+        then_fit: Option<PathBuf>,
+        /// Print {"best": ..., "trials": [...sorted], "then_fit": summary} as JSON on stdout.
         #[arg(long)]
         json: bool,
     },
@@ -456,6 +521,123 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     o.run_dir.display()
                 );
                 println!("{}", s.validation.to_table());
+            }
+        }
+        Cmd::Tune {
+            data,
+            backbone,
+            engine,
+            trials,
+            parallel,
+            startup,
+            out,
+            space,
+            lr_range,
+            momentum_range,
+            weight_decay_range,
+            batch_sizes,
+            optimizers,
+            epochs_range,
+            seed,
+            val_fraction,
+            test_fraction,
+            schedule,
+            early_stopping,
+            then_fit,
+            json,
+        } => {
+            let mut sp = match &space {
+                Some(f) => tune::read_space(f)?,
+                None => tune::Space::default(),
+            };
+            fn pair<T: Copy>(v: Option<Vec<T>>, flag: &str) -> Result<Option<[T; 2]>> {
+                match v {
+                    None => Ok(None),
+                    Some(v) if v.len() == 2 => Ok(Some([v[0], v[1]])),
+                    Some(_) => bail!("{flag} takes two comma-separated values LO,HI"),
+                }
+            }
+            if let Some(r) = pair(lr_range, "--lr-range")? {
+                sp.lr = r;
+            }
+            if let Some(r) = pair(momentum_range, "--momentum-range")? {
+                sp.momentum = r;
+            }
+            if let Some(r) = pair(weight_decay_range, "--weight-decay-range")? {
+                sp.weight_decay = r;
+            }
+            if let Some(r) = pair(epochs_range, "--epochs-range")? {
+                sp.epochs = r;
+            }
+            if let Some(b) = batch_sizes {
+                sp.batch_size = b;
+            }
+            if let Some(o) = optimizers {
+                sp.optimizer = o;
+            }
+            let defaults = tune::Space::default();
+            let base = FitParams {
+                data: data.path()?,
+                source: data.source(),
+                backbone: backbone.backbone.clone(),
+                arch: backbone.arch.map(|a| a.name().to_string()),
+                engine,
+                epochs: defaults.epochs[0],
+                batch_size: defaults.batch_size[0],
+                lr: defaults.lr[0],
+                momentum: 0.0,
+                weight_decay: 0.0,
+                optimizer: Optimizer::Sgd,
+                schedule,
+                early_stopping,
+                seed,
+                val_fraction,
+                test_fraction,
+                unfreeze_last: 0,
+                augment_flip: false,
+                augment_crop: false,
+                workers: 1,
+                skip_invalid: data.skip_invalid,
+                lr_scaling: LrScaling::None,
+            };
+            let opts = tune::TuneOpts {
+                trials,
+                parallel,
+                seed,
+                space: sp,
+                startup,
+            };
+            let cache = data.cache_root();
+            let outcome = tune::tune(&base, &opts, &out, &cache, cli.threads, &mut log)?;
+            let fitted = match &then_fit {
+                Some(dir) => {
+                    let p = tune::best_params(&base, &outcome.best, seed);
+                    log(format!(
+                        "fitting the best parameters (trial {}) into {}",
+                        outcome.best.trial,
+                        dir.display()
+                    ));
+                    Some(train::fit(&p, dir, false, &cache, cli.threads, &mut log)?)
+                }
+                None => None,
+            };
+            if json {
+                let v = serde_json::json!({
+                    "best": outcome.best,
+                    "trials": tune::sorted(&outcome.trials),
+                    "then_fit": fitted.as_ref().map(|o| &o.summary),
+                });
+                println!("{v}");
+            } else {
+                print!("{}", tune::table(&outcome.trials));
+                if let Some(o) = &fitted {
+                    println!(
+                        "final model: val accuracy {:.4} (loss {:.4}) -> {}",
+                        o.summary.val_accuracy,
+                        o.summary.val_loss,
+                        o.run_dir.display()
+                    );
+                }
             }
         }
         Cmd::Evaluate {

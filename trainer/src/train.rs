@@ -46,6 +46,8 @@ pub enum TrainError {
     Invalid(String),
     #[error(transparent)]
     Collective(#[from] CollectiveError),
+    #[error("training diverged: no epoch of {epochs} had a finite validation loss (lower --lr)")]
+    Diverged { epochs: usize },
     #[error("worker rank {rank}: {message}")]
     Worker { rank: usize, message: String },
     #[error("{path}: {reason}")]
@@ -471,7 +473,7 @@ pub fn fit_local(
     if world == 1 {
         return lead_only(train_rank(
             p,
-            run_dir,
+            Some(run_dir),
             resume,
             &pp,
             &comms[0],
@@ -491,7 +493,7 @@ pub fn fit_local(
                     let _guard = AbortOnPanic(c);
                     let r = train_rank(
                         p,
-                        run_dir,
+                        Some(run_dir),
                         resume,
                         pp,
                         c,
@@ -510,7 +512,7 @@ pub fn fit_local(
             let _guard = AbortOnPanic(&comms[0]);
             let r = train_rank(
                 p,
-                run_dir,
+                Some(run_dir),
                 resume,
                 &pp,
                 &comms[0],
@@ -585,7 +587,7 @@ pub fn fit_local(
 #[allow(clippy::too_many_arguments)]
 pub fn train_rank(
     p: &FitParams,
-    run_dir: &Path,
+    run_dir: Option<&Path>,
     resume: bool,
     pp: &Prepped,
     comm: &dyn Collective,
@@ -595,8 +597,10 @@ pub fn train_rank(
 ) -> Result<Option<FitOutcome>, TrainError> {
     let (rank, world) = (comm.rank(), comm.world());
     let lead = rank == 0;
+    // Where rank 0 writes the run (nothing is written without a run directory: tuning trials).
+    let out = run_dir.filter(|_| lead);
     let run_err = |reason: String| TrainError::Run {
-        path: run_dir.display().to_string(),
+        path: run_dir.map(|d| d.display().to_string()).unwrap_or_default(),
         reason,
     };
     // Same parameters and data on every rank (the table path may differ between hosts).
@@ -648,7 +652,7 @@ pub fn train_rank(
         history: Vec::new(),
     };
     let mut resumed = false;
-    if resume && lead {
+    if let (true, Some(run_dir)) = (resume, out) {
         if let Some(e) = latest_checkpoint(run_dir) {
             let text = std::fs::read_to_string(ckpt_path(run_dir, e, "json"))
                 .map_err(|e| run_err(e.to_string()))?;
@@ -690,18 +694,20 @@ pub fn train_rank(
         comm.broadcast_f32(&mut w, 0)?;
         optim::set_vars(&model.vars, &w)?;
     }
-    let metrics_path = run_dir.join("metrics.jsonl");
-    if lead {
+    let metrics_path = out.map(|d| d.join("metrics.jsonl"));
+    if let (Some(run_dir), Some(metrics_path)) = (out, &metrics_path) {
         report::write_json_atomic(&run_dir.join("params.json"), p)?;
         // metrics.jsonl is rewritten from the checkpoint's history, dropping lines of a lost epoch.
-        let _ = std::fs::remove_file(&metrics_path);
+        let _ = std::fs::remove_file(metrics_path);
         for m in &state.history {
-            report::append_jsonl(&metrics_path, m)?;
-        }
-        if state.epoch == 0 {
-            log(model_summary(pp, &model));
+            report::append_jsonl(metrics_path, m)?;
         }
     }
+    if lead && state.epoch == 0 {
+        log(model_summary(pp, &model));
+    }
+    // The best epoch's weights (also in best.safetensors when writing a run).
+    let mut best_weights: Option<Weights> = None;
     let lr_factor = match p.lr_scaling {
         LrScaling::None => 1.0,
         LrScaling::Linear => world as f64,
@@ -745,7 +751,7 @@ pub fn train_rank(
         let lr = p.lr_at(state.epoch) * lr_factor;
         let t0 = Instant::now();
         let batches = split::epoch_batches(&train_idx, p.batch_size, p.seed, epoch);
-        let pb = if lead {
+        let pb = if out.is_some() {
             cache::progress(batches.len() as u64, &format!("epoch {epoch}"))
         } else {
             indicatif::ProgressBar::hidden()
@@ -850,23 +856,23 @@ pub fn train_rank(
             state.best_epoch = epoch;
             state.bad_epochs = 0;
             if lead {
-                torch::write_safetensors(
-                    &run_dir.join("best.safetensors"),
-                    &model.weights()?,
-                    None,
-                )?;
+                let w = model.weights()?;
+                if let Some(run_dir) = out {
+                    torch::write_safetensors(&run_dir.join("best.safetensors"), &w, None)?;
+                }
+                best_weights = Some(w);
             }
         } else {
             state.bad_epochs += 1;
         }
         state.history.push(m.clone());
-        if lead {
+        if let (Some(run_dir), Some(metrics_path)) = (out, &metrics_path) {
             // Checkpoint: weights + optimizer state, then the state JSON (its presence completes it).
             let mut ck = model.weights()?;
             ck.extend(opt.state(&model.vars)?);
             torch::write_safetensors(&ckpt_path(run_dir, epoch, "safetensors"), &ck, None)?;
             report::write_json_atomic(&ckpt_path(run_dir, epoch, "json"), &state)?;
-            report::append_jsonl(&metrics_path, &m)?;
+            report::append_jsonl(metrics_path, &m)?;
             // Keep the two latest checkpoints.
             if epoch > 2 {
                 for ext in ["json", "safetensors"] {
@@ -880,8 +886,21 @@ pub fn train_rank(
         return Ok(None);
     }
     // Final weights of the last epoch, and evaluation of the best epoch.
-    torch::write_safetensors(&run_dir.join("last.safetensors"), &model.weights()?, None)?;
-    let best = torch::read_safetensors(&run_dir.join("best.safetensors"))?;
+    if let Some(run_dir) = out {
+        torch::write_safetensors(&run_dir.join("last.safetensors"), &model.weights()?, None)?;
+    }
+    let best = match (best_weights, out) {
+        (Some(w), _) => w,
+        // Resumed after the best epoch: it is on disk.
+        (None, Some(run_dir)) if state.best_epoch > 0 => {
+            torch::read_safetensors(&run_dir.join("best.safetensors"))?
+        }
+        _ => {
+            return Err(TrainError::Diverged {
+                epochs: state.epoch,
+            });
+        }
+    };
     model.load(&best)?;
     let eval = |idx: &[usize]| -> Result<Evaluation, TrainError> {
         let (loss, pred) = predict(pp, &model, idx)?;
@@ -912,10 +931,12 @@ pub fn train_rank(
         feature_seconds,
         train_seconds,
     };
-    report::write_json_atomic(&run_dir.join("summary.json"), &summary)?;
-    report::plot_curves(&state.history, run_dir)?;
+    if let Some(run_dir) = out {
+        report::write_json_atomic(&run_dir.join("summary.json"), &summary)?;
+        report::plot_curves(&state.history, run_dir)?;
+    }
     Ok(Some(FitOutcome {
-        run_dir: run_dir.to_path_buf(),
+        run_dir: run_dir.map(Path::to_path_buf).unwrap_or_default(),
         summary,
     }))
 }
