@@ -9,6 +9,7 @@ pub mod export;
 pub mod images;
 pub mod model;
 pub mod optim;
+pub mod predict;
 pub mod report;
 pub mod split;
 pub mod train;

@@ -299,6 +299,35 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Batch inference: classify every row of an image table with an exported artifact (verified and
+    /// health-checked exactly as the edge loads it), spread over workers; writes Parquet with
+    /// columns path, label, prediction, class, score, error (rows in table order).
+    Predict {
+        /// Artifact directory written by `trainer export`.
+        #[arg(long)]
+        model: PathBuf,
+        /// Image table (ImageFolder, CSV manifest or Parquet), as for `fit`.
+        #[arg(long)]
+        data: PathBuf,
+        #[arg(long, default_value = "label")]
+        label_column: String,
+        #[arg(long, default_value = "content")]
+        content_column: String,
+        #[arg(long, default_value = "path")]
+        path_column: String,
+        /// Output Parquet file.
+        #[arg(long)]
+        out: PathBuf,
+        /// Workers (threads), each classifying a contiguous share of the rows on its own engine.
+        #[arg(long, default_value_t = 1)]
+        workers: usize,
+        /// Largest artifact accepted, in bytes (sum of the manifest's files).
+        #[arg(long, default_value_t = 64 << 20)]
+        max_bytes: u64,
+        /// Print the summary as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Classify images with a backbone's pretrained 1000-class ImageNet head.
     Classify {
         #[command(flatten)]
@@ -468,6 +497,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     "feature_dims": pp.features.meta.dims,
                     "backbone_runs": pp.features.computed,
                     "feature_seconds": pp.features.meta.seconds,
+                    "feature_workers": pp.features.meta.workers,
+                    "features_cache": pp.features.dir,
                 });
                 println!("{v}");
             } else {
@@ -720,6 +751,51 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     m.quantization.accuracy,
                     m.quantization.f32_accuracy,
                     out.display()
+                );
+            }
+        }
+        Cmd::Predict {
+            model,
+            data,
+            label_column,
+            content_column,
+            path_column,
+            out,
+            workers,
+            max_bytes,
+            json,
+        } => {
+            let source = kestrel_trainer::data::SourceOpts {
+                label_column,
+                content_column,
+                path_column,
+            };
+            let s = kestrel_trainer::predict::predict_table(
+                &model,
+                &data,
+                &source,
+                &out,
+                workers,
+                cli.threads,
+                max_bytes,
+            )
+            .with_context(|| format!("predicting {} with {}", data.display(), model.display()))?;
+            if json {
+                println!("{}", serde_json::to_string(&s)?);
+            } else {
+                println!(
+                    "{} v{}: {} rows ({} errors){} in {:.2}s on {} worker(s), {:.1} images/s -> {}",
+                    s.model,
+                    s.version,
+                    s.rows,
+                    s.errors,
+                    s.accuracy
+                        .map(|a| format!(", accuracy {a:.4}"))
+                        .unwrap_or_default(),
+                    s.seconds,
+                    s.workers,
+                    s.images_per_s,
+                    s.out
                 );
             }
         }

@@ -279,8 +279,8 @@ pub fn prepare(
     for (id, why) in prepared.meta.skipped.iter().take(5) {
         log(format!("  skipped {id}: {why}"));
     }
-    let features = cache::features(
-        cache_root, &prepared, &backbone, boundary, p.engine, threads,
+    let features = cache::features_local(
+        cache_root, &prepared, &backbone, boundary, p.engine, threads, p.workers,
     )?;
     log(format!(
         "features: boundary {boundary}/{blocks} dims {:?}, backbone runs: {} ({})",
@@ -289,7 +289,10 @@ pub fn prepare(
         if features.computed == 0 {
             "cache hit".to_string()
         } else {
-            format!("{:.1}s on {}", features.meta.seconds, p.engine)
+            format!(
+                "{:.1}s on {}, {} worker(s)",
+                features.meta.seconds, p.engine, features.meta.workers
+            )
         }
     ));
     let labels = prepared.meta.sample_labels.clone();
