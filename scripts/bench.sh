@@ -95,3 +95,6 @@ print(f"{form:<14}{os.path.getsize(model) / 1e6:>10.1f}{t:>10.1f}{o:>10.1f}{p:>1
 PY
 done
 echo "(tract runs the static int8 QDQ graph in float with extra Q/DQ work: slower than f32 here, as measured above.)"
+
+echo
+"$here/bench-distributed.sh"

@@ -361,3 +361,27 @@ fn batch_prediction_over_workers_matches_evaluate_and_names_bad_rows() {
             .all(|r| r["error"].is_null() == !r["score"].is_null())
     );
 }
+
+/// A trainer built without MPI refuses to run as N uncoordinated copies under mpirun.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn a_build_without_mpi_says_so_under_an_mpi_launcher() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = std::process::Command::new(kestrel_tests::bin("trainer"))
+        .args([
+            "fit",
+            "--data",
+            &lfw(),
+            "--out",
+            tmp.path().join("run").to_str().unwrap(),
+        ])
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("built without MPI: rebuild with"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -164,6 +164,14 @@ pub trait Collective {
     }
 }
 
+/// True when this process was started by an MPI launcher (Open MPI's mpirun, MPICH/Hydra, Slurm
+/// PMI/PMIx): `trainer fit` then runs as one rank of the job (feature `mpi`) or says it cannot.
+pub fn launched_by_mpi() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
 /// Rank `rank`'s contiguous share of `n` items over `world` ranks: `[r*n/w, (r+1)*n/w)` (sizes
 /// differ by at most one).
 pub fn share(n: usize, rank: usize, world: usize) -> std::ops::Range<usize> {

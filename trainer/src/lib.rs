@@ -4,6 +4,8 @@
 pub mod cache;
 pub mod classify;
 pub mod collective;
+#[cfg(feature = "mpi")]
+pub mod collective_mpi;
 pub mod data;
 pub mod export;
 pub mod images;

@@ -479,6 +479,53 @@ fn log(line: String) {
     eprintln!("{line}");
 }
 
+/// `trainer fit` as one rank of an MPI job (`mpirun -np N trainer fit ...`): every rank checks that
+/// the others run the same executable, trains its part of each global batch, and any error is
+/// printed with the rank and ends the whole job (`MPI_Abort`, non-zero exit).
+#[cfg(feature = "mpi")]
+fn fit_mpi(
+    params: &FitParams,
+    dir: &std::path::Path,
+    resuming: bool,
+    cache: &std::path::Path,
+    threads: usize,
+    timeout: std::time::Duration,
+) -> Result<Option<train::FitOutcome>> {
+    use kestrel_trainer::collective::Collective;
+    let comm = kestrel_trainer::collective_mpi::MpiComm::init(timeout)?;
+    let exe = std::env::current_exe().context("locating the trainer executable")?;
+    let bytes = std::fs::read(&exe).with_context(|| format!("reading {}", exe.display()))?;
+    let id = format!(
+        "{} {}",
+        env!("CARGO_PKG_VERSION"),
+        kestrel_trainer::cache::sha256_hex(&bytes)
+    );
+    drop(bytes);
+    if let Err(e) = comm.check_same("trainer executables (version and sha256)", id.as_bytes()) {
+        comm.fail(&e);
+    }
+    match train::fit_on(params, dir, resuming, cache, threads, &comm, &mut log) {
+        Ok(o) => Ok(o),
+        Err(e) => comm.fail(&e),
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn fit_mpi(
+    _: &FitParams,
+    _: &std::path::Path,
+    _: bool,
+    _: &std::path::Path,
+    _: usize,
+    _: std::time::Duration,
+) -> Result<Option<train::FitOutcome>> {
+    bail!(
+        "this process was started by an MPI launcher (mpirun/srun), but this trainer was built \
+         without MPI: rebuild with `cargo build --release -p kestrel-trainer --features mpi` \
+         (needs libopenmpi-dev and libclang-dev), or use `trainer fit --workers N` on one machine"
+    )
+}
+
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.cmd {
         Cmd::Prepare { data, fit, json } => {
@@ -527,15 +574,31 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 }
                 None => (fit.params(&data)?, out.expect("clap requires --out"), false),
             };
-            let o = train::fit_local(
-                &params,
-                &dir,
-                resuming,
-                &data.cache_root(),
-                cli.threads,
-                fit.collective_timeout()?,
-                &mut log,
-            )?;
+            let timeout = fit.collective_timeout()?;
+            let o = if kestrel_trainer::collective::launched_by_mpi() {
+                match fit_mpi(
+                    &params,
+                    &dir,
+                    resuming,
+                    &data.cache_root(),
+                    cli.threads,
+                    timeout,
+                )? {
+                    Some(o) => o,
+                    // Ranks other than 0 print nothing.
+                    None => return Ok(ExitCode::SUCCESS),
+                }
+            } else {
+                train::fit_local(
+                    &params,
+                    &dir,
+                    resuming,
+                    &data.cache_root(),
+                    cli.threads,
+                    timeout,
+                    &mut log,
+                )?
+            };
             let s = &o.summary;
             if json {
                 println!("{}", serde_json::to_string(s)?);

@@ -239,6 +239,19 @@ pub fn prepare(
     threads: usize,
     log: &mut dyn FnMut(String),
 ) -> Result<Prepped, TrainError> {
+    prepare_on(p, cache_root, threads, None, log)
+}
+
+/// [`prepare`] on one rank of `comm` (MPI): rank 0 builds the sample cache first (the others then
+/// find it on a shared file system, or build their own copy), and the ranks extract the features
+/// together ([`cache::features_on`]). Without `comm`, `p.workers` local workers extract them.
+pub fn prepare_on(
+    p: &FitParams,
+    cache_root: &Path,
+    threads: usize,
+    comm: Option<&dyn Collective>,
+    log: &mut dyn FnMut(String),
+) -> Result<Prepped, TrainError> {
     let ds: Dataset = data::load(&p.data, &(&p.source).into())?;
     let arch = p
         .arch
@@ -257,13 +270,26 @@ pub fn prepare(
         )));
     }
     let boundary = blocks - p.unfreeze_last;
-    let prepared = Prepared::open_or_build(
-        &cache_root.join(""),
-        &ds,
-        &backbone.net.preprocess,
-        p.workers,
-        p.skip_invalid,
-    )?;
+    let build = || {
+        Prepared::open_or_build(
+            &cache_root.join(""),
+            &ds,
+            &backbone.net.preprocess,
+            p.workers,
+            p.skip_invalid,
+        )
+    };
+    let prepared = match comm {
+        Some(c) if c.world() > 1 => {
+            let first = if c.rank() == 0 { Some(build()?) } else { None };
+            c.barrier()?;
+            match first {
+                Some(p) => p,
+                None => build()?,
+            }
+        }
+        _ => build()?,
+    };
     log(format!(
         "samples: {} from {} ({} classes){}, cache {} {}",
         prepared.len(),
@@ -279,9 +305,14 @@ pub fn prepare(
     for (id, why) in prepared.meta.skipped.iter().take(5) {
         log(format!("  skipped {id}: {why}"));
     }
-    let features = cache::features_local(
-        cache_root, &prepared, &backbone, boundary, p.engine, threads, p.workers,
-    )?;
+    let features = match comm {
+        Some(c) => cache::features_on(
+            cache_root, &prepared, &backbone, boundary, p.engine, threads, c,
+        )?,
+        None => cache::features_local(
+            cache_root, &prepared, &backbone, boundary, p.engine, threads, p.workers,
+        )?,
+    };
     log(format!(
         "features: boundary {boundary}/{blocks} dims {:?}, backbone runs: {} ({})",
         features.meta.dims,
@@ -575,6 +606,56 @@ pub fn fit_local(
         });
     }
     lead_only(Ok(first))
+}
+
+/// A run on one rank of `comm` (an MPI job: one process per rank): `p.workers` must be 1 or the
+/// world size (it is recorded as the world size); only rank 0 logs and writes the run directory.
+/// Rank 0 returns the outcome, the others `None`.
+pub fn fit_on(
+    p: &FitParams,
+    run_dir: &Path,
+    resume: bool,
+    cache_root: &Path,
+    threads: usize,
+    comm: &dyn Collective,
+    log: &mut dyn FnMut(String),
+) -> Result<Option<FitOutcome>, TrainError> {
+    let world = comm.world();
+    if p.workers != 1 && p.workers != world {
+        return Err(TrainError::Invalid(format!(
+            "--workers {} under a {world}-rank job: the ranks are the workers (pass 1 or {world})",
+            p.workers
+        )));
+    }
+    let p = FitParams {
+        workers: world,
+        ..p.clone()
+    };
+    p.validate()?;
+    let mut quiet = |_: String| {};
+    let log: &mut dyn FnMut(String) = if comm.rank() == 0 { log } else { &mut quiet };
+    if comm.rank() == 0 {
+        std::fs::create_dir_all(run_dir.join("checkpoints")).map_err(|e| TrainError::Run {
+            path: run_dir.display().to_string(),
+            reason: e.to_string(),
+        })?;
+    }
+    let started = Instant::now();
+    let pp = prepare_on(&p, cache_root, threads, Some(comm), log)?;
+    let feature_seconds = started.elapsed().as_secs_f64();
+    if comm.rank() == 0 && world > 1 {
+        log(format!("{world} ranks (MPI)"));
+    }
+    train_rank(
+        &p,
+        Some(run_dir),
+        resume,
+        &pp,
+        comm,
+        threads,
+        feature_seconds,
+        log,
+    )
 }
 
 /// One rank's share of a synchronous data-parallel run (Horovod semantics):
