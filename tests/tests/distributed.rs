@@ -385,3 +385,84 @@ fn a_build_without_mpi_says_so_under_an_mpi_launcher() {
         stderr(&o)
     );
 }
+
+/// Resuming a killed 2-worker run: rank 0 reads the checkpoint (weights, AdamW state, history) and
+/// broadcasts it; the result is byte-identical to an uninterrupted 2-worker run.
+#[test]
+fn a_killed_two_worker_run_resumes_to_identical_weights() {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let data = lfw();
+    let args = [
+        "--data",
+        &data,
+        "--epochs",
+        "40",
+        "--batch-size",
+        "4",
+        "--workers",
+        "2",
+        "--lr",
+        "0.001",
+        "--optimizer",
+        "adamw",
+        "--weight-decay",
+        "0.01",
+    ];
+    let whole = tmp.path().join("whole");
+    fit(&args, &whole, &cache);
+
+    let killed = tmp.path().join("killed");
+    let mut child = Command::new(kestrel_tests::bin("trainer"))
+        .args(["fit", "--engine", "ort", "--cache", cache.to_str().unwrap()])
+        .args(["--out", killed.to_str().unwrap()])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let epochs_done = || {
+        std::fs::read_to_string(killed.join("metrics.jsonl"))
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while epochs_done() < 4 {
+        assert!(
+            Instant::now() < deadline && child.try_wait().unwrap().is_none(),
+            "run ended before it could be killed"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let done = epochs_done();
+    assert!(done < 40, "the run finished before the kill");
+    eprintln!("2-worker run killed after {done} epochs");
+    let o = run(
+        "trainer",
+        &[
+            "fit",
+            "--resume",
+            killed.to_str().unwrap(),
+            "--cache",
+            cache.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("resuming after epoch"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(stderr(&o).contains("2 workers"), "{}", stderr(&o));
+    for f in ["last.safetensors", "best.safetensors"] {
+        assert_eq!(
+            std::fs::read(whole.join(f)).unwrap(),
+            std::fs::read(killed.join(f)).unwrap(),
+            "{f} differs after resume"
+        );
+    }
+}
