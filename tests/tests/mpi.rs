@@ -265,3 +265,121 @@ fn mismatched_configs_and_binaries_fail_clearly() {
         stderr(&o)
     );
 }
+
+#[test]
+fn tune_and_predict_spread_over_mpi_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let c = cache.to_str().unwrap().to_string();
+    let data = lfw();
+    let tune_args = |out: &Path, extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "--threads",
+            "1",
+            "tune",
+            "--data",
+            &data,
+            "--engine",
+            "ort",
+            "--cache",
+            &c,
+            "--trials",
+            "12",
+            "--startup",
+            "4",
+            "--seed",
+            "5",
+            "--out",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.push(out.display().to_string());
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let final_run = tmp.path().join("final");
+    let o = output(mpirun(&[(
+        2,
+        bin("trainer"),
+        tune_args(&a, &["--then-fit", final_run.to_str().unwrap()]),
+    )]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("on each of 2 ranks"), "{}", stderr(&o));
+    // Rank 0 alone prints the table (header + 12 trials) and the final model line.
+    let table = stdout(&o);
+    assert_eq!(table.matches("rank trial source").count(), 1, "{table}");
+    assert!(table.contains("final model: val accuracy"), "{table}");
+    let o = output(mpirun(&[(2, bin("trainer"), tune_args(&b, &[]))]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let params = |d: &Path| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(d.join("trials.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["params"].clone())
+            .collect()
+    };
+    assert_eq!(params(&a).len(), 12);
+    assert_eq!(params(&a), params(&b), "same seed and ranks, same trials");
+    let best: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(a.join("best.json")).unwrap()).unwrap();
+    assert!(best["val_accuracy"].as_f64().unwrap() >= 0.95, "{best}");
+    let fp: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(final_run.join("params.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        fp["workers"], 2,
+        "the final fit ran data-parallel on the ranks"
+    );
+    assert_eq!(fp["lr"], best["params"]["lr"]);
+
+    // Batch prediction: 2 ranks write what 1 worker writes.
+    let art = tmp.path().join("art");
+    let o = run(
+        "trainer",
+        &[
+            "export",
+            "--run",
+            final_run.to_str().unwrap(),
+            "--out",
+            art.to_str().unwrap(),
+            "--cache",
+            &c,
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let predict = |out: &Path| -> Vec<String> {
+        [
+            "--threads",
+            "1",
+            "predict",
+            "--model",
+            art.to_str().unwrap(),
+            "--data",
+            &data,
+            "--out",
+            out.to_str().unwrap(),
+            "--json",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let (p1, p2) = (tmp.path().join("p1.parquet"), tmp.path().join("p2.parquet"));
+    let o = run(
+        "trainer",
+        &predict(&p1).iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = output(mpirun(&[(2, bin("trainer"), predict(&p2))]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(s["workers"], 2);
+    assert_eq!(s["rows"], 200);
+    assert_eq!(
+        std::fs::read(&p1).unwrap(),
+        std::fs::read(&p2).unwrap(),
+        "2 MPI ranks wrote other predictions than 1 worker"
+    );
+}

@@ -11,6 +11,7 @@ use kestrel_models::onnx::{self, LowerOpts};
 use kestrel_models::{Arch, EngineKind, torch};
 use kestrel_shared::PreprocessSpec;
 use kestrel_trainer::classify::{Classifier, throughput};
+use kestrel_trainer::collective::Collective;
 use kestrel_trainer::export::{self, ExportOpts, QuantForm};
 use kestrel_trainer::train::{self, FitParams, LrScaling, Optimizer, Schedule, SourceOptsSer};
 use kestrel_trainer::tune;
@@ -479,19 +480,13 @@ fn log(line: String) {
     eprintln!("{line}");
 }
 
-/// `trainer fit` as one rank of an MPI job (`mpirun -np N trainer fit ...`): every rank checks that
-/// the others run the same executable, trains its part of each global batch, and any error is
-/// printed with the rank and ends the whole job (`MPI_Abort`, non-zero exit).
+/// The MPI job this process is a rank of, when an MPI launcher (mpirun, srun) started it: MPI is
+/// initialised and every rank checks that the others run the same executable.
 #[cfg(feature = "mpi")]
-fn fit_mpi(
-    params: &FitParams,
-    dir: &std::path::Path,
-    resuming: bool,
-    cache: &std::path::Path,
-    threads: usize,
-    timeout: std::time::Duration,
-) -> Result<Option<train::FitOutcome>> {
-    use kestrel_trainer::collective::Collective;
+fn mpi_job(timeout: std::time::Duration) -> Result<Option<Box<dyn Collective>>> {
+    if !kestrel_trainer::collective::launched_by_mpi() {
+        return Ok(None);
+    }
     let comm = kestrel_trainer::collective_mpi::MpiComm::init(timeout)?;
     let exe = std::env::current_exe().context("locating the trainer executable")?;
     let bytes = std::fs::read(&exe).with_context(|| format!("reading {}", exe.display()))?;
@@ -504,26 +499,27 @@ fn fit_mpi(
     if let Err(e) = comm.check_same("trainer executables (version and sha256)", id.as_bytes()) {
         comm.fail(&e);
     }
-    match train::fit_on(params, dir, resuming, cache, threads, &comm, &mut log) {
-        Ok(o) => Ok(o),
-        Err(e) => comm.fail(&e),
-    }
+    Ok(Some(Box::new(comm)))
 }
 
 #[cfg(not(feature = "mpi"))]
-fn fit_mpi(
-    _: &FitParams,
-    _: &std::path::Path,
-    _: bool,
-    _: &std::path::Path,
-    _: usize,
-    _: std::time::Duration,
-) -> Result<Option<train::FitOutcome>> {
-    bail!(
-        "this process was started by an MPI launcher (mpirun/srun), but this trainer was built \
-         without MPI: rebuild with `cargo build --release -p kestrel-trainer --features mpi` \
-         (needs libopenmpi-dev and libclang-dev), or use `trainer fit --workers N` on one machine"
-    )
+fn mpi_job(_: std::time::Duration) -> Result<Option<Box<dyn Collective>>> {
+    if kestrel_trainer::collective::launched_by_mpi() {
+        bail!(
+            "this process was started by an MPI launcher (mpirun/srun), but this trainer was built \
+             without MPI: rebuild with `cargo build --release --features kestrel-trainer/mpi` \
+             (needs libopenmpi-dev and libclang-dev), or use --workers N on one machine"
+        )
+    }
+    Ok(None)
+}
+
+/// Ends the MPI job with this rank's error: printed with the rank, then `MPI_Abort` makes every
+/// rank exit non-zero (never a hang).
+fn job_failed(comm: &dyn Collective, e: &dyn std::fmt::Display) -> ! {
+    comm.abort(&format!("{e:#}"));
+    eprintln!("error: rank {}: {e:#}", comm.rank());
+    std::process::exit(1)
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
@@ -575,18 +571,21 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 None => (fit.params(&data)?, out.expect("clap requires --out"), false),
             };
             let timeout = fit.collective_timeout()?;
-            let o = if kestrel_trainer::collective::launched_by_mpi() {
-                match fit_mpi(
+            let o = if let Some(comm) = mpi_job(timeout)? {
+                let r = train::fit_on(
                     &params,
                     &dir,
                     resuming,
                     &data.cache_root(),
                     cli.threads,
-                    timeout,
-                )? {
-                    Some(o) => o,
+                    comm.as_ref(),
+                    &mut log,
+                );
+                match r {
+                    Ok(Some(o)) => o,
                     // Ranks other than 0 print nothing.
-                    None => return Ok(ExitCode::SUCCESS),
+                    Ok(None) => return Ok(ExitCode::SUCCESS),
+                    Err(e) => job_failed(comm.as_ref(), &e),
                 }
             } else {
                 train::fit_local(
@@ -702,19 +701,43 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 startup,
             };
             let cache = data.cache_root();
-            let outcome = tune::tune(&base, &opts, &out, &cache, cli.threads, &mut log)?;
+            let job = mpi_job(kestrel_trainer::collective::DEFAULT_TIMEOUT)?;
+            let comm = job.as_deref();
+            let lead = comm.is_none_or(|c| c.rank() == 0);
+            let outcome =
+                match tune::tune_on(&base, &opts, &out, &cache, cli.threads, comm, &mut log) {
+                    Ok(o) => o,
+                    Err(e) => match comm {
+                        Some(c) => job_failed(c, &e),
+                        None => return Err(e.into()),
+                    },
+                };
             let fitted = match &then_fit {
                 Some(dir) => {
                     let p = tune::best_params(&base, &outcome.best, seed);
-                    log(format!(
-                        "fitting the best parameters (trial {}) into {}",
-                        outcome.best.trial,
-                        dir.display()
-                    ));
-                    Some(train::fit(&p, dir, false, &cache, cli.threads, &mut log)?)
+                    if lead {
+                        log(format!(
+                            "fitting the best parameters (trial {}) into {}",
+                            outcome.best.trial,
+                            dir.display()
+                        ));
+                    }
+                    match comm {
+                        // Under MPI the final model trains data-parallel on every rank.
+                        Some(c) => {
+                            match train::fit_on(&p, dir, false, &cache, cli.threads, c, &mut log) {
+                                Ok(o) => o,
+                                Err(e) => job_failed(c, &e),
+                            }
+                        }
+                        None => Some(train::fit(&p, dir, false, &cache, cli.threads, &mut log)?),
+                    }
                 }
                 None => None,
             };
+            if !lead {
+                return Ok(ExitCode::SUCCESS);
+            }
             if json {
                 let v = serde_json::json!({
                     "best": outcome.best,
@@ -833,16 +856,36 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 content_column,
                 path_column,
             };
-            let s = kestrel_trainer::predict::predict_table(
-                &model,
-                &data,
-                &source,
-                &out,
-                workers,
-                cli.threads,
-                max_bytes,
-            )
-            .with_context(|| format!("predicting {} with {}", data.display(), model.display()))?;
+            let job = mpi_job(kestrel_trainer::collective::DEFAULT_TIMEOUT)?;
+            let s = match job.as_deref() {
+                Some(c) => {
+                    match kestrel_trainer::predict::predict_on(
+                        &model,
+                        &data,
+                        &source,
+                        &out,
+                        c,
+                        cli.threads,
+                        max_bytes,
+                    ) {
+                        Ok(Some(s)) => s,
+                        Ok(None) => return Ok(ExitCode::SUCCESS),
+                        Err(e) => job_failed(c, &e),
+                    }
+                }
+                None => kestrel_trainer::predict::predict_table(
+                    &model,
+                    &data,
+                    &source,
+                    &out,
+                    workers,
+                    cli.threads,
+                    max_bytes,
+                )
+                .with_context(|| {
+                    format!("predicting {} with {}", data.display(), model.display())
+                })?,
+            };
             if json {
                 println!("{}", serde_json::to_string(&s)?);
             } else {

@@ -154,6 +154,33 @@ pub fn predict_table(
     ))
 }
 
+/// [`predict_table`] as one rank of `comm` (an MPI job: `mpirun -np N trainer predict ...`): each
+/// rank classifies its share of the rows; rank 0 writes `out` and returns the summary.
+pub fn predict_on(
+    model_dir: &Path,
+    data_path: &Path,
+    source: &SourceOpts,
+    out: &Path,
+    comm: &dyn Collective,
+    threads: usize,
+    max_bytes: u64,
+) -> Result<Option<PredictSummary>, PredictError> {
+    let start = Instant::now();
+    let ds = data::load(data_path, source)?;
+    let Some(rows) = predict_rank(model_dir, &ds, comm, threads, max_bytes)? else {
+        return Ok(None);
+    };
+    let model = kestrel_models::artifact::read_manifest(model_dir)?;
+    write_parquet(out, &rows)?;
+    Ok(Some(summarize(
+        &model,
+        &rows,
+        comm.world(),
+        start.elapsed().as_secs_f64(),
+        out,
+    )))
+}
+
 /// Summary of gathered rows.
 pub fn summarize(
     model: &kestrel_shared::manifest::Manifest,

@@ -473,6 +473,26 @@ pub fn tune(
     threads: usize,
     log: &mut dyn FnMut(String),
 ) -> Result<TuneOutcome, TrainError> {
+    tune_on(base, opts, out, cache_root, threads, None, log)
+}
+
+/// [`tune`] as one rank of `comm` (an MPI job): the ranks extract the features together, then
+/// each round of `parallel x ranks` proposals (made identically on every rank) is split in
+/// contiguous chunks of `parallel` trials per rank and the results are gathered in trial order.
+/// Only rank 0 logs and writes `out`. With the same seed and rank count the trials are the same.
+pub fn tune_on(
+    base: &FitParams,
+    opts: &TuneOpts,
+    out: &Path,
+    cache_root: &Path,
+    threads: usize,
+    comm: Option<&dyn collective::Collective>,
+    log: &mut dyn FnMut(String),
+) -> Result<TuneOutcome, TrainError> {
+    let (rank, world) = comm.map_or((0, 1), |c| (c.rank(), c.world()));
+    let lead = rank == 0;
+    let mut quiet = |_: String| {};
+    let log: &mut dyn FnMut(String) = if lead { log } else { &mut quiet };
     opts.space.validate()?;
     if opts.trials == 0 || opts.parallel == 0 {
         return Err(TrainError::Invalid(
@@ -483,21 +503,46 @@ pub fn tune(
         path: out.display().to_string(),
         reason,
     };
-    std::fs::create_dir_all(out).map_err(|e| out_err(e.to_string()))?;
+    if lead {
+        std::fs::create_dir_all(out).map_err(|e| out_err(e.to_string()))?;
+    }
+    // Every trial trains on one worker.
     let base = FitParams {
         workers: 1,
         seed: opts.seed,
         ..base.clone()
     };
     // Features once, before any trial; every trial reads them.
-    let pp = train::prepare(&base, cache_root, threads, log)?;
+    let pp = match comm {
+        Some(c) => train::prepare_on(
+            &FitParams {
+                workers: world,
+                ..base.clone()
+            },
+            cache_root,
+            threads,
+            Some(c),
+            log,
+        )?,
+        None => train::prepare(&base, cache_root, threads, log)?,
+    };
     let train_n = pp.indices(crate::split::Split::Train).len();
     log(format!(
-        "tune: {} trials, {} in parallel, {} random warm-up, seed {}; {train_n} training samples",
-        opts.trials, opts.parallel, opts.startup, opts.seed
+        "tune: {} trials, {} in parallel{}, {} random warm-up, seed {}; {train_n} training samples",
+        opts.trials,
+        opts.parallel,
+        if world > 1 {
+            format!(" on each of {world} ranks")
+        } else {
+            String::new()
+        },
+        opts.startup,
+        opts.seed
     ));
     let trials_path = out.join("trials.jsonl");
-    let _ = std::fs::remove_file(&trials_path);
+    if lead {
+        let _ = std::fs::remove_file(&trials_path);
+    }
     let mut tpe = Tpe::new(opts.space.dims());
     tpe.startup = opts.startup;
     let mut done: Vec<TrialResult> = Vec::new();
@@ -506,14 +551,16 @@ pub fn tune(
     let started = Instant::now();
     while done.len() < opts.trials {
         let first = done.len();
-        let batch: Vec<(usize, Vec<f64>, bool)> = (first..(first + opts.parallel).min(opts.trials))
+        let round = opts.parallel * world;
+        let batch: Vec<(usize, Vec<f64>, bool)> = (first..(first + round).min(opts.trials))
             .map(|t| {
                 let (x, by_tpe) = tpe.propose(t, &history, opts.seed);
                 (t, x, by_tpe)
             })
             .collect();
+        let mine = collective::share(batch.len(), rank, world);
         let results: Vec<TrialResult> = std::thread::scope(|s| {
-            let handles: Vec<_> = batch
+            let handles: Vec<_> = batch[mine]
                 .iter()
                 .map(|(t, x, by_tpe)| {
                     let params = opts.space.decode(x);
@@ -554,8 +601,32 @@ pub fn tune(
                 .map(|h| h.join().expect("trial thread"))
                 .collect()
         });
+        let results = match comm {
+            Some(c) if world > 1 => {
+                let mut all = Vec::with_capacity(batch.len());
+                let bytes = serde_json::to_vec(&results).expect("results serialize");
+                for (r, b) in c.allgather_bytes(&bytes)?.iter().enumerate() {
+                    let part: Vec<TrialResult> =
+                        serde_json::from_slice(b).map_err(|e| TrainError::Worker {
+                            rank: r,
+                            message: format!("its trial results do not parse: {e}"),
+                        })?;
+                    all.extend(part);
+                }
+                all
+            }
+            _ => results,
+        };
+        if results.len() != batch.len() || results.iter().zip(&batch).any(|(r, b)| r.trial != b.0) {
+            return Err(TrainError::Invalid(format!(
+                "trials {first}..{} came back incomplete or out of order",
+                first + batch.len()
+            )));
+        }
         for (r, (_, x, _)) in results.into_iter().zip(batch) {
-            report::append_jsonl(&trials_path, &r)?;
+            if lead {
+                report::append_jsonl(&trials_path, &r)?;
+            }
             log(format!(
                 "trial {:>3} ({:<6}) val loss {:<8} acc {:.3} | lr {:.2e} momentum {:.3} wd {:.1e} batch {} {:?} epochs {} | {:.2}s",
                 r.trial,
@@ -577,7 +648,9 @@ pub fn tune(
         }
     }
     let best = sorted(&done)[0].clone();
-    report::write_json_atomic(&out.join("best.json"), &best)?;
+    if lead {
+        report::write_json_atomic(&out.join("best.json"), &best)?;
+    }
     log(format!(
         "tune: {} trials in {:.1}s; best trial {} val loss {} accuracy {:.4}",
         done.len(),
