@@ -466,3 +466,32 @@ fn a_killed_two_worker_run_resumes_to_identical_weights() {
         );
     }
 }
+
+/// `--device cuda` asks ONNX Runtime for its CUDA execution provider (loaded at run time). The
+/// CPU-only library set up here lacks it: the run must fail saying what is missing (with an
+/// onnxruntime-gpu library and a GPU it would run).
+#[test]
+fn device_cuda_uses_or_clearly_misses_the_cuda_provider() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = run(
+        "trainer",
+        &[
+            "--device",
+            "cuda",
+            "prepare",
+            "--engine",
+            "ort",
+            "--data",
+            &lfw(),
+            "--cache",
+            tmp.path().to_str().unwrap(),
+        ],
+    );
+    if !o.status.success() {
+        let e = stderr(&o);
+        assert!(
+            e.contains("--device cuda: the CUDA execution provider is unavailable"),
+            "{e}"
+        );
+    }
+}

@@ -26,6 +26,10 @@ struct Cli {
     /// Worker threads for every engine (tract: concurrent sub-batches; ONNX Runtime: intra-op; candle: rayon).
     #[arg(long, global = true, default_value_t = default_threads())]
     threads: usize,
+    /// Device of the ONNX Runtime engine (`--engine ort`): cpu, or cuda (CUDA execution provider,
+    /// loaded at run time; needs an ONNX Runtime build with CUDA, e.g. the onnxruntime-gpu wheel).
+    #[arg(long, global = true, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -467,6 +471,9 @@ enum Cmd {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     set_candle_threads(cli.threads);
+    if cli.device == "cuda" {
+        kestrel_models::engine::set_ort_device(kestrel_models::engine::OrtDevice::Cuda);
+    }
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
