@@ -383,3 +383,62 @@ fn tune_and_predict_spread_over_mpi_ranks() {
         "2 MPI ranks wrote other predictions than 1 worker"
     );
 }
+
+#[test]
+fn mpi_ranks_extract_the_features_one_worker_extracts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prepare = |cache: &Path| -> Vec<String> {
+        [
+            "--threads",
+            "1",
+            "prepare",
+            "--json",
+            "--engine",
+            "ort",
+            "--data",
+            &lfw(),
+            "--cache",
+            cache.to_str().unwrap(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let (c1, c2) = (tmp.path().join("c1"), tmp.path().join("c2"));
+    let o = run(
+        "trainer",
+        &prepare(&c1).iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let one: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let o = output(mpirun(&[(2, bin("trainer"), prepare(&c2))]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let two: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(two["feature_workers"], 2);
+    assert_eq!(two["backbone_runs"], 200);
+    let f = |v: &serde_json::Value| {
+        std::fs::read(Path::new(v["features_cache"].as_str().unwrap()).join("features.f32"))
+            .unwrap()
+    };
+    assert_eq!(
+        f(&one),
+        f(&two),
+        "2 ranks extracted other features than 1 worker"
+    );
+    // Commands that are not distributed refuse to run as N copies.
+    let o = output(mpirun(&[(
+        1,
+        bin("trainer"),
+        vec![
+            "keygen".into(),
+            "--out".into(),
+            tmp.path().join("k").display().to_string(),
+        ],
+    )]));
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("only prepare, fit, tune and predict run as MPI jobs"),
+        "{}",
+        stderr(&o)
+    );
+}

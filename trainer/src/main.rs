@@ -209,6 +209,8 @@ enum Cmd {
         json: bool,
     },
     /// Train a new head (and optionally the last blocks) on cached features into a run directory.
+    /// `--workers N` trains data-parallel on N threads; under `mpirun -np N` (a build with
+    /// `--features kestrel-trainer/mpi`) each process is one rank and rank 0 writes the run.
     Fit {
         #[command(flatten)]
         data: DataArgs,
@@ -227,6 +229,7 @@ enum Cmd {
     /// Search head hyperparameters with TPE (seeded random warm-up, then Tree-structured Parzen
     /// Estimator) over trials that train in parallel on the shared feature cache (computed once).
     /// Writes OUT/trials.jsonl and OUT/best.json and prints the trials sorted by validation loss.
+    /// Under `mpirun -np N` the trials are spread over the ranks too.
     Tune {
         #[command(flatten)]
         data: DataArgs,
@@ -530,10 +533,43 @@ fn job_failed(comm: &dyn Collective, e: &dyn std::fmt::Display) -> ! {
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
+    if kestrel_trainer::collective::launched_by_mpi()
+        && !matches!(
+            cli.cmd,
+            Cmd::Prepare { .. } | Cmd::Fit { .. } | Cmd::Tune { .. } | Cmd::Predict { .. }
+        )
+    {
+        bail!(
+            "only prepare, fit, tune and predict run as MPI jobs; run this command without mpirun"
+        );
+    }
     match cli.cmd {
         Cmd::Prepare { data, fit, json } => {
             let p = fit.params(&data)?;
-            let pp = train::prepare(&p, &data.cache_root(), cli.threads, &mut log)?;
+            let pp = match mpi_job(fit.collective_timeout()?)? {
+                // Under mpirun the ranks extract the features together; rank 0 reports.
+                Some(comm) => {
+                    let p = FitParams {
+                        workers: comm.world(),
+                        ..p
+                    };
+                    let mut quiet = |_: String| {};
+                    let lead = comm.rank() == 0;
+                    let l: &mut dyn FnMut(String) = if lead { &mut log } else { &mut quiet };
+                    match train::prepare_on(
+                        &p,
+                        &data.cache_root(),
+                        cli.threads,
+                        Some(comm.as_ref()),
+                        l,
+                    ) {
+                        Ok(pp) if lead => pp,
+                        Ok(_) => return Ok(ExitCode::SUCCESS),
+                        Err(e) => job_failed(comm.as_ref(), &e),
+                    }
+                }
+                None => train::prepare(&p, &data.cache_root(), cli.threads, &mut log)?,
+            };
             let split =
                 kestrel_trainer::split::count_table(pp.labels(), &pp.splits, &pp.dataset_labels);
             if json {
