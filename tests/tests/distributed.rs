@@ -358,7 +358,7 @@ fn batch_prediction_over_workers_matches_evaluate_and_names_bad_rows() {
     );
     assert!(
         r1.iter()
-            .all(|r| r["error"].is_null() == !r["score"].is_null())
+            .all(|r| r["error"].is_null() != r["score"].is_null())
     );
 }
 

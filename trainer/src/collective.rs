@@ -439,8 +439,8 @@ mod tests {
             c.barrier()
         });
         assert!(t.elapsed() < Duration::from_secs(5));
-        for r in 0..2 {
-            let e = out[r].as_ref().unwrap_err().to_string();
+        for o in &out[..2] {
+            let e = o.as_ref().unwrap_err().to_string();
             assert!(
                 e.contains("rank(s) 2 did not arrive") || e.contains("timed out"),
                 "{e}"

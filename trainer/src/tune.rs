@@ -745,7 +745,7 @@ mod tests {
         let mut history = Vec::new();
         for t in 0..budget {
             let (x, _) = if random_only {
-                let mut rng = StdRng::seed_from_u64(seed ^ (t as u64 + 1) * 7919);
+                let mut rng = StdRng::seed_from_u64(seed ^ ((t as u64 + 1) * 7919));
                 (tpe.dims.iter().map(|d| d.random(&mut rng)).collect(), false)
             } else {
                 tpe.propose(t, &history, seed)
