@@ -5,6 +5,17 @@ export KESTREL_HOME="${KESTREL_HOME:-$HOME/.cache/kestrel}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$KESTREL_HOME/target}"
 export ORT_DYLIB_PATH="${ORT_DYLIB_PATH:-$KESTREL_HOME/onnxruntime/libonnxruntime.so}"
 export KESTREL_BIN="$CARGO_TARGET_DIR/release"
+# With Open MPI installed (scripts/setup.sh installs it), the trainer is built with MPI collectives
+# and the MPI tests run; without it, the default build needs no MPI.
+have_mpi() {
+  command -v mpirun >/dev/null 2>&1 && pkg-config --exists ompi-c 2>/dev/null \
+    && ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1
+}
+if have_mpi; then
+  KESTREL_FEATURES="--features kestrel-trainer/mpi,kestrel-tests/mpi"
+else
+  KESTREL_FEATURES=""
+fi
 KESTREL_PY="$KESTREL_HOME/venv/bin/python"
 # Pinned versions of what comes from PyPI.
 ORT_VERSION=1.32.0

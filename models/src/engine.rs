@@ -224,6 +224,30 @@ pub fn kestrel_home() -> PathBuf {
 #[cfg(feature = "ort")]
 pub use ort_engine::OrtEngine;
 
+/// Where ONNX Runtime runs its graphs: the CPU execution provider (default) or CUDA. Set once per
+/// process (`trainer --device`); the CUDA provider is loaded from the ONNX Runtime library at run
+/// time, so this builds without CUDA. Not exercised here: the PyPI `onnxruntime` wheel these
+/// machines use is CPU-only (`onnxruntime-gpu` ships the CUDA provider) and there is no GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OrtDevice {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+static ORT_DEVICE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+pub fn set_ort_device(d: OrtDevice) {
+    ORT_DEVICE.store(d as u8, std::sync::atomic::Ordering::SeqCst);
+}
+
+pub fn ort_device() -> OrtDevice {
+    match ORT_DEVICE.load(std::sync::atomic::Ordering::SeqCst) {
+        1 => OrtDevice::Cuda,
+        _ => OrtDevice::Cpu,
+    }
+}
+
 #[cfg(feature = "ort")]
 mod ort_engine {
     use super::*;
@@ -262,12 +286,24 @@ mod ort_engine {
         ) -> Result<Self, EngineError> {
             let env = init()?;
             let err = |e: ort::Error| EngineError::Ort(e.to_string());
-            let session = ort::session::Session::builder(env)
+            let mut builder = ort::session::Session::builder(env)
                 .map_err(err)?
                 .with_intra_threads(threads.max(1))
-                .map_err(|e| EngineError::Ort(e.to_string()))?
-                .commit_from_memory(bytes)
-                .map_err(err)?;
+                .map_err(|e| EngineError::Ort(e.to_string()))?;
+            if super::ort_device() == super::OrtDevice::Cuda {
+                builder = builder
+                    .with_execution_providers([ort::ep::CUDA::default()
+                        .build()
+                        .error_on_failure()])
+                    .map_err(|e| {
+                        EngineError::Ort(format!(
+                            "--device cuda: the CUDA execution provider is unavailable ({e}); it needs \
+                             an ONNX Runtime library with CUDA (the onnxruntime-gpu wheel, via \
+                             ORT_DYLIB_PATH), the CUDA and cuDNN libraries and a GPU"
+                        ))
+                    })?;
+            }
+            let session = builder.commit_from_memory(bytes).map_err(err)?;
             Ok(Self {
                 session: Mutex::new(session),
                 input_shape,

@@ -54,6 +54,10 @@ pub enum CacheError {
     Backbone(#[from] kestrel_models::backbone::BackboneError),
     #[error(transparent)]
     Engine(#[from] kestrel_models::EngineError),
+    #[error(transparent)]
+    Collective(#[from] crate::collective::CollectiveError),
+    #[error("feature extraction worker {rank}: {message}")]
+    Worker { rank: usize, message: String },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CacheError + '_ {
@@ -271,28 +275,48 @@ impl Prepared {
 
     /// All samples' pixels (RGB8 HWC, `input_size`), in sample order.
     pub fn load_pixels(&self) -> Result<Vec<Vec<u8>>, CacheError> {
-        let per = self.sample_bytes();
         let mut out = vec![Vec::new(); self.len()];
         for shard in 0..self.meta.shards {
-            let path = self.dir.join(format!("shard-{shard:05}.bin"));
-            let mut buf = Vec::new();
-            File::open(&path)
-                .and_then(|mut f| f.read_to_end(&mut buf))
-                .map_err(io(&path))?;
-            let idx: Vec<usize> = self.shard_samples(shard).collect();
-            let expected = (idx.len() * per) as u64;
-            if buf.len() as u64 != expected {
-                return Err(CacheError::Shard {
-                    path: path.display().to_string(),
-                    found: buf.len() as u64,
-                    expected,
-                });
-            }
-            for (i, chunk) in idx.into_iter().zip(buf.chunks(per)) {
-                out[i] = chunk.to_vec();
+            for (i, px) in self.load_shard(shard)? {
+                out[i] = px;
             }
         }
         Ok(out)
+    }
+
+    /// The samples of one shard with their pixels, in sample order.
+    pub fn load_shard(&self, shard: usize) -> Result<Vec<(usize, Vec<u8>)>, CacheError> {
+        let per = self.sample_bytes();
+        let path = self.dir.join(format!("shard-{shard:05}.bin"));
+        let mut buf = Vec::new();
+        File::open(&path)
+            .and_then(|mut f| f.read_to_end(&mut buf))
+            .map_err(io(&path))?;
+        let idx: Vec<usize> = self.shard_samples(shard).collect();
+        let expected = (idx.len() * per) as u64;
+        if buf.len() as u64 != expected {
+            return Err(CacheError::Shard {
+                path: path.display().to_string(),
+                found: buf.len() as u64,
+                expected,
+            });
+        }
+        Ok(idx
+            .into_iter()
+            .zip(buf.chunks(per))
+            .map(|(i, c)| (i, c.to_vec()))
+            .collect())
+    }
+
+    /// The samples rank `rank` of `world` owns: those of shards `rank, rank + world, ...`
+    /// (every rank reads only its own shards), in sample order.
+    pub fn rank_samples(&self, rank: usize, world: usize) -> Vec<usize> {
+        let mut v: Vec<usize> = (rank..self.meta.shards)
+            .step_by(world)
+            .flat_map(|s| self.shard_samples(s))
+            .collect();
+        v.sort_unstable();
+        v
     }
 
     /// One sample's normalised tensor (CHW f32), from its cached pixels.
@@ -329,6 +353,13 @@ pub struct FeatureMeta {
     pub dims: Vec<usize>,
     pub engine: EngineKind,
     pub seconds: f64,
+    /// Workers (ranks) that extracted the features (older caches: 1).
+    #[serde(default = "one")]
+    pub workers: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Cached backbone outputs for every sample of a [`Prepared`] cache.
@@ -337,6 +368,8 @@ pub struct Features {
     pub data: Vec<f32>,
     /// Backbone runs done by this call (0 on a cache hit).
     pub computed: usize,
+    /// The cache directory (`meta.json`, `features.f32`).
+    pub dir: PathBuf,
 }
 
 impl Features {
@@ -390,7 +423,15 @@ pub fn run_frozen(
     Ok(out)
 }
 
-/// Opens or computes the feature cache of `prepared` at `boundary`.
+fn feature_dir(root: &Path, prepared: &Prepared, bid: &str, boundary: usize) -> PathBuf {
+    root.join("features").join(format!(
+        "{}-{}-b{boundary}",
+        &prepared.meta.key[..16],
+        &bid[..16]
+    ))
+}
+
+/// Opens or computes the feature cache of `prepared` at `boundary` with one worker.
 pub fn features(
     root: &Path,
     prepared: &Prepared,
@@ -399,43 +440,149 @@ pub fn features(
     engine: EngineKind,
     threads: usize,
 ) -> Result<Features, CacheError> {
-    let bid = backbone_id(backbone);
-    let dir = root.join("features").join(format!(
-        "{}-{}-b{boundary}",
-        &prepared.meta.key[..16],
-        &bid[..16]
-    ));
+    features_local(root, prepared, backbone, boundary, engine, threads, 1)
+}
+
+/// Reads a complete feature cache, if there is one.
+fn read_features(
+    dir: &Path,
+    prepared: &Prepared,
+    per: usize,
+) -> Result<Option<Features>, CacheError> {
     let meta_path = dir.join("meta.json");
     let data_path = dir.join("features.f32");
+    if !meta_path.exists() {
+        return Ok(None);
+    }
+    let meta: FeatureMeta = read_json(&meta_path)?;
+    let bytes = fs::read(&data_path).map_err(io(&data_path))?;
+    let expected = (prepared.len() * per * 4) as u64;
+    if bytes.len() as u64 != expected {
+        return Err(CacheError::Shard {
+            path: data_path.display().to_string(),
+            found: bytes.len() as u64,
+            expected,
+        });
+    }
+    let data = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    Ok(Some(Features {
+        meta,
+        data,
+        computed: 0,
+        dir: dir.to_path_buf(),
+    }))
+}
+
+/// Opens or computes the feature cache with `workers` local workers: each builds its own engine
+/// (`threads / workers` threads), runs the frozen backbone over its own shards of the sample cache,
+/// and the features are gathered in sample order ([`extract_rank`]).
+pub fn features_local(
+    root: &Path,
+    prepared: &Prepared,
+    backbone: &Backbone,
+    boundary: usize,
+    engine: EngineKind,
+    threads: usize,
+    workers: usize,
+) -> Result<Features, CacheError> {
+    let world = workers.max(1);
+    let comms = crate::collective::local_group(world, crate::collective::DEFAULT_TIMEOUT);
+    if world == 1 {
+        return features_on(
+            root, prepared, backbone, boundary, engine, threads, &comms[0],
+        );
+    }
+    let per_worker = (threads / world).max(1);
+    let results: Vec<Result<Features, CacheError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let _guard = crate::collective::AbortOnPanic(c);
+                    let r = features_on(root, prepared, backbone, boundary, engine, per_worker, c);
+                    if let Err(e) = &r {
+                        crate::collective::Collective::abort(c, &e.to_string());
+                    }
+                    r
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join().unwrap_or_else(|_| {
+                    Err(CacheError::Worker {
+                        rank,
+                        message: "panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    });
+    let mut first_err = None;
+    let mut lead = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(f) if rank == 0 => lead = Some(f),
+            Ok(_) => {}
+            Err(CacheError::Collective(crate::collective::CollectiveError::PeerFailed {
+                ..
+            })) if first_err.is_some() => {}
+            Err(e) => {
+                if first_err.is_none()
+                    || matches!(
+                        first_err,
+                        Some(CacheError::Collective(
+                            crate::collective::CollectiveError::PeerFailed { .. }
+                        ))
+                    )
+                {
+                    first_err = Some(match e {
+                        e @ (CacheError::Collective(_) | CacheError::Worker { .. }) => e,
+                        e => CacheError::Worker {
+                            rank,
+                            message: e.to_string(),
+                        },
+                    });
+                }
+            }
+        }
+    }
+    match (first_err, lead) {
+        (Some(e), _) => Err(e),
+        (None, Some(f)) => Ok(f),
+        (None, None) => unreachable!("rank 0 returns features or an error"),
+    }
+}
+
+/// One rank's part of opening or computing the feature cache (local workers or MPI ranks): the
+/// ranks agree whether every one of them sees a complete cache; if not, each extracts its own
+/// shards ([`extract_rank`]) and rank 0 writes the cache. Every rank returns all features.
+pub fn features_on(
+    root: &Path,
+    prepared: &Prepared,
+    backbone: &Backbone,
+    boundary: usize,
+    engine: EngineKind,
+    threads: usize,
+    comm: &dyn crate::collective::Collective,
+) -> Result<Features, CacheError> {
+    let bid = backbone_id(backbone);
+    let dir = feature_dir(root, prepared, &bid, boundary);
     let opts = frozen_opts(backbone, boundary);
     let dims = opts.output_shape(&backbone.net);
     let per: usize = dims.iter().product();
-    if meta_path.exists() {
-        let meta: FeatureMeta = read_json(&meta_path)?;
-        let bytes = fs::read(&data_path).map_err(io(&data_path))?;
-        let expected = (prepared.len() * per * 4) as u64;
-        if bytes.len() as u64 != expected {
-            return Err(CacheError::Shard {
-                path: data_path.display().to_string(),
-                found: bytes.len() as u64,
-                expected,
-            });
-        }
-        let data = bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        return Ok(Features {
-            meta,
-            data,
-            computed: 0,
-        });
+    let cached = read_features(&dir, prepared, per)?;
+    let mut have = [f64::from(u8::from(cached.is_some()))];
+    comm.allreduce_sum_f64(&mut have)?;
+    if have[0] as usize == comm.world() {
+        return Ok(cached.expect("this rank has it"));
     }
     let start = Instant::now();
-    let engine_impl = backbone.engine(engine, &opts, threads)?;
-    let pixels = prepared.load_pixels()?;
-    let refs: Vec<&[u8]> = pixels.iter().map(|p| p.as_slice()).collect();
-    let data = run_frozen(engine_impl.as_ref(), prepared, &refs, per, "features")?;
+    let data = extract_rank(prepared, backbone, &opts, engine, threads, comm)?;
     let meta = FeatureMeta {
         samples_key: prepared.meta.key.clone(),
         backbone_id: bid,
@@ -444,15 +591,65 @@ pub fn features(
         dims,
         engine,
         seconds: start.elapsed().as_secs_f64(),
+        workers: comm.world(),
     };
-    let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-    write_atomic(&data_path, &bytes)?;
-    write_json(&meta_path, &meta)?;
+    if comm.rank() == 0 {
+        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        write_atomic(&dir.join("features.f32"), &bytes)?;
+        write_json(&dir.join("meta.json"), &meta)?;
+    }
     Ok(Features {
         meta,
         computed: prepared.len(),
         data,
+        dir,
     })
+}
+
+/// Runs the frozen part (`opts`) over this rank's shards ([`Prepared::rank_samples`]) on its own
+/// engine and gathers every rank's output in sample order.
+pub fn extract_rank(
+    prepared: &Prepared,
+    backbone: &Backbone,
+    opts: &LowerOpts,
+    engine: EngineKind,
+    threads: usize,
+    comm: &dyn crate::collective::Collective,
+) -> Result<Vec<f32>, CacheError> {
+    let (rank, world) = (comm.rank(), comm.world());
+    let per: usize = opts.output_shape(&backbone.net).iter().product();
+    let engine_impl = backbone.engine(engine, opts, threads)?;
+    let mut mine: Vec<(usize, Vec<u8>)> = Vec::new();
+    for shard in (rank..prepared.meta.shards).step_by(world) {
+        mine.extend(prepared.load_shard(shard)?);
+    }
+    mine.sort_by_key(|m| m.0);
+    let refs: Vec<&[u8]> = mine.iter().map(|m| m.1.as_slice()).collect();
+    let label = if world == 1 {
+        "features".to_string()
+    } else {
+        format!("features {rank}/{world}")
+    };
+    let local = run_frozen(engine_impl.as_ref(), prepared, &refs, per, &label)?;
+    if world == 1 {
+        return Ok(local);
+    }
+    let gathered = comm.allgather_f32(&local)?;
+    let mut data = vec![0f32; prepared.len() * per];
+    let mut at = 0;
+    for r in 0..world {
+        for i in prepared.rank_samples(r, world) {
+            data[i * per..(i + 1) * per].copy_from_slice(&gathered[at..at + per]);
+            at += per;
+        }
+    }
+    if at != gathered.len() {
+        return Err(CacheError::Worker {
+            rank,
+            message: format!("gathered {} feature values, expected {at}", gathered.len()),
+        });
+    }
+    Ok(data)
 }
 
 #[cfg(test)]

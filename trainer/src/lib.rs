@@ -4,16 +4,21 @@
 pub mod broker;
 pub mod cache;
 pub mod classify;
+pub mod collective;
+#[cfg(feature = "mpi")]
+pub mod collective_mpi;
 pub mod data;
 pub mod export;
 pub mod fleet;
 pub mod images;
 pub mod model;
 pub mod optim;
+pub mod predict;
 pub mod report;
 pub mod rollout;
 pub mod split;
 pub mod train;
+pub mod tune;
 
 pub use kestrel_models as models;
 pub use kestrel_shared as shared;

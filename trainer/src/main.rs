@@ -13,8 +13,10 @@ use kestrel_models::onnx::{self, LowerOpts};
 use kestrel_models::{Arch, EngineKind, torch};
 use kestrel_shared::PreprocessSpec;
 use kestrel_trainer::classify::{Classifier, throughput};
+use kestrel_trainer::collective::Collective;
 use kestrel_trainer::export::{self, ExportOpts, QuantForm};
-use kestrel_trainer::train::{self, FitParams, Optimizer, Schedule, SourceOptsSer};
+use kestrel_trainer::train::{self, FitParams, LrScaling, Optimizer, Schedule, SourceOptsSer};
+use kestrel_trainer::tune;
 
 #[derive(Parser)]
 #[command(
@@ -26,6 +28,10 @@ struct Cli {
     /// Worker threads for every engine (tract: concurrent sub-batches; ONNX Runtime: intra-op; candle: rayon).
     #[arg(long, global = true, default_value_t = default_threads())]
     threads: usize,
+    /// Device of the ONNX Runtime engine (`--engine ort`): cpu, or cuda (CUDA execution provider,
+    /// loaded at run time; needs an ONNX Runtime build with CUDA, e.g. the onnxruntime-gpu wheel).
+    #[arg(long, global = true, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -141,9 +147,19 @@ struct FitArgs {
     /// Augment training views: flip, crop (comma-separated). Augmented views are not cached.
     #[arg(long, value_delimiter = ',', value_parser = ["flip", "crop"])]
     augment: Vec<String>,
-    /// Data-parallel workers (the cache gets at least this many shards).
+    /// Data-parallel workers (threads of this process): each computes the gradient of its part of
+    /// every global batch, gradients are averaged (allreduce) and every worker takes the same step,
+    /// so N workers train what 1 worker trains with the same --batch-size and --seed.
     #[arg(long, default_value_t = 1)]
     workers: usize,
+    /// Learning rate vs workers: none (same lr; equal to 1 worker at the same global batch) or
+    /// linear (lr x workers, Horovod's recipe when the global batch grows with the workers).
+    #[arg(long, value_enum, default_value = "none")]
+    lr_scaling: LrScaling,
+    /// Seconds a collective (gradient allreduce, broadcast, barrier) may wait for the other
+    /// workers before failing with the ranks that did not arrive.
+    #[arg(long, default_value_t = 60.0, value_name = "SECS")]
+    collective_timeout: f64,
 }
 
 impl FitArgs {
@@ -170,7 +186,15 @@ impl FitArgs {
             augment_crop: self.augment.iter().any(|a| a == "crop"),
             workers: self.workers,
             skip_invalid: data.skip_invalid,
+            lr_scaling: self.lr_scaling,
         })
+    }
+
+    fn collective_timeout(&self) -> Result<std::time::Duration> {
+        std::time::Duration::try_from_secs_f64(self.collective_timeout)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .context("--collective-timeout must be a positive number of seconds")
     }
 }
 
@@ -187,6 +211,8 @@ enum Cmd {
         json: bool,
     },
     /// Train a new head (and optionally the last blocks) on cached features into a run directory.
+    /// `--workers N` trains data-parallel on N threads; under `mpirun -np N` (a build with
+    /// `--features kestrel-trainer/mpi`) each process is one rank and rank 0 writes the run.
     Fit {
         #[command(flatten)]
         data: DataArgs,
@@ -199,6 +225,71 @@ enum Cmd {
         #[arg(long, value_name = "RUN_DIR", conflicts_with = "out")]
         resume: Option<PathBuf>,
         /// Print summary.json on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Search head hyperparameters with TPE (seeded random warm-up, then Tree-structured Parzen
+    /// Estimator) over trials that train in parallel on the shared feature cache (computed once).
+    /// Writes OUT/trials.jsonl and OUT/best.json and prints the trials sorted by validation loss.
+    /// Under `mpirun -np N` the trials are spread over the ranks too.
+    Tune {
+        #[command(flatten)]
+        data: DataArgs,
+        #[command(flatten)]
+        backbone: BackboneArgs,
+        /// Engine that runs the frozen backbone (once, for the feature cache): tract | ort | candle.
+        #[arg(long, default_value = "tract")]
+        engine: EngineKind,
+        /// Number of trials.
+        #[arg(long, default_value_t = 50)]
+        trials: usize,
+        /// Trials trained at the same time (worker threads).
+        #[arg(long, default_value_t = 1)]
+        parallel: usize,
+        /// Random warm-up trials before TPE proposes.
+        #[arg(long, default_value_t = 10)]
+        startup: usize,
+        /// Output directory (trials.jsonl, best.json).
+        #[arg(long)]
+        out: PathBuf,
+        /// Search space as TOML (keys lr, momentum, weight_decay: [lo, hi]; batch_size: [..];
+        /// optimizer: ["sgd", "adamw"]; epochs: [lo, hi]); the range flags below override it.
+        #[arg(long, value_name = "SPACE.toml")]
+        space: Option<PathBuf>,
+        /// Learning-rate range, log-uniform [default: 1e-4,0.3].
+        #[arg(long, value_delimiter = ',', value_name = "LO,HI")]
+        lr_range: Option<Vec<f64>>,
+        /// Momentum range, uniform [default: 0,0.99].
+        #[arg(long, value_delimiter = ',', value_name = "LO,HI")]
+        momentum_range: Option<Vec<f64>>,
+        /// Weight-decay range, uniform [default: 0,0.001].
+        #[arg(long, value_delimiter = ',', value_name = "LO,HI")]
+        weight_decay_range: Option<Vec<f64>>,
+        /// Batch sizes to choose from [default: 16,32,64].
+        #[arg(long, value_delimiter = ',')]
+        batch_sizes: Option<Vec<usize>>,
+        /// Optimizers to choose from [default: sgd,adamw].
+        #[arg(long, value_delimiter = ',', value_enum)]
+        optimizers: Option<Vec<Optimizer>>,
+        /// Epoch range, integers inclusive [default: 5,30].
+        #[arg(long, value_delimiter = ',', value_name = "LO,HI")]
+        epochs_range: Option<Vec<usize>>,
+        /// Seed of the split, of every trial's initialisation and order, and of the search.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        #[arg(long, default_value_t = 0.2)]
+        val_fraction: f64,
+        #[arg(long, default_value_t = 0.0)]
+        test_fraction: f64,
+        #[arg(long, value_enum, default_value = "none")]
+        schedule: Schedule,
+        /// Stop a trial after PATIENCE epochs without a lower validation loss.
+        #[arg(long, value_name = "PATIENCE")]
+        early_stopping: Option<usize>,
+        /// Then train the final model with the best trial's parameters into RUN_DIR.
+        #[arg(long, value_name = "RUN_DIR")]
+        then_fit: Option<PathBuf>,
+        /// Print {"best": ..., "trials": [...sorted], "then_fit": summary} as JSON on stdout.
         #[arg(long)]
         json: bool,
     },
@@ -215,6 +306,35 @@ enum Cmd {
         engine: EngineKind,
         #[command(flatten)]
         data: DataArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Batch inference: classify every row of an image table with an exported artifact (verified and
+    /// health-checked exactly as the edge loads it), spread over workers; writes Parquet with
+    /// columns path, label, prediction, class, score, error (rows in table order).
+    Predict {
+        /// Artifact directory written by `trainer export`.
+        #[arg(long)]
+        model: PathBuf,
+        /// Image table (ImageFolder, CSV manifest or Parquet), as for `fit`.
+        #[arg(long)]
+        data: PathBuf,
+        #[arg(long, default_value = "label")]
+        label_column: String,
+        #[arg(long, default_value = "content")]
+        content_column: String,
+        #[arg(long, default_value = "path")]
+        path_column: String,
+        /// Output Parquet file.
+        #[arg(long)]
+        out: PathBuf,
+        /// Workers (threads), each classifying a contiguous share of the rows on its own engine.
+        #[arg(long, default_value_t = 1)]
+        workers: usize,
+        /// Largest artifact accepted, in bytes (sum of the manifest's files).
+        #[arg(long, default_value_t = 64 << 20)]
+        max_bytes: u64,
+        /// Print the summary as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -362,6 +482,9 @@ enum Cmd {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     set_candle_threads(cli.threads);
+    if cli.device == "cuda" {
+        kestrel_models::engine::set_ort_device(kestrel_models::engine::OrtDevice::Cuda);
+    }
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
@@ -375,12 +498,87 @@ fn log(line: String) {
     eprintln!("{line}");
 }
 
+/// The MPI job this process is a rank of, when an MPI launcher (mpirun, srun) started it: MPI is
+/// initialised and every rank checks that the others run the same executable.
+#[cfg(feature = "mpi")]
+fn mpi_job(timeout: std::time::Duration) -> Result<Option<Box<dyn Collective>>> {
+    if !kestrel_trainer::collective::launched_by_mpi() {
+        return Ok(None);
+    }
+    let comm = kestrel_trainer::collective_mpi::MpiComm::init(timeout)?;
+    let exe = std::env::current_exe().context("locating the trainer executable")?;
+    let bytes = std::fs::read(&exe).with_context(|| format!("reading {}", exe.display()))?;
+    let id = format!(
+        "{} {}",
+        env!("CARGO_PKG_VERSION"),
+        kestrel_trainer::cache::sha256_hex(&bytes)
+    );
+    drop(bytes);
+    if let Err(e) = comm.check_same("trainer executables (version and sha256)", id.as_bytes()) {
+        comm.fail(&e);
+    }
+    Ok(Some(Box::new(comm)))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_job(_: std::time::Duration) -> Result<Option<Box<dyn Collective>>> {
+    if kestrel_trainer::collective::launched_by_mpi() {
+        bail!(
+            "this process was started by an MPI launcher (mpirun/srun), but this trainer was built \
+             without MPI: rebuild with `cargo build --release --features kestrel-trainer/mpi` \
+             (needs libopenmpi-dev and libclang-dev), or use --workers N on one machine"
+        )
+    }
+    Ok(None)
+}
+
+/// Ends the MPI job with this rank's error: printed with the rank, then `MPI_Abort` makes every
+/// rank exit non-zero (never a hang).
+fn job_failed(comm: &dyn Collective, e: &dyn std::fmt::Display) -> ! {
+    comm.abort(&format!("{e:#}"));
+    eprintln!("error: rank {}: {e:#}", comm.rank());
+    std::process::exit(1)
+}
+
 fn run(cli: Cli) -> Result<ExitCode> {
+    if kestrel_trainer::collective::launched_by_mpi()
+        && !matches!(
+            cli.cmd,
+            Cmd::Prepare { .. } | Cmd::Fit { .. } | Cmd::Tune { .. } | Cmd::Predict { .. }
+        )
+    {
+        bail!(
+            "only prepare, fit, tune and predict run as MPI jobs; run this command without mpirun"
+        );
+    }
     match cli.cmd {
         Cmd::Fleet(cmd) => return fleet_cli::run(cmd),
         Cmd::Prepare { data, fit, json } => {
             let p = fit.params(&data)?;
-            let pp = train::prepare(&p, &data.cache_root(), cli.threads, &mut log)?;
+            let pp = match mpi_job(fit.collective_timeout()?)? {
+                // Under mpirun the ranks extract the features together; rank 0 reports.
+                Some(comm) => {
+                    let p = FitParams {
+                        workers: comm.world(),
+                        ..p
+                    };
+                    let mut quiet = |_: String| {};
+                    let lead = comm.rank() == 0;
+                    let l: &mut dyn FnMut(String) = if lead { &mut log } else { &mut quiet };
+                    match train::prepare_on(
+                        &p,
+                        &data.cache_root(),
+                        cli.threads,
+                        Some(comm.as_ref()),
+                        l,
+                    ) {
+                        Ok(pp) if lead => pp,
+                        Ok(_) => return Ok(ExitCode::SUCCESS),
+                        Err(e) => job_failed(comm.as_ref(), &e),
+                    }
+                }
+                None => train::prepare(&p, &data.cache_root(), cli.threads, &mut log)?,
+            };
             let split =
                 kestrel_trainer::split::count_table(pp.labels(), &pp.splits, &pp.dataset_labels);
             if json {
@@ -394,6 +592,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     "feature_dims": pp.features.meta.dims,
                     "backbone_runs": pp.features.computed,
                     "feature_seconds": pp.features.meta.seconds,
+                    "feature_workers": pp.features.meta.workers,
+                    "features_cache": pp.features.dir,
                 });
                 println!("{v}");
             } else {
@@ -422,14 +622,34 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 }
                 None => (fit.params(&data)?, out.expect("clap requires --out"), false),
             };
-            let o = train::fit(
-                &params,
-                &dir,
-                resuming,
-                &data.cache_root(),
-                cli.threads,
-                &mut log,
-            )?;
+            let timeout = fit.collective_timeout()?;
+            let o = if let Some(comm) = mpi_job(timeout)? {
+                let r = train::fit_on(
+                    &params,
+                    &dir,
+                    resuming,
+                    &data.cache_root(),
+                    cli.threads,
+                    comm.as_ref(),
+                    &mut log,
+                );
+                match r {
+                    Ok(Some(o)) => o,
+                    // Ranks other than 0 print nothing.
+                    Ok(None) => return Ok(ExitCode::SUCCESS),
+                    Err(e) => job_failed(comm.as_ref(), &e),
+                }
+            } else {
+                train::fit_local(
+                    &params,
+                    &dir,
+                    resuming,
+                    &data.cache_root(),
+                    cli.threads,
+                    timeout,
+                    &mut log,
+                )?
+            };
             let s = &o.summary;
             if json {
                 println!("{}", serde_json::to_string(s)?);
@@ -446,6 +666,147 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     o.run_dir.display()
                 );
                 println!("{}", s.validation.to_table());
+            }
+        }
+        Cmd::Tune {
+            data,
+            backbone,
+            engine,
+            trials,
+            parallel,
+            startup,
+            out,
+            space,
+            lr_range,
+            momentum_range,
+            weight_decay_range,
+            batch_sizes,
+            optimizers,
+            epochs_range,
+            seed,
+            val_fraction,
+            test_fraction,
+            schedule,
+            early_stopping,
+            then_fit,
+            json,
+        } => {
+            let mut sp = match &space {
+                Some(f) => tune::read_space(f)?,
+                None => tune::Space::default(),
+            };
+            fn pair<T: Copy>(v: Option<Vec<T>>, flag: &str) -> Result<Option<[T; 2]>> {
+                match v {
+                    None => Ok(None),
+                    Some(v) if v.len() == 2 => Ok(Some([v[0], v[1]])),
+                    Some(_) => bail!("{flag} takes two comma-separated values LO,HI"),
+                }
+            }
+            if let Some(r) = pair(lr_range, "--lr-range")? {
+                sp.lr = r;
+            }
+            if let Some(r) = pair(momentum_range, "--momentum-range")? {
+                sp.momentum = r;
+            }
+            if let Some(r) = pair(weight_decay_range, "--weight-decay-range")? {
+                sp.weight_decay = r;
+            }
+            if let Some(r) = pair(epochs_range, "--epochs-range")? {
+                sp.epochs = r;
+            }
+            if let Some(b) = batch_sizes {
+                sp.batch_size = b;
+            }
+            if let Some(o) = optimizers {
+                sp.optimizer = o;
+            }
+            let defaults = tune::Space::default();
+            let base = FitParams {
+                data: data.path()?,
+                source: data.source(),
+                backbone: backbone.backbone.clone(),
+                arch: backbone.arch.map(|a| a.name().to_string()),
+                engine,
+                epochs: defaults.epochs[0],
+                batch_size: defaults.batch_size[0],
+                lr: defaults.lr[0],
+                momentum: 0.0,
+                weight_decay: 0.0,
+                optimizer: Optimizer::Sgd,
+                schedule,
+                early_stopping,
+                seed,
+                val_fraction,
+                test_fraction,
+                unfreeze_last: 0,
+                augment_flip: false,
+                augment_crop: false,
+                workers: 1,
+                skip_invalid: data.skip_invalid,
+                lr_scaling: LrScaling::None,
+            };
+            let opts = tune::TuneOpts {
+                trials,
+                parallel,
+                seed,
+                space: sp,
+                startup,
+            };
+            let cache = data.cache_root();
+            let job = mpi_job(kestrel_trainer::collective::DEFAULT_TIMEOUT)?;
+            let comm = job.as_deref();
+            let lead = comm.is_none_or(|c| c.rank() == 0);
+            let outcome =
+                match tune::tune_on(&base, &opts, &out, &cache, cli.threads, comm, &mut log) {
+                    Ok(o) => o,
+                    Err(e) => match comm {
+                        Some(c) => job_failed(c, &e),
+                        None => return Err(e.into()),
+                    },
+                };
+            let fitted = match &then_fit {
+                Some(dir) => {
+                    let p = tune::best_params(&base, &outcome.best, seed);
+                    if lead {
+                        log(format!(
+                            "fitting the best parameters (trial {}) into {}",
+                            outcome.best.trial,
+                            dir.display()
+                        ));
+                    }
+                    match comm {
+                        // Under MPI the final model trains data-parallel on every rank.
+                        Some(c) => {
+                            match train::fit_on(&p, dir, false, &cache, cli.threads, c, &mut log) {
+                                Ok(o) => o,
+                                Err(e) => job_failed(c, &e),
+                            }
+                        }
+                        None => Some(train::fit(&p, dir, false, &cache, cli.threads, &mut log)?),
+                    }
+                }
+                None => None,
+            };
+            if !lead {
+                return Ok(ExitCode::SUCCESS);
+            }
+            if json {
+                let v = serde_json::json!({
+                    "best": outcome.best,
+                    "trials": tune::sorted(&outcome.trials),
+                    "then_fit": fitted.as_ref().map(|o| &o.summary),
+                });
+                println!("{v}");
+            } else {
+                print!("{}", tune::table(&outcome.trials));
+                if let Some(o) = &fitted {
+                    println!(
+                        "final model: val accuracy {:.4} (loss {:.4}) -> {}",
+                        o.summary.val_accuracy,
+                        o.summary.val_loss,
+                        o.run_dir.display()
+                    );
+                }
             }
         }
         Cmd::Evaluate {
@@ -530,6 +891,71 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     m.quantization.accuracy,
                     m.quantization.f32_accuracy,
                     out.display()
+                );
+            }
+        }
+        Cmd::Predict {
+            model,
+            data,
+            label_column,
+            content_column,
+            path_column,
+            out,
+            workers,
+            max_bytes,
+            json,
+        } => {
+            let source = kestrel_trainer::data::SourceOpts {
+                label_column,
+                content_column,
+                path_column,
+            };
+            let job = mpi_job(kestrel_trainer::collective::DEFAULT_TIMEOUT)?;
+            let s = match job.as_deref() {
+                Some(c) => {
+                    match kestrel_trainer::predict::predict_on(
+                        &model,
+                        &data,
+                        &source,
+                        &out,
+                        c,
+                        cli.threads,
+                        max_bytes,
+                    ) {
+                        Ok(Some(s)) => s,
+                        Ok(None) => return Ok(ExitCode::SUCCESS),
+                        Err(e) => job_failed(c, &e),
+                    }
+                }
+                None => kestrel_trainer::predict::predict_table(
+                    &model,
+                    &data,
+                    &source,
+                    &out,
+                    workers,
+                    cli.threads,
+                    max_bytes,
+                )
+                .with_context(|| {
+                    format!("predicting {} with {}", data.display(), model.display())
+                })?,
+            };
+            if json {
+                println!("{}", serde_json::to_string(&s)?);
+            } else {
+                println!(
+                    "{} v{}: {} rows ({} errors){} in {:.2}s on {} worker(s), {:.1} images/s -> {}",
+                    s.model,
+                    s.version,
+                    s.rows,
+                    s.errors,
+                    s.accuracy
+                        .map(|a| format!(", accuracy {a:.4}"))
+                        .unwrap_or_default(),
+                    s.seconds,
+                    s.workers,
+                    s.images_per_s,
+                    s.out
                 );
             }
         }

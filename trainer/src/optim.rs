@@ -47,9 +47,50 @@ impl Opt {
         grads: &candle_core::backprop::GradStore,
         lr: f64,
     ) -> Result<(), TrainError> {
+        let g: Vec<Option<CTensor>> = vars
+            .iter()
+            .map(|(_, v)| grads.get(v.as_tensor()).cloned())
+            .collect();
+        self.apply_each(vars, &g, lr)
+    }
+
+    /// One step from gradients flattened var after var (as [`flatten_grads`] writes them, e.g.
+    /// after an allreduce).
+    pub fn apply_flat(
+        &mut self,
+        vars: &[(String, Var)],
+        flat: &[f32],
+        lr: f64,
+    ) -> Result<(), TrainError> {
+        let mut at = 0;
+        let mut g = Vec::with_capacity(vars.len());
+        for (_, v) in vars {
+            let n = v.elem_count();
+            g.push(Some(CTensor::from_slice(
+                &flat[at..at + n],
+                v.dims(),
+                &Device::Cpu,
+            )?));
+            at += n;
+        }
+        if at != flat.len() {
+            return Err(TrainError::Invalid(format!(
+                "{} gradient values for {at} parameters",
+                flat.len()
+            )));
+        }
+        self.apply_each(vars, &g, lr)
+    }
+
+    fn apply_each(
+        &mut self,
+        vars: &[(String, Var)],
+        grads: &[Option<CTensor>],
+        lr: f64,
+    ) -> Result<(), TrainError> {
         self.step += 1;
-        for ((_, var), slot) in vars.iter().zip(&mut self.slots) {
-            let Some(g) = grads.get(var.as_tensor()) else {
+        for (((_, var), slot), g) in vars.iter().zip(&mut self.slots).zip(grads) {
+            let Some(g) = g else {
                 continue;
             };
             let p = var.as_tensor();
@@ -81,6 +122,31 @@ impl Opt {
         Ok(())
     }
 
+    /// The optimizer's state flattened (slot after slot), to broadcast it from rank 0.
+    pub fn state_flat(&self) -> Result<Vec<f32>, TrainError> {
+        let mut out = Vec::new();
+        for slot in &self.slots {
+            for t in slot {
+                out.extend(t.flatten_all()?.to_vec1::<f32>()?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Restores what [`Opt::state_flat`] wrote.
+    pub fn set_state_flat(&mut self, flat: &[f32], step: u64) -> Result<(), TrainError> {
+        let mut at = 0;
+        for slot in &mut self.slots {
+            for t in slot.iter_mut() {
+                let n = t.elem_count();
+                *t = CTensor::from_slice(&flat[at..at + n], t.dims(), &Device::Cpu)?;
+                at += n;
+            }
+        }
+        self.step = step;
+        Ok(())
+    }
+
     pub(crate) fn state(&self, vars: &[(String, Var)]) -> Result<Weights, TrainError> {
         let mut w = Weights::new();
         for ((name, _), slot) in vars.iter().zip(&self.slots) {
@@ -109,4 +175,50 @@ impl Opt {
         self.step = step;
         Ok(())
     }
+}
+
+/// Every var's gradient (zeros when it has none) flattened var after var and multiplied by
+/// `scale` — the layout [`Opt::apply_flat`] reads.
+pub fn flatten_grads(
+    vars: &[(String, Var)],
+    grads: &candle_core::backprop::GradStore,
+    scale: f32,
+) -> Result<Vec<f32>, TrainError> {
+    let mut out = Vec::with_capacity(vars.iter().map(|(_, v)| v.elem_count()).sum());
+    for (_, v) in vars {
+        match grads.get(v.as_tensor()) {
+            Some(g) => out.extend(
+                g.flatten_all()?
+                    .to_vec1::<f32>()?
+                    .into_iter()
+                    .map(|x| x * scale),
+            ),
+            None => out.extend(std::iter::repeat_n(0.0, v.elem_count())),
+        }
+    }
+    Ok(out)
+}
+
+/// Every var's values flattened var after var.
+pub fn flatten_vars(vars: &[(String, Var)]) -> Result<Vec<f32>, TrainError> {
+    let mut out = Vec::new();
+    for (_, v) in vars {
+        out.extend(v.as_tensor().flatten_all()?.to_vec1::<f32>()?);
+    }
+    Ok(out)
+}
+
+/// Sets every var from a flat buffer written by [`flatten_vars`].
+pub fn set_vars(vars: &[(String, Var)], flat: &[f32]) -> Result<(), TrainError> {
+    let mut at = 0;
+    for (_, v) in vars {
+        let n = v.elem_count();
+        v.set(&CTensor::from_slice(
+            &flat[at..at + n],
+            v.dims(),
+            &Device::Cpu,
+        )?)?;
+        at += n;
+    }
+    Ok(())
 }

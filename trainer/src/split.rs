@@ -92,10 +92,11 @@ pub fn epoch_batches(indices: &[usize], batch: usize, seed: u64, epoch: usize) -
         .collect()
 }
 
-/// Rank `rank`'s equal share of a global batch (`batch.len()` must be a multiple of `world`).
+/// Rank `rank`'s contiguous share of a global batch: `[r*B/W, (r+1)*B/W)`. When `B` is not a
+/// multiple of `W` the parts differ by one sample; training weights each rank's mean-loss gradient
+/// by `part / B`, so the summed gradient is still exactly the global batch's mean-loss gradient.
 pub fn local_part(batch: &[usize], rank: usize, world: usize) -> &[usize] {
-    let per = batch.len() / world;
-    &batch[rank * per..(rank + 1) * per]
+    &batch[crate::collective::share(batch.len(), rank, world)]
 }
 
 #[cfg(test)]
@@ -149,5 +150,7 @@ mod tests {
         assert_eq!(seen, idx);
         assert_ne!(b, epoch_batches(&idx, 4, 1, 1));
         assert_eq!(local_part(&b[0], 1, 2), &b[0][2..4]);
+        assert_eq!(local_part(&b[0], 0, 3), &b[0][0..1]);
+        assert_eq!(local_part(&b[0], 2, 3), &b[0][2..4]);
     }
 }

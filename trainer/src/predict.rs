@@ -1,0 +1,315 @@
+//! `trainer predict`: batch inference of an exported artifact over a whole image table, spread over
+//! workers (threads here, ranks under MPI), written as Parquet.
+//!
+//! Every worker loads the artifact exactly as the edge does ([`LoadedModel::load`]: file sizes and
+//! hashes, then the golden-sample health check), classifies its contiguous share of the table's rows
+//! (decode + the manifest's preprocessing + tract), and the rows are gathered in table order;
+//! rank 0 writes the Parquet file (temporary name, fsync, rename). An image that cannot be decoded
+//! gets its `error` column filled instead of failing the whole table.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use arrow::array::{ArrayRef, Float32Array, StringArray, UInt32Array};
+use arrow::datatypes::{DataType, Field, Schema};
+use arrow::record_batch::RecordBatch;
+use kestrel_models::artifact::{ArtifactError, LoadedModel};
+use serde::{Deserialize, Serialize};
+
+use crate::collective::{self, AbortOnPanic, Collective, CollectiveError};
+use crate::data::{self, Dataset, SourceOpts};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PredictError {
+    #[error(transparent)]
+    Data(#[from] data::DataError),
+    #[error(transparent)]
+    Artifact(#[from] ArtifactError),
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    #[error("{path}: {reason}")]
+    Output { path: String, reason: String },
+    #[error("only {rows} rows for {workers} workers: every worker needs at least one")]
+    TooFewRows { rows: usize, workers: usize },
+    #[error("prediction worker {rank}: {message}")]
+    Worker { rank: usize, message: String },
+}
+
+/// One output row.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Row {
+    pub path: String,
+    /// The table's label for the row.
+    pub label: String,
+    pub prediction: Option<String>,
+    pub class: Option<u32>,
+    /// Softmax probability of the prediction.
+    pub score: Option<f32>,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PredictSummary {
+    pub model: String,
+    pub version: u64,
+    pub rows: usize,
+    pub errors: usize,
+    /// Share of rows whose prediction equals the table's label (when the labels are the model's).
+    pub accuracy: Option<f64>,
+    pub workers: usize,
+    pub seconds: f64,
+    pub images_per_s: f64,
+    pub out: String,
+}
+
+/// Classifies every row of `data` with the artifact in `model_dir` on `workers` local threads and
+/// writes `out` (Parquet).
+pub fn predict_table(
+    model_dir: &Path,
+    data_path: &Path,
+    source: &SourceOpts,
+    out: &Path,
+    workers: usize,
+    threads: usize,
+    max_bytes: u64,
+) -> Result<PredictSummary, PredictError> {
+    let start = Instant::now();
+    let ds = data::load(data_path, source)?;
+    let world = workers.max(1);
+    let comms = collective::local_group(world, collective::DEFAULT_TIMEOUT);
+    let per_worker = (threads / world).max(1);
+    let results: Vec<Result<Option<Vec<Row>>, PredictError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                let ds = &ds;
+                s.spawn(move || {
+                    let _guard = AbortOnPanic(c);
+                    let r = predict_rank(model_dir, ds, c, per_worker, max_bytes);
+                    if let Err(e) = &r {
+                        c.abort(&e.to_string());
+                    }
+                    r
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join().unwrap_or_else(|_| {
+                    Err(PredictError::Worker {
+                        rank,
+                        message: "panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    });
+    let mut rows = None;
+    let mut err: Option<PredictError> = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(Some(v)) => rows = Some(v),
+            Ok(None) => {}
+            Err(e) => {
+                let secondary = matches!(
+                    e,
+                    PredictError::Collective(CollectiveError::PeerFailed { .. })
+                );
+                let replace = match &err {
+                    None => true,
+                    Some(PredictError::Collective(CollectiveError::PeerFailed { .. })) => {
+                        !secondary
+                    }
+                    Some(_) => false,
+                };
+                if replace {
+                    err = Some(match e {
+                        e @ (PredictError::TooFewRows { .. }
+                        | PredictError::Collective(_)
+                        | PredictError::Worker { .. }) => e,
+                        e if world == 1 => e,
+                        e => PredictError::Worker {
+                            rank,
+                            message: e.to_string(),
+                        },
+                    });
+                }
+            }
+        }
+    }
+    if let Some(e) = err {
+        return Err(e);
+    }
+    let rows = rows.expect("rank 0 returns the rows");
+    let model = kestrel_models::artifact::read_manifest(model_dir)?;
+    write_parquet(out, &rows)?;
+    Ok(summarize(
+        &model,
+        &rows,
+        world,
+        start.elapsed().as_secs_f64(),
+        out,
+    ))
+}
+
+/// [`predict_table`] as one rank of `comm` (an MPI job: `mpirun -np N trainer predict ...`): each
+/// rank classifies its share of the rows; rank 0 writes `out` and returns the summary.
+pub fn predict_on(
+    model_dir: &Path,
+    data_path: &Path,
+    source: &SourceOpts,
+    out: &Path,
+    comm: &dyn Collective,
+    threads: usize,
+    max_bytes: u64,
+) -> Result<Option<PredictSummary>, PredictError> {
+    let start = Instant::now();
+    let ds = data::load(data_path, source)?;
+    let Some(rows) = predict_rank(model_dir, &ds, comm, threads, max_bytes)? else {
+        return Ok(None);
+    };
+    let model = kestrel_models::artifact::read_manifest(model_dir)?;
+    write_parquet(out, &rows)?;
+    Ok(Some(summarize(
+        &model,
+        &rows,
+        comm.world(),
+        start.elapsed().as_secs_f64(),
+        out,
+    )))
+}
+
+/// Summary of gathered rows.
+pub fn summarize(
+    model: &kestrel_shared::manifest::Manifest,
+    rows: &[Row],
+    workers: usize,
+    seconds: f64,
+    out: &Path,
+) -> PredictSummary {
+    let errors = rows.iter().filter(|r| r.error.is_some()).count();
+    let known = rows.iter().all(|r| model.labels.contains(&r.label));
+    let correct = rows
+        .iter()
+        .filter(|r| r.prediction.as_deref() == Some(r.label.as_str()))
+        .count();
+    PredictSummary {
+        model: model.name.clone(),
+        version: model.version,
+        rows: rows.len(),
+        errors,
+        accuracy: (known && !rows.is_empty()).then(|| correct as f64 / rows.len() as f64),
+        workers,
+        seconds,
+        images_per_s: rows.len() as f64 / seconds.max(1e-9),
+        out: out.display().to_string(),
+    }
+}
+
+/// One rank's part: load and health-check the artifact, classify rows `share(n, rank, world)`,
+/// gather. Rank 0 returns every row in table order, the others `None`.
+pub fn predict_rank(
+    model_dir: &Path,
+    ds: &Dataset,
+    comm: &dyn Collective,
+    threads: usize,
+    max_bytes: u64,
+) -> Result<Option<Vec<Row>>, PredictError> {
+    let (rank, world) = (comm.rank(), comm.world());
+    if ds.samples.len() < world {
+        return Err(PredictError::TooFewRows {
+            rows: ds.samples.len(),
+            workers: world,
+        });
+    }
+    let model = LoadedModel::load(model_dir, max_bytes, threads)?;
+    comm.check_same(
+        "model (manifest name, version and files)",
+        serde_json::to_string(&(
+            &model.manifest.name,
+            model.manifest.version,
+            &model.manifest.files,
+        ))
+        .expect("manifest serializes")
+        .as_bytes(),
+    )?;
+    let mine = collective::share(ds.samples.len(), rank, world);
+    let rows: Vec<Row> = ds.samples[mine]
+        .iter()
+        .map(|s| {
+            let label = ds.labels[s.label].clone();
+            match model.predict(&s.bytes, &s.id, 1) {
+                Ok(p) => Row {
+                    path: s.id.clone(),
+                    label,
+                    prediction: Some(p.top[0].label.clone()),
+                    class: Some(p.top[0].class as u32),
+                    score: Some(p.top[0].score),
+                    error: None,
+                },
+                Err(e) => Row {
+                    path: s.id.clone(),
+                    label,
+                    prediction: None,
+                    class: None,
+                    score: None,
+                    error: Some(e.to_string()),
+                },
+            }
+        })
+        .collect();
+    let bytes = serde_json::to_vec(&rows).expect("rows serialize");
+    let all = comm.allgather_bytes(&bytes)?;
+    if rank != 0 {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(ds.samples.len());
+    for (r, b) in all.iter().enumerate() {
+        let part: Vec<Row> = serde_json::from_slice(b).map_err(|e| PredictError::Worker {
+            rank: r,
+            message: format!("its rows do not parse: {e}"),
+        })?;
+        out.extend(part);
+    }
+    Ok(Some(out))
+}
+
+/// Writes rows as Parquet (`path`, `label`, `prediction`, `class`, `score`, `error`), crash-safely.
+pub fn write_parquet(out: &Path, rows: &[Row]) -> Result<(), PredictError> {
+    let err = |reason: String| PredictError::Output {
+        path: out.display().to_string(),
+        reason,
+    };
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("path", DataType::Utf8, false),
+        Field::new("label", DataType::Utf8, false),
+        Field::new("prediction", DataType::Utf8, true),
+        Field::new("class", DataType::UInt32, true),
+        Field::new("score", DataType::Float32, true),
+        Field::new("error", DataType::Utf8, true),
+    ]));
+    let cols: Vec<ArrayRef> = vec![
+        Arc::new(StringArray::from_iter_values(rows.iter().map(|r| &r.path))),
+        Arc::new(StringArray::from_iter_values(rows.iter().map(|r| &r.label))),
+        Arc::new(StringArray::from_iter(
+            rows.iter().map(|r| r.prediction.as_deref()),
+        )),
+        Arc::new(UInt32Array::from_iter(rows.iter().map(|r| r.class))),
+        Arc::new(Float32Array::from_iter(rows.iter().map(|r| r.score))),
+        Arc::new(StringArray::from_iter(
+            rows.iter().map(|r| r.error.as_deref()),
+        )),
+    ];
+    let batch = RecordBatch::try_new(schema.clone(), cols).map_err(|e| err(e.to_string()))?;
+    let mut buf = Vec::new();
+    let mut w = parquet::arrow::ArrowWriter::try_new(&mut buf, schema, None)
+        .map_err(|e| err(e.to_string()))?;
+    w.write(&batch).map_err(|e| err(e.to_string()))?;
+    w.close().map_err(|e| err(e.to_string()))?;
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
+    }
+    kestrel_shared::fsutil::write_atomic(out, &buf).map_err(|e| err(e.to_string()))
+}
