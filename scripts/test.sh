@@ -8,4 +8,4 @@ source "$here/env.sh" # again: the set-up may have installed Open MPI
 cd "$here/.."
 log "cargo test (release) ${KESTREL_FEATURES:-without MPI}"
 # shellcheck disable=SC2086
-cargo test --release --locked --workspace $KESTREL_FEATURES
+cargo test --release --locked --workspace --no-fail-fast $KESTREL_FEATURES

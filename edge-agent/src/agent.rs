@@ -508,12 +508,7 @@ impl Agent {
             .map_err(|e| e.to_string())
             .and_then(|o| {
                 let m = o.open(&self.keys).map_err(|e| e.to_string())?;
-                for f in device_files(&m) {
-                    artifact::safe_relative(&f.path).map_err(|e| e.to_string())?;
-                }
-                for g in &m.golden {
-                    artifact::safe_relative(&g.file).map_err(|e| e.to_string())?;
-                }
+                artifact::check_names(&m).map_err(|e| e.to_string())?;
                 if m.name != w.name || m.version != w.version {
                     return Err(format!(
                         "offer is {} v{}, wanted {} v{}",

@@ -106,7 +106,21 @@ pub fn verify_files(dir: &Path, m: &Manifest, max_bytes: u64) -> Result<(), Arti
 /// Checks the files a device receives and runs ([`device_files`]: the model and the golden
 /// samples), and their total against `max_bytes`.
 pub fn verify_device_files(dir: &Path, m: &Manifest, max_bytes: u64) -> Result<(), ArtifactError> {
+    check_names(m)?;
     verify_entries(dir, &device_files(m), max_bytes)
+}
+
+/// Every file name the manifest mentions (files and golden samples) must be a plain relative path.
+pub fn check_names(m: &Manifest) -> Result<(), ArtifactError> {
+    for name in m
+        .files
+        .iter()
+        .map(|f| &f.path)
+        .chain(m.golden.iter().map(|g| &g.file))
+    {
+        safe_relative(name)?;
+    }
+    Ok(())
 }
 
 fn verify_entries(dir: &Path, files: &[&FileEntry], max_bytes: u64) -> Result<(), ArtifactError> {
