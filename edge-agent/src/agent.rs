@@ -538,8 +538,15 @@ impl Agent {
             total_bytes: o.total_bytes,
             rollback: w.rollback,
         };
+        let version = o.version;
         self.offer = Some((o, m));
-        self.feed(Event::Offered(offer)).await
+        self.feed(Event::Offered(offer)).await?;
+        if self.updater.phase.target() != Some(version) {
+            // Refused (too large, a downgrade): nothing of it stays on disk.
+            let _ = std::fs::remove_dir_all(self.store.download_dir(version));
+            self.offer = None;
+        }
+        Ok(())
     }
 
     async fn on_chunk(&mut self, topic: &str, payload: &[u8]) -> Result<()> {
@@ -963,8 +970,12 @@ async fn run_device(cfg: Config, watch: Option<PathBuf>, models: Arc<ModelCache>
                     agent.on_mqtt(ev).await?;
                 }
                 Err(e) => {
-                    if agent.connected {
-                        eprintln!("{}: broker {}: {e}; reconnecting", agent.cfg.device_id, agent.cfg.broker.url);
+                    if backoff == Duration::from_millis(200) {
+                        // The first failure after a success (or at start); retries stay quiet.
+                        eprintln!(
+                            "{}: broker {}: {e}; retrying (up to every 5 s), serving and journaling meanwhile",
+                            agent.cfg.device_id, agent.cfg.broker.url
+                        );
                     }
                     agent.connected = false;
                     tokio::time::sleep(backoff).await;

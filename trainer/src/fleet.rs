@@ -47,8 +47,11 @@ pub struct Conn {
 impl Conn {
     /// Connects with a clean session; fails with the broker's URL when it cannot be reached.
     pub fn connect(cfg: &BrokerConfig, role: &str) -> Result<Self, FleetError> {
+        // Unique per connection: a broker drops the older of two sessions with one client id.
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let id = format!(
-            "kestrel-{role}-{}-{}",
+            "kestrel-{role}-{}-{}-{n}",
             std::process::id(),
             now_unix() % 100_000
         );
@@ -375,19 +378,44 @@ pub fn wait_status(
     timeout: Duration,
     done: impl Fn(&Status) -> bool,
 ) -> Result<Status, FleetError> {
-    let mut conn = Conn::connect(cfg, "wait")?;
-    let topic = conn.topics.status(device);
-    conn.subscribe(&topic)?;
     let deadline = Instant::now() + timeout;
     let mut last: Option<Status> = None;
-    while let Some((t, p)) = conn.recv(deadline.saturating_duration_since(Instant::now()))? {
-        if t == topic && !p.is_empty() {
-            let s: Status = parse(&t, &p)?;
-            if done(&s) {
-                conn.disconnect();
-                return Ok(s);
+    // A dropped connection (seen with rumqttd while other clients churn subscriptions) is
+    // re-established: the retained status is delivered again on subscribing.
+    let mut first = true;
+    while Instant::now() < deadline {
+        let mut conn = match Conn::connect(cfg, "wait") {
+            Ok(c) => c,
+            Err(e) if first => return Err(e),
+            Err(_) => {
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
             }
-            last = Some(s);
+        };
+        first = false;
+        let topic = conn.topics.status(device);
+        if let Err(e) = conn.subscribe(&topic) {
+            eprintln!("{e}; reconnecting");
+            continue;
+        }
+        loop {
+            match conn.recv(deadline.saturating_duration_since(Instant::now())) {
+                Ok(Some((t, p))) if t == topic && !p.is_empty() => {
+                    let s: Status = parse(&t, &p)?;
+                    if done(&s) {
+                        conn.disconnect();
+                        return Ok(s);
+                    }
+                    last = Some(s);
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(FleetError::Broker { reason, .. }) => {
+                    eprintln!("{}: {reason}; reconnecting", cfg.url);
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
         }
     }
     Err(FleetError::Refused(format!(
