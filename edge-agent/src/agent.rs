@@ -958,28 +958,46 @@ async fn run_device(cfg: Config, watch: Option<PathBuf>, models: Arc<ModelCache>
         }
     }
 
+    // The event loop runs in a task of its own and is never cancelled mid-poll (a cancelled poll
+    // can lose an acknowledgement; brokers drop clients whose acknowledgements come out of order).
+    let (mqtt_tx, mut mqtt_rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            let ev = eventloop.poll().await;
+            let failed = ev.is_err();
+            if mqtt_tx.send(ev).is_err() {
+                return;
+            }
+            if failed {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            } else {
+                backoff = Duration::from_millis(200);
+            }
+        }
+    });
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let mut backoff = Duration::from_millis(200);
+    let mut quiet = false;
     loop {
         agent.flush().await;
         tokio::select! {
-            ev = eventloop.poll() => match ev {
+            Some(ev) = mqtt_rx.recv() => match ev {
                 Ok(ev) => {
-                    backoff = Duration::from_millis(200);
+                    quiet = false;
                     agent.on_mqtt(ev).await?;
                 }
                 Err(e) => {
-                    if backoff == Duration::from_millis(200) {
+                    if !quiet {
                         // The first failure after a success (or at start); retries stay quiet.
                         eprintln!(
                             "{}: broker {}: {e}; retrying (up to every 5 s), serving and journaling meanwhile",
                             agent.cfg.device_id, agent.cfg.broker.url
                         );
+                        quiet = true;
                     }
                     agent.connected = false;
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             },
             Some(d) = done_rx.recv() => agent.on_done(d).await?,
@@ -997,13 +1015,13 @@ async fn run_device(cfg: Config, watch: Option<PathBuf>, models: Arc<ModelCache>
     });
     while agent.connected && !agent.outbox.is_idle() && Instant::now() < deadline {
         agent.flush().await;
-        match tokio::time::timeout(Duration::from_millis(200), eventloop.poll()).await {
-            Ok(Ok(ev)) => agent.on_mqtt(ev).await?,
-            Ok(Err(_)) => break,
+        match tokio::time::timeout(Duration::from_millis(200), mqtt_rx.recv()).await {
+            Ok(Some(Ok(ev))) => agent.on_mqtt(ev).await?,
+            Ok(Some(Err(_)) | None) => break,
             Err(_) => {}
         }
     }
     let _ = agent.client.disconnect().await;
-    let _ = tokio::time::timeout(Duration::from_millis(500), eventloop.poll()).await;
+    let _ = tokio::time::timeout(Duration::from_millis(500), mqtt_rx.recv()).await;
     Ok(())
 }

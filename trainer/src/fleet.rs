@@ -15,7 +15,9 @@ use kestrel_shared::protocol::{
     ArtifactOffer, Desired, InferReply, SignedDesired, Status, Target, Topics, device_files, parse,
 };
 use kestrel_shared::signing::sign;
-use rumqttc::{Client, Connection, Event, Outgoing, Packet, QoS, RecvTimeoutError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+
+use rumqttc::{Client, Event, Outgoing, Packet, QoS};
 use serde::Serialize;
 
 #[derive(Debug, thiserror::Error)]
@@ -34,10 +36,12 @@ pub enum FleetError {
     Io { path: String, reason: String },
 }
 
-/// A connected blocking MQTT client.
+/// A connected blocking MQTT client. Its connection is driven by a thread of its own that
+/// forwards every event: polling is never cut short by a timeout (a cancelled poll can lose an
+/// acknowledgement, and rumqttd drops clients whose acknowledgements arrive out of order).
 pub struct Conn {
     client: Client,
-    conn: Connection,
+    events: Receiver<Result<Event, rumqttc::ConnectionError>>,
     url: String,
     pub topics: Topics,
     /// Publishes received while waiting for something else.
@@ -56,10 +60,19 @@ impl Conn {
             now_unix() % 100_000
         );
         let opts = cfg.options(&id, true)?;
-        let (client, conn) = Client::new(opts, 512);
-        let mut c = Self {
+        let (client, mut conn) = Client::new(opts, 512);
+        let (tx, events) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for ev in conn.iter() {
+                let failed = ev.is_err();
+                if tx.send(ev).is_err() || failed {
+                    break; // the Conn is gone, or the connection failed (reported, not retried)
+                }
+            }
+        });
+        let c = Self {
             client,
-            conn,
+            events,
             url: cfg.url.clone(),
             topics: Topics::new(&cfg.prefix),
             backlog: VecDeque::new(),
@@ -67,7 +80,7 @@ impl Conn {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             match c
-                .conn
+                .events
                 .recv_timeout(deadline.saturating_duration_since(Instant::now()))
             {
                 Ok(Ok(Event::Incoming(Packet::ConnAck(_)))) => return Ok(c),
@@ -91,7 +104,7 @@ impl Conn {
 
     /// Next event within `timeout` (None on timeout); connection errors end the command.
     fn next(&mut self, timeout: Duration) -> Result<Option<Event>, FleetError> {
-        match self.conn.recv_timeout(timeout) {
+        match self.events.recv_timeout(timeout) {
             Ok(Ok(ev)) => {
                 // Publishes are kept for `recv`, whatever the caller is waiting for.
                 if let Event::Incoming(Packet::Publish(p)) = &ev {
@@ -192,11 +205,11 @@ impl Conn {
         Ok(out)
     }
 
-    pub fn disconnect(mut self) {
+    pub fn disconnect(self) {
         let _ = self.client.disconnect();
         let deadline = Instant::now() + Duration::from_secs(2);
         while Instant::now() < deadline {
-            match self.conn.recv_timeout(Duration::from_millis(200)) {
+            match self.events.recv_timeout(Duration::from_millis(200)) {
                 Ok(Ok(Event::Outgoing(Outgoing::Disconnect))) | Ok(Err(_)) | Err(_) => break,
                 _ => {}
             }
@@ -380,8 +393,8 @@ pub fn wait_status(
 ) -> Result<Status, FleetError> {
     let deadline = Instant::now() + timeout;
     let mut last: Option<Status> = None;
-    // A dropped connection (seen with rumqttd while other clients churn subscriptions) is
-    // re-established: the retained status is delivered again on subscribing.
+    // A dropped connection is re-established: the retained status is delivered again on
+    // subscribing.
     let mut first = true;
     while Instant::now() < deadline {
         let mut conn = match Conn::connect(cfg, "wait") {
