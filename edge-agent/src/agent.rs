@@ -4,28 +4,28 @@
 //! and reports back through a channel. Every updater event is journaled (`state.json`) before
 //! its actions run, so a restart continues where the agent stopped.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::mpsc::{SyncSender, TrySendError};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use ed25519_dalek::VerifyingKey;
 use kestrel_models::artifact::{self, LoadedModel};
 use kestrel_shared::fsutil::write_atomic;
-use kestrel_shared::manifest::{MANIFEST_FILE, Manifest};
+use kestrel_shared::manifest::Manifest;
 use kestrel_shared::protocol::{
     ArtifactOffer, Desired, DeviceEvent, InferReply, LatencyStats, SignedDesired, Status, Target,
-    Topics, device_files, parse, sha256_hex,
+    Topics, parse, sha256_hex,
 };
-use kestrel_shared::signing::SIGNATURE_FILE;
 use rumqttc::{AsyncClient, Event as MqttEvent, LastWill, Outgoing, Packet, QoS};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use crate::config::Config;
 use crate::outbox::{Message, Outbox};
+use crate::serve::{ModelCache, Shared};
 use crate::store::Store;
 use crate::update::{Action, Event, Offer, Phase, Report, Updater};
 
@@ -46,45 +46,6 @@ enum Done {
 struct Job {
     request: String,
     bytes: Vec<u8>,
-}
-
-type Shared<T> = Arc<RwLock<Option<Arc<T>>>>;
-
-/// Loaded models shared by the devices of one process (`--simulate N`): every device verifies
-/// its own files against the manifest; the tract plan is built and the golden samples run once
-/// per distinct signed manifest (which binds every file's hash).
-pub struct ModelCache {
-    models: Mutex<HashMap<String, Arc<LoadedModel>>>,
-    max_bytes: u64,
-    threads: usize,
-}
-
-impl ModelCache {
-    pub fn new(max_bytes: u64, threads: usize) -> Self {
-        Self {
-            models: Mutex::new(HashMap::new()),
-            max_bytes,
-            threads,
-        }
-    }
-
-    /// Verifies `dir`'s device files and returns its health-checked model.
-    pub fn load(&self, dir: &std::path::Path) -> Result<Arc<LoadedModel>, String> {
-        let mpath = dir.join(MANIFEST_FILE);
-        let text = std::fs::read(&mpath).map_err(|e| format!("{}: {e}", mpath.display()))?;
-        let key = sha256_hex(&text);
-        let mut models = self.models.lock().expect("lock");
-        if let Some(m) = models.get(&key) {
-            artifact::verify_device_files(dir, &m.manifest, self.max_bytes)
-                .map_err(|e| e.to_string())?;
-            return Ok(m.clone());
-        }
-        let m = Arc::new(
-            LoadedModel::load(dir, self.max_bytes, self.threads).map_err(|e| e.to_string())?,
-        );
-        models.insert(key, m.clone());
-        Ok(m)
-    }
 }
 
 pub struct Agent {
@@ -312,7 +273,7 @@ impl Agent {
                 tokio::task::spawn_blocking(move || {
                     let r = match offer {
                         Some((o, m)) if o.version == version => {
-                            assemble(&store, &o, &m).and_then(|dir| {
+                            store.assemble(&o, &m).and_then(|dir| {
                                 artifact::verify_signature(&dir, &keys)
                                     .and_then(|_| artifact::verify_device_files(&dir, &m, max))
                                     .map_err(|e| e.to_string())
@@ -722,48 +683,6 @@ impl Agent {
     }
 }
 
-/// Splits the downloaded chunks into the device files under `staging/<v>` with the signed
-/// manifest and its signature; returns that directory.
-fn assemble(store: &Store, o: &ArtifactOffer, m: &Manifest) -> Result<PathBuf, String> {
-    let dl = store.download_dir(o.version).join("chunks");
-    let mut bundle = Vec::with_capacity(o.total_bytes as usize);
-    for i in 0..o.chunks.len() {
-        let p = dl.join(i.to_string());
-        let bytes = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?;
-        if sha256_hex(&bytes) != o.chunks[i] {
-            return Err(format!("chunk {i}: sha256 mismatch on disk"));
-        }
-        bundle.extend_from_slice(&bytes);
-    }
-    if bundle.len() as u64 != o.total_bytes {
-        return Err(format!(
-            "{} bytes assembled, the offer says {}",
-            bundle.len(),
-            o.total_bytes
-        ));
-    }
-    let dir = store.staging_dir(o.version);
-    let _ = std::fs::remove_dir_all(&dir);
-    let mut at = 0usize;
-    for f in device_files(m) {
-        let rel = artifact::safe_relative(&f.path).map_err(|e| e.to_string())?;
-        let end = at + f.size as usize;
-        let bytes = bundle
-            .get(at..end)
-            .ok_or("bundle shorter than the manifest's files")?;
-        let path = dir.join(rel);
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
-        }
-        write_atomic(&path, bytes).map_err(|e| format!("{}: {e}", path.display()))?;
-        at = end;
-    }
-    write_atomic(&dir.join(MANIFEST_FILE), o.manifest.as_bytes()).map_err(|e| e.to_string())?;
-    let sig = serde_json::to_vec(&o.signature).map_err(|e| e.to_string())?;
-    write_atomic(&dir.join(SIGNATURE_FILE), &sig).map_err(|e| e.to_string())?;
-    Ok(dir)
-}
-
 /// The inference worker: takes jobs from the bounded queue, answers through `done`.
 fn inference_worker(
     rx: std::sync::mpsc::Receiver<Job>,
@@ -790,52 +709,6 @@ fn inference_worker(
         };
         if done.send(Done::Reply(reply, latency)).is_err() {
             return;
-        }
-    }
-}
-
-/// Classifies images dropped into `dir` (one JSON line each in `dir/results.jsonl`, the image
-/// moved to `dir/done/`), with whatever model is active.
-fn watch_dir(dir: PathBuf, model: Shared<LoadedModel>, top_k: usize) {
-    use std::io::Write;
-    let done = dir.join("done");
-    let _ = std::fs::create_dir_all(&done);
-    loop {
-        std::thread::sleep(Duration::from_millis(300));
-        let Some(m) = model.read().expect("lock").clone() else {
-            continue;
-        };
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        let mut files: Vec<PathBuf> = entries
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                p.is_file()
-                    && p.file_name().is_some_and(|n| {
-                        n != "results.jsonl" && !n.to_string_lossy().starts_with('.')
-                    })
-            })
-            .collect();
-        files.sort();
-        for p in files {
-            let name = p.display().to_string();
-            let line = match std::fs::read(&p)
-                .map_err(|e| format!("{name}: {e}"))
-                .and_then(|b| m.predict(&b, &name, top_k).map_err(|e| e.to_string()))
-            {
-                Ok(pred) => serde_json::to_string(&pred).expect("serializable"),
-                Err(e) => serde_json::json!({ "image": name, "error": e }).to_string(),
-            };
-            let out = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(dir.join("results.jsonl"))
-                .and_then(|mut f| writeln!(f, "{line}"));
-            if let Err(e) = out {
-                eprintln!("error: {}: {e}", dir.join("results.jsonl").display());
-            }
-            let _ = std::fs::rename(&p, done.join(p.file_name().expect("file")));
         }
     }
 }
@@ -914,7 +787,7 @@ async fn run_device(cfg: Config, watch: Option<PathBuf>, models: Arc<ModelCache>
     if let Some(dir) = watch {
         std::fs::create_dir_all(&dir).with_context(|| format!("watch dir {}", dir.display()))?;
         let (model, k) = (model.clone(), cfg.inference.top_k);
-        std::thread::spawn(move || watch_dir(dir, model, k));
+        std::thread::spawn(move || crate::serve::watch_dir(dir, model, k));
     }
     let outbox = Outbox::open(&cfg.store.join("outbox"))?;
     let offer = updater.phase.target().and_then(|v| {

@@ -5,5 +5,6 @@
 pub mod agent;
 pub mod config;
 pub mod outbox;
+pub mod serve;
 pub mod store;
 pub mod update;

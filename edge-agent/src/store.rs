@@ -7,6 +7,12 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
+use kestrel_models::artifact;
+use kestrel_shared::fsutil::write_atomic;
+use kestrel_shared::manifest::{MANIFEST_FILE, Manifest};
+use kestrel_shared::protocol::{ArtifactOffer, device_files, sha256_hex};
+use kestrel_shared::signing::SIGNATURE_FILE;
+
 #[derive(Debug, Clone)]
 pub struct Store {
     root: PathBuf,
@@ -112,6 +118,49 @@ impl Store {
             }
         }
         Ok(())
+    }
+
+    /// Splits the downloaded chunks into the device files under `staging/<v>` with the signed
+    /// manifest and its signature; returns that directory.
+    pub fn assemble(&self, o: &ArtifactOffer, m: &Manifest) -> Result<PathBuf, String> {
+        let dl = self.download_dir(o.version).join("chunks");
+        let mut bundle = Vec::with_capacity(o.total_bytes as usize);
+        for i in 0..o.chunks.len() {
+            let p = dl.join(i.to_string());
+            let bytes = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+            if sha256_hex(&bytes) != o.chunks[i] {
+                return Err(format!("chunk {i}: sha256 mismatch on disk"));
+            }
+            bundle.extend_from_slice(&bytes);
+        }
+        if bundle.len() as u64 != o.total_bytes {
+            return Err(format!(
+                "{} bytes assembled, the offer says {}",
+                bundle.len(),
+                o.total_bytes
+            ));
+        }
+        let dir = self.staging_dir(o.version);
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut at = 0usize;
+        for f in device_files(m) {
+            let rel = artifact::safe_relative(&f.path).map_err(|e| e.to_string())?;
+            let end = at + f.size as usize;
+            let bytes = bundle
+                .get(at..end)
+                .ok_or("bundle shorter than the manifest's files")?;
+            let path = dir.join(rel);
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| format!("{}: {e}", parent.display()))?;
+            }
+            write_atomic(&path, bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+            at = end;
+        }
+        write_atomic(&dir.join(MANIFEST_FILE), o.manifest.as_bytes()).map_err(|e| e.to_string())?;
+        let sig = serde_json::to_vec(&o.signature).map_err(|e| e.to_string())?;
+        write_atomic(&dir.join(SIGNATURE_FILE), &sig).map_err(|e| e.to_string())?;
+        Ok(dir)
     }
 
     /// Deletes whatever was downloaded or staged for `version`, never the active or previous model.

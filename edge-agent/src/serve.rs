@@ -1,0 +1,97 @@
+//! Serving models: the model cache shared by the devices of one process, and the watched
+//! directory. (Inference over MQTT is driven by the agent's event loop.)
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use kestrel_models::artifact::{self, LoadedModel};
+use kestrel_shared::manifest::MANIFEST_FILE;
+use kestrel_shared::protocol::sha256_hex;
+
+/// The active model of a device, swapped atomically for readers.
+pub type Shared<T> = Arc<RwLock<Option<Arc<T>>>>;
+
+/// Loaded models shared by the devices of one process (`--simulate N`): every device verifies
+/// its own files against the manifest; the tract plan is built and the golden samples run once
+/// per distinct signed manifest (which binds every file's hash).
+pub struct ModelCache {
+    models: Mutex<HashMap<String, Arc<LoadedModel>>>,
+    max_bytes: u64,
+    threads: usize,
+}
+
+impl ModelCache {
+    pub fn new(max_bytes: u64, threads: usize) -> Self {
+        Self {
+            models: Mutex::new(HashMap::new()),
+            max_bytes,
+            threads,
+        }
+    }
+
+    /// Verifies `dir`'s device files and returns its health-checked model.
+    pub fn load(&self, dir: &std::path::Path) -> Result<Arc<LoadedModel>, String> {
+        let mpath = dir.join(MANIFEST_FILE);
+        let text = std::fs::read(&mpath).map_err(|e| format!("{}: {e}", mpath.display()))?;
+        let key = sha256_hex(&text);
+        let mut models = self.models.lock().expect("lock");
+        if let Some(m) = models.get(&key) {
+            artifact::verify_device_files(dir, &m.manifest, self.max_bytes)
+                .map_err(|e| e.to_string())?;
+            return Ok(m.clone());
+        }
+        let m = Arc::new(
+            LoadedModel::load(dir, self.max_bytes, self.threads).map_err(|e| e.to_string())?,
+        );
+        models.insert(key, m.clone());
+        Ok(m)
+    }
+}
+
+/// Classifies images dropped into `dir` (one JSON line each in `dir/results.jsonl`, the image
+/// moved to `dir/done/`), with whatever model is active.
+pub fn watch_dir(dir: PathBuf, model: Shared<LoadedModel>, top_k: usize) {
+    use std::io::Write;
+    let done = dir.join("done");
+    let _ = std::fs::create_dir_all(&done);
+    loop {
+        std::thread::sleep(Duration::from_millis(300));
+        let Some(m) = model.read().expect("lock").clone() else {
+            continue;
+        };
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        let mut files: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.is_file()
+                    && p.file_name().is_some_and(|n| {
+                        n != "results.jsonl" && !n.to_string_lossy().starts_with('.')
+                    })
+            })
+            .collect();
+        files.sort();
+        for p in files {
+            let name = p.display().to_string();
+            let line = match std::fs::read(&p)
+                .map_err(|e| format!("{name}: {e}"))
+                .and_then(|b| m.predict(&b, &name, top_k).map_err(|e| e.to_string()))
+            {
+                Ok(pred) => serde_json::to_string(&pred).expect("serializable"),
+                Err(e) => serde_json::json!({ "image": name, "error": e }).to_string(),
+            };
+            let out = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(dir.join("results.jsonl"))
+                .and_then(|mut f| writeln!(f, "{line}"));
+            if let Err(e) = out {
+                eprintln!("error: {}: {e}", dir.join("results.jsonl").display());
+            }
+            let _ = std::fs::rename(&p, done.join(p.file_name().expect("file")));
+        }
+    }
+}
