@@ -18,12 +18,12 @@ echo "# Feature extraction over workers: $ds, EfficientNet-Lite0, $(date -u +%Y-
 printf '%-8s%10s%10s%12s%12s%10s\n' engine workers threads seconds images/s speedup
 for engine in ort tract; do
   # Sample cache with 2 shards (decode + resize once), then only the features are redone.
-  "$trainer" --threads 2 prepare --data "$data" --engine "$engine" --workers 2 --cache "$work/cache" --json >/dev/null 2>&1
+  "$trainer" prepare --threads 2 --data "$data" --engine "$engine" --workers 2 --cache "$work/cache" --json >/dev/null 2>&1
   base=""
   for cfg in "1 1" "2 2" "1 2"; do
     set -- $cfg
     rm -rf "$work/cache/features"
-    "$trainer" --threads "$2" prepare --data "$data" --engine "$engine" --workers "$1" \
+    "$trainer" prepare --threads "$2" --data "$data" --engine "$engine" --workers "$1" \
       --cache "$work/cache" --json > "$work/prep.json" 2>/dev/null
     s=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["feature_seconds"])' "$work/prep.json")
     [ -z "$base" ] && base="$s"
@@ -44,7 +44,7 @@ lfw="$KESTREL_HOME/datasets/lfw/imagefolder"
 "$trainer" prepare --data "$lfw" --engine ort --cache "$work/cache" >/dev/null 2>&1
 for p in 1 2; do
   start=$(date +%s.%N)
-  "$trainer" --threads 2 tune --data "$lfw" --engine ort --cache "$work/cache" --trials 50 --parallel "$p" \
+  "$trainer" tune --threads 2 --data "$lfw" --engine ort --cache "$work/cache" --trials 50 --parallel "$p" \
     --out "$work/tune-$p" --json > "$work/tune.json" 2>/dev/null
   end=$(date +%s.%N)
   python3 - "$p" "$start" "$end" "$work/tune.json" <<'PY'

@@ -21,7 +21,7 @@ echo "# $(date -u +%Y-%m-%d) on $(nproc) cores ($(grep -m1 'model name' /proc/cp
   --rounds "$rounds" "${images[@]}" > "$work/peer.json"
 for engine in tract ort candle; do
   r="$rounds"; [ "$engine" = candle ] && r=1
-  "$trainer" --threads "$threads" bench --engine "$engine" --batch 32 --rounds "$r" --json "${images[@]}" > "$work/$engine.json"
+  "$trainer" bench --threads "$threads" --engine "$engine" --batch 32 --rounds "$r" --json "${images[@]}" > "$work/$engine.json"
 done
 python3 - "$work" <<'PY'
 import json, sys, os
@@ -44,7 +44,7 @@ for ds in lfw digits; do
   for engine in tract ort; do
     rm -rf "$work/cache"
     start=$(date +%s.%N)
-    "$KESTREL_BIN/trainer" --threads "$threads" prepare --data "$KESTREL_HOME/datasets/$ds/imagefolder" \
+    "$KESTREL_BIN/trainer" prepare --threads "$threads" --data "$KESTREL_HOME/datasets/$ds/imagefolder" \
       --engine "$engine" --cache "$work/cache" --json > "$work/prep.json" 2>/dev/null
     end=$(date +%s.%N)
     python3 - "$ds" "$engine" "$start" "$end" "$peer_s" "$work/prep.json" <<'PY'
@@ -66,7 +66,7 @@ echo
 echo "# Head training on cached features (EfficientNet-Lite0 features, SGD momentum, batch 32, candle)"
 printf '%-10s%10s%12s%14s\n' dataset epochs epochs/s samples/s
 for ds in lfw digits; do
-  "$KESTREL_BIN/trainer" --threads "$threads" fit --data "$KESTREL_HOME/datasets/$ds/imagefolder" --engine ort \
+  "$KESTREL_BIN/trainer" fit --threads "$threads" --data "$KESTREL_HOME/datasets/$ds/imagefolder" --engine ort \
     --cache "$work/cache" --epochs 30 --json --out "$work/run-$ds" > "$work/fit-$ds.json" 2>/dev/null
   python3 - "$ds" "$work/fit-$ds.json" "$work/run-$ds/metrics.jsonl" <<'PY'
 import json, sys
@@ -84,8 +84,8 @@ printf '%-14s%10s%10s%10s%12s%14s\n' form "MB" "tract ms" "ort ms" "python ms" "
 for form in none int8-weights int8; do
   "$trainer" export --run "$work/run-lfw" --out "$work/art-$form" --quantize "$form" --cache "$work/cache" >/dev/null 2>&1
   model="$work/art-$form/model.onnx"
-  t=$("$trainer" --threads 1 latency --model "$model" --engine tract --json "$KESTREL_HOME/photos/coffee.png")
-  o=$("$trainer" --threads 1 latency --model "$model" --engine ort --json "$KESTREL_HOME/photos/coffee.png")
+  t=$("$trainer" latency --threads 1 --model "$model" --engine tract --json "$KESTREL_HOME/photos/coffee.png")
+  o=$("$trainer" latency --threads 1 --model "$model" --engine ort --json "$KESTREL_HOME/photos/coffee.png")
   p=$("$KESTREL_PY" "$here/bench_peer.py" --latency --model "$model" --threads 1 --rounds 50 "$KESTREL_HOME/photos/coffee.png")
   python3 - "$form" "$model" "$t" "$o" "$p" <<'PY'
 import json, os, sys

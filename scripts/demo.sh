@@ -25,7 +25,7 @@ log "fit a new head on the cached features (20% held out for testing)"
 
 art="$KESTREL_HOME/artifacts/demo-lfw-int8-weights"
 log "export an int8-weights artifact, verified in tract and ONNX Runtime"
-"$trainer" export --run "$run" --out "$art" --quantize int8-weights --name lfw --model-version 1
+"$trainer" export --run "$run" --out "$art" --quantize int8-weights --model-name lfw --model-version 1
 
 keys="$KESTREL_HOME/demo-keys"
 [ -f "$keys/kestrel.key" ] || "$trainer" keygen --out "$keys"

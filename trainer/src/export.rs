@@ -26,9 +26,11 @@ mod calibrate;
 
 use calibrate::{bias_correct, calibrate};
 
-use crate::cache::{self, sha256_hex, write_atomic};
+use crate::data::cache::{sha256_hex, write_atomic};
+use crate::data::{Prepared, features as cache};
+use crate::distributed::{Job, JobOpts};
 use crate::data;
-use crate::split::Split;
+use crate::data::split::Split;
 use crate::train::{self, Prepped, TrainError, Trainable};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -220,7 +222,12 @@ pub fn export(
             .map_err(|e| invalid(format!("{}/summary.json: {e}", run_dir.display())))?,
     )
     .map_err(|e| invalid(format!("{}/summary.json: {e}", run_dir.display())))?;
-    let pp = train::prepare(&params, cache_root, threads, log)?;
+    let job = Job::local(JobOpts {
+        threads,
+        cache_root: cache_root.to_path_buf(),
+        ..Default::default()
+    });
+    let pp = train::prepare(&params, &job)?;
     let net = &pp.backbone.net;
     let spec = net.preprocess.clone();
     let labels = pp.dataset_labels.clone();
@@ -340,7 +347,7 @@ pub fn export(
     }
 
     // Golden samples: up to `golden` validation images, one class after another.
-    let ds = data::load(&params.data, &(&params.source).into())?;
+    let ds = data::load(&params.data, &params.source)?;
     let by_sha: BTreeMap<String, &data::Sample> = ds
         .samples
         .iter()
@@ -663,7 +670,7 @@ pub fn evaluate_model(
 ) -> Result<crate::report::Evaluation, TrainError> {
     let (m, engine) = load_model(model, engine, threads)?;
     let ds = data::load(data_path, source)?;
-    let prepared = cache::Prepared::open_or_build(cache_root, &ds, &m.preprocess, 1, false)?;
+    let prepared = Prepared::open_or_build(cache_root, &ds, &m.preprocess, 1, false)?;
     let map: Vec<usize> = prepared
         .meta
         .labels
@@ -685,7 +692,7 @@ pub fn evaluate_model(
         &prepared,
         &refs,
         m.labels.len(),
-        "evaluate",
+        &crate::report::progress(refs.len() as u64, "evaluate"),
     )?;
     let pred: Vec<usize> = logits.chunks(m.labels.len()).map(argmax).collect();
     let truth: Vec<usize> = prepared

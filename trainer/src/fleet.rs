@@ -342,7 +342,7 @@ pub fn publish(
         }
     }
     let msgs = bundle.messages(&conn.topics);
-    let pb = crate::cache::progress(msgs.len() as u64 + 1, "publish");
+    let pb = crate::report::progress(msgs.len() as u64 + 1, "publish");
     conn.publish_all(msgs, Some(&pb))?;
     let desired = Desired {
         target: target.clone(),
@@ -452,7 +452,7 @@ pub fn infer(
     let tag = format!("{}-{}", std::process::id(), now_unix() % 100_000);
     let ids: Vec<String> = (0..images.len()).map(|i| format!("{tag}-{i}")).collect();
     let mut replies: BTreeMap<String, InferReply> = BTreeMap::new();
-    let pb = crate::cache::progress(images.len() as u64, "infer");
+    let pb = crate::report::progress(images.len() as u64, "infer");
     let mut next = 0;
     let mut last_reply = Instant::now();
     while replies.len() < images.len() {

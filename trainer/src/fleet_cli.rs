@@ -349,7 +349,7 @@ fn table_images(
                 serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
             Some(
                 recs.into_iter()
-                    .filter(|r| r.split == kestrel_trainer::split::Split::Test)
+                    .filter(|r| r.split == kestrel_trainer::data::Split::Test)
                     .map(|r| r.sha256)
                     .collect(),
             )

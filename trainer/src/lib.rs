@@ -1,22 +1,24 @@
-//! Kestrel trainer as a library: every CLI command is a function here, so the pipeline can be
-//! driven from Rust code as well as from the `trainer` binary.
+//! Kestrel trainer as a library: the machine-learning side of Kestrel. Every `trainer` command
+//! is a function here, so the pipeline can be driven from Rust code as well as from the binary.
+//!
+//! - [`data`]: image tables, the split, the sample and feature caches;
+//! - [`distributed`]: the run context ([`distributed::Job`]) and the collectives (local threads, MPI);
+//! - [`train`]: head (and last blocks) training; [`tune`]: TPE search over trials;
+//! - [`export`]: artifacts (ONNX f32/int8, manifest, safetensors, golden samples);
+//! - [`predict`], [`classify`], [`report`].
+//!
+//! Fleet operations (publish, status, rollouts) live in the `kestrel-fleet` crate.
 
 pub mod broker;
-pub mod cache;
 pub mod classify;
-pub mod collective;
-#[cfg(feature = "mpi")]
-pub mod collective_mpi;
 pub mod data;
+pub mod distributed;
 pub mod export;
 pub mod fleet;
 pub mod images;
-pub mod model;
-pub mod optim;
 pub mod predict;
 pub mod report;
 pub mod rollout;
-pub mod split;
 pub mod train;
 pub mod tune;
 

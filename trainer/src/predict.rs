@@ -17,8 +17,8 @@ use arrow::record_batch::RecordBatch;
 use kestrel_models::artifact::{ArtifactError, LoadedModel};
 use serde::{Deserialize, Serialize};
 
-use crate::collective::{self, AbortOnPanic, Collective, CollectiveError};
 use crate::data::{self, Dataset, SourceOpts};
+use crate::distributed::{self, CollectiveError, ErrorScope, Job, Rank, RankError, WorkerError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PredictError {
@@ -32,8 +32,18 @@ pub enum PredictError {
     Output { path: String, reason: String },
     #[error("only {rows} rows for {workers} workers: every worker needs at least one")]
     TooFewRows { rows: usize, workers: usize },
-    #[error("prediction worker {rank}: {message}")]
-    Worker { rank: usize, message: String },
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+}
+
+impl RankError for PredictError {
+    fn scope(&self) -> ErrorScope {
+        match self {
+            PredictError::Collective(e) => ErrorScope::of_collective(Some(e)),
+            PredictError::Worker(_) | PredictError::TooFewRows { .. } => ErrorScope::Job,
+            _ => ErrorScope::Own,
+        }
+    }
 }
 
 /// One output row.
@@ -63,111 +73,20 @@ pub struct PredictSummary {
     pub out: String,
 }
 
-/// Classifies every row of `data` with the artifact in `model_dir` on `workers` local threads and
-/// writes `out` (Parquet).
-pub fn predict_table(
+/// Classifies every row of `data` with the artifact in `model_dir` on the job's ranks (local
+/// worker threads or MPI ranks), each its contiguous share of the rows; rank 0's process writes
+/// `out` (Parquet) and returns the summary, the others `None`.
+pub fn predict(
     model_dir: &Path,
     data_path: &Path,
     source: &SourceOpts,
     out: &Path,
-    workers: usize,
-    threads: usize,
     max_bytes: u64,
-) -> Result<PredictSummary, PredictError> {
-    let start = Instant::now();
-    let ds = data::load(data_path, source)?;
-    let world = workers.max(1);
-    let comms = collective::local_group(world, collective::DEFAULT_TIMEOUT);
-    let per_worker = (threads / world).max(1);
-    let results: Vec<Result<Option<Vec<Row>>, PredictError>> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .iter()
-            .map(|c| {
-                let ds = &ds;
-                s.spawn(move || {
-                    let _guard = AbortOnPanic(c);
-                    let r = predict_rank(model_dir, ds, c, per_worker, max_bytes);
-                    if let Err(e) = &r {
-                        c.abort(&e.to_string());
-                    }
-                    r
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .enumerate()
-            .map(|(rank, h)| {
-                h.join().unwrap_or_else(|_| {
-                    Err(PredictError::Worker {
-                        rank,
-                        message: "panicked".into(),
-                    })
-                })
-            })
-            .collect()
-    });
-    let mut rows = None;
-    let mut err: Option<PredictError> = None;
-    for (rank, r) in results.into_iter().enumerate() {
-        match r {
-            Ok(Some(v)) => rows = Some(v),
-            Ok(None) => {}
-            Err(e) => {
-                let secondary = matches!(
-                    e,
-                    PredictError::Collective(CollectiveError::PeerFailed { .. })
-                );
-                let replace = match &err {
-                    None => true,
-                    Some(PredictError::Collective(CollectiveError::PeerFailed { .. })) => {
-                        !secondary
-                    }
-                    Some(_) => false,
-                };
-                if replace {
-                    err = Some(match e {
-                        e @ (PredictError::TooFewRows { .. }
-                        | PredictError::Collective(_)
-                        | PredictError::Worker { .. }) => e,
-                        e if world == 1 => e,
-                        e => PredictError::Worker {
-                            rank,
-                            message: e.to_string(),
-                        },
-                    });
-                }
-            }
-        }
-    }
-    if let Some(e) = err {
-        return Err(e);
-    }
-    let rows = rows.expect("rank 0 returns the rows");
-    let model = kestrel_models::artifact::read_manifest(model_dir)?;
-    write_parquet(out, &rows)?;
-    Ok(summarize(
-        &model,
-        &rows,
-        world,
-        start.elapsed().as_secs_f64(),
-        out,
-    ))
-}
-
-/// [`predict_table`] as one rank of `comm` (an MPI job: `mpirun -np N trainer predict ...`): each
-/// rank classifies its share of the rows; rank 0 writes `out` and returns the summary.
-pub fn predict_on(
-    model_dir: &Path,
-    data_path: &Path,
-    source: &SourceOpts,
-    out: &Path,
-    comm: &dyn Collective,
-    threads: usize,
-    max_bytes: u64,
+    job: &Job,
 ) -> Result<Option<PredictSummary>, PredictError> {
     let start = Instant::now();
     let ds = data::load(data_path, source)?;
-    let Some(rows) = predict_rank(model_dir, &ds, comm, threads, max_bytes)? else {
+    let Some(rows) = job.run(|rank| predict_rank(model_dir, &ds, rank, max_bytes))? else {
         return Ok(None);
     };
     let model = kestrel_models::artifact::read_manifest(model_dir)?;
@@ -175,7 +94,7 @@ pub fn predict_on(
     Ok(Some(summarize(
         &model,
         &rows,
-        comm.world(),
+        job.world(),
         start.elapsed().as_secs_f64(),
         out,
     )))
@@ -213,18 +132,17 @@ pub fn summarize(
 pub fn predict_rank(
     model_dir: &Path,
     ds: &Dataset,
-    comm: &dyn Collective,
-    threads: usize,
+    r: &Rank<'_>,
     max_bytes: u64,
 ) -> Result<Option<Vec<Row>>, PredictError> {
-    let (rank, world) = (comm.rank(), comm.world());
+    let (comm, rank, world) = (r.comm, r.rank(), r.world());
     if ds.samples.len() < world {
         return Err(PredictError::TooFewRows {
             rows: ds.samples.len(),
             workers: world,
         });
     }
-    let model = LoadedModel::load(model_dir, max_bytes, threads)?;
+    let model = LoadedModel::load(model_dir, max_bytes, r.threads)?;
     comm.check_same(
         "model (manifest name, version and files)",
         serde_json::to_string(&(
@@ -235,7 +153,7 @@ pub fn predict_rank(
         .expect("manifest serializes")
         .as_bytes(),
     )?;
-    let mine = collective::share(ds.samples.len(), rank, world);
+    let mine = distributed::share(ds.samples.len(), rank, world);
     let rows: Vec<Row> = ds.samples[mine]
         .iter()
         .map(|s| {
@@ -267,7 +185,7 @@ pub fn predict_rank(
     }
     let mut out = Vec::with_capacity(ds.samples.len());
     for (r, b) in all.iter().enumerate() {
-        let part: Vec<Row> = serde_json::from_slice(b).map_err(|e| PredictError::Worker {
+        let part: Vec<Row> = serde_json::from_slice(b).map_err(|e| WorkerError {
             rank: r,
             message: format!("its rows do not parse: {e}"),
         })?;

@@ -17,6 +17,16 @@ use arrow::compute::cast;
 use arrow::datatypes::DataType;
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use serde::{Deserialize, Serialize};
+
+pub mod cache;
+pub mod features;
+pub mod samples;
+pub mod split;
+
+pub use features::Features;
+pub use samples::Prepared;
+pub use split::Split;
 
 const IMAGE_EXTENSIONS: [&str; 4] = ["png", "jpg", "jpeg", "bmp"];
 
@@ -38,8 +48,8 @@ pub struct Dataset {
     pub source: String,
 }
 
-/// Column names for CSV manifests and Parquet tables.
-#[derive(Clone, Debug)]
+/// Column names for CSV manifests and Parquet tables (saved in a run's `params.json`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct SourceOpts {
     pub label_column: String,
     pub content_column: String,
@@ -445,5 +455,4 @@ fn read_parquet_file(file: &Path, opts: &SourceOpts, rows: &mut Vec<Row>) -> Res
 }
 
 #[cfg(test)]
-#[path = "data_tests.rs"]
 mod tests;

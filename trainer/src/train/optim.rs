@@ -4,7 +4,7 @@
 use candle_core::{Device, Tensor as CTensor, Var};
 use kestrel_models::Weights;
 
-use crate::model::to_plain;
+use super::model::to_plain;
 use crate::train::{FitParams, Optimizer, TrainError};
 
 /// SGD with momentum (PyTorch semantics, L2 weight decay) and AdamW (decoupled decay), written out so

@@ -96,7 +96,7 @@ pub fn epoch_batches(indices: &[usize], batch: usize, seed: u64, epoch: usize) -
 /// multiple of `W` the parts differ by one sample; training weights each rank's mean-loss gradient
 /// by `part / B`, so the summed gradient is still exactly the global batch's mean-loss gradient.
 pub fn local_part(batch: &[usize], rank: usize, world: usize) -> &[usize] {
-    &batch[crate::collective::share(batch.len(), rank, world)]
+    &batch[crate::distributed::share(batch.len(), rank, world)]
 }
 
 #[cfg(test)]

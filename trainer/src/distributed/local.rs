@@ -1,182 +1,11 @@
-//! Collective operations for synchronous data-parallel training (Horovod's vocabulary): allreduce,
-//! broadcast, allgather and barrier behind one trait, with
-//!
-//! - [`LocalComm`]: N worker threads in one process (`trainer fit --workers N`), the default;
-//! - `MpiComm` (cargo feature `mpi`): one process per rank under `mpirun`/`srun`.
-//!
-//! Every operation is *ordered and named*: each rank's k-th call must be the same operation on a
-//! buffer of the same length, or every rank gets [`CollectiveError::Mismatch`] (a diverged rank or
-//! a mismatched binary/config shows up as an error, never as a hang or silent garbage).
-//! A rank that waits longer than the timeout fails with [`CollectiveError::Timeout`] naming the
-//! ranks that did not arrive (Horovod's stall detector), and a rank that fails calls
-//! [`Collective::abort`] so the others stop at their next collective instead of waiting.
-//!
-//! Sums are taken in rank order on every rank, so all ranks hold bit-identical results (and so
-//! bit-identical parameters after the same optimizer step).
-//!
-//! ## GPU (designed, not run here: these machines have no GPU or CUDA toolkit)
-//! An NCCL implementation fits the same trait: rank 0 creates an `ncclUniqueId`, broadcasts its
-//! 128 bytes with the host collective (MPI or [`LocalComm`]), every rank calls
-//! `ncclCommInitRank(world, id, rank)` on its device (candle's `cuda`/`nccl` features expose
-//! `cudarc::nccl::Comm`), and `allreduce_sum` becomes `ncclAllReduce(sum)` on the device gradient
-//! buffer (flattened, as here) followed by the same optimizer step on the device. Broadcast of the
-//! initial parameters is `ncclBroadcast` from rank 0; metrics (a few f64) stay on the host path.
+//! [`LocalComm`]: the ranks of a job as worker threads of this process, and [`run_workers`], the
+//! one place that spawns them, joins them and picks the error to report.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// Default `--collective-timeout`.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
-
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum CollectiveError {
-    #[error(
-        "collective #{seq} `{op}` timed out on rank {rank} after {waited:.1}s: rank(s) {} did not arrive \
-         (stalled or dead; raise --collective-timeout if a step is legitimately slower)",
-        fmt_ranks(.missing)
-    )]
-    Timeout {
-        seq: u64,
-        op: String,
-        rank: usize,
-        missing: Vec<usize>,
-        waited: f64,
-    },
-    #[error("rank {failed} failed, so rank {rank} stops: {reason}")]
-    PeerFailed {
-        rank: usize,
-        failed: usize,
-        reason: String,
-    },
-    #[error("ranks disagree at collective #{seq}: {detail}")]
-    Mismatch { seq: u64, detail: String },
-    #[error("MPI: {0}")]
-    Mpi(String),
-}
-
-fn fmt_ranks(r: &[usize]) -> String {
-    r.iter()
-        .map(|r| r.to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// The collectives data-parallel training needs. Implementations must keep every rank's view
-/// identical: after `allreduce_sum`, every rank holds the same bits.
-pub trait Collective {
-    fn rank(&self) -> usize;
-    fn world(&self) -> usize;
-    /// Element-wise sum over ranks, in rank order, written back into `buf` on every rank.
-    fn allreduce_sum(&self, buf: &mut [f32]) -> Result<(), CollectiveError>;
-    /// Every rank's `local` bytes (lengths may differ), in rank order.
-    fn allgather_bytes(&self, local: &[u8]) -> Result<Vec<Vec<u8>>, CollectiveError>;
-    /// Replaces `data` on every rank with `root`'s.
-    fn broadcast_bytes(&self, data: &mut Vec<u8>, root: usize) -> Result<(), CollectiveError>;
-    fn barrier(&self) -> Result<(), CollectiveError>;
-    /// Tells the other ranks that this one failed (they stop at their next collective).
-    fn abort(&self, reason: &str);
-
-    /// Element-wise mean over ranks.
-    fn allreduce_avg(&self, buf: &mut [f32]) -> Result<(), CollectiveError> {
-        self.allreduce_sum(buf)?;
-        let n = self.world() as f32;
-        buf.iter_mut().for_each(|v| *v /= n);
-        Ok(())
-    }
-
-    /// Element-wise f64 sum over ranks (metrics and counts), in rank order.
-    fn allreduce_sum_f64(&self, buf: &mut [f64]) -> Result<(), CollectiveError> {
-        let bytes: Vec<u8> = buf.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let all = self.allgather_bytes(&bytes)?;
-        for (r, b) in all.iter().enumerate() {
-            if b.len() != bytes.len() {
-                return Err(CollectiveError::Mismatch {
-                    seq: 0,
-                    detail: format!(
-                        "rank {r} sent {} f64 values, rank {} sent {}",
-                        b.len() / 8,
-                        self.rank(),
-                        buf.len()
-                    ),
-                });
-            }
-        }
-        for (i, v) in buf.iter_mut().enumerate() {
-            *v = all
-                .iter()
-                .map(|b| f64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes")))
-                .sum();
-        }
-        Ok(())
-    }
-
-    /// Replaces `buf` on every rank with `root`'s (same length everywhere).
-    fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<(), CollectiveError> {
-        let mut bytes: Vec<u8> = buf.iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.broadcast_bytes(&mut bytes, root)?;
-        if bytes.len() != buf.len() * 4 {
-            return Err(CollectiveError::Mismatch {
-                seq: 0,
-                detail: format!(
-                    "broadcast of {} f32 values from rank {root}, rank {} expected {}",
-                    bytes.len() / 4,
-                    self.rank(),
-                    buf.len()
-                ),
-            });
-        }
-        for (v, b) in buf.iter_mut().zip(bytes.chunks_exact(4)) {
-            *v = f32::from_le_bytes(b.try_into().expect("4 bytes"));
-        }
-        Ok(())
-    }
-
-    /// Every rank's f32 values, concatenated in rank order.
-    fn allgather_f32(&self, local: &[f32]) -> Result<Vec<f32>, CollectiveError> {
-        let bytes: Vec<u8> = local.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Ok(self
-            .allgather_bytes(&bytes)?
-            .iter()
-            .flat_map(|b| {
-                b.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-            })
-            .collect())
-    }
-
-    /// Fails on every rank unless all ranks pass the same `value` for `what` (parameters, data,
-    /// binary version): a mismatched rank is named instead of training on diverging state.
-    fn check_same(&self, what: &str, value: &[u8]) -> Result<(), CollectiveError> {
-        let all = self.allgather_bytes(value)?;
-        let differ: Vec<usize> = (0..all.len()).filter(|&r| all[r] != all[0]).collect();
-        if differ.is_empty() {
-            Ok(())
-        } else {
-            Err(CollectiveError::Mismatch {
-                seq: 0,
-                detail: format!(
-                    "{what} of rank(s) {} differ from rank 0's",
-                    fmt_ranks(&differ)
-                ),
-            })
-        }
-    }
-}
-
-/// True when this process was started by an MPI launcher (Open MPI's mpirun, MPICH/Hydra, Slurm
-/// PMI/PMIx): `trainer fit` then runs as one rank of the job (feature `mpi`) or says it cannot.
-pub fn launched_by_mpi() -> bool {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
-}
-
-/// Rank `rank`'s contiguous share of `n` items over `world` ranks: `[r*n/w, (r+1)*n/w)` (sizes
-/// differ by at most one).
-pub fn share(n: usize, rank: usize, world: usize) -> std::ops::Range<usize> {
-    rank * n / world..(rank + 1) * n / world
-}
+use super::{AbortOnPanic, Collective, CollectiveError, ErrorScope, RankError, WorkerError};
 
 type Round = Result<Arc<Vec<Vec<u8>>>, CollectiveError>;
 
@@ -370,21 +199,74 @@ impl Collective for LocalComm {
     }
 }
 
-/// Calls [`Collective::abort`] when dropped during a panic, so a panicking worker thread makes the
-/// others fail at their next collective instead of waiting for the timeout.
-pub struct AbortOnPanic<'a>(pub &'a dyn Collective);
-
-impl Drop for AbortOnPanic<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.abort("panicked");
+/// Runs `f` on `world` ranks, one thread each (the calling thread is rank 0), connected by a
+/// [`local_group`] with `timeout`. A failing or panicking rank aborts the group, so the others stop
+/// at their next collective. Returns rank 0's value, or the root cause: the first error that is not
+/// "another rank failed", named by its rank ([`WorkerError`]) when it is not rank 0's own.
+pub fn run_workers<T: Send, E: RankError>(
+    world: usize,
+    timeout: Duration,
+    f: impl Fn(&LocalComm) -> Result<T, E> + Sync,
+) -> Result<T, E> {
+    let comms = local_group(world.max(1), timeout);
+    let guarded = |c: &LocalComm| {
+        let _guard = AbortOnPanic(c);
+        let r = f(c);
+        if let Err(e) = &r {
+            c.abort(&e.to_string());
+        }
+        r
+    };
+    if comms.len() == 1 {
+        return f(&comms[0]);
+    }
+    let (first, rest) = std::thread::scope(|s| {
+        let handles: Vec<_> = comms[1..].iter().map(|c| s.spawn(|| guarded(c))).collect();
+        let first = guarded(&comms[0]);
+        let rest: Vec<Result<T, E>> = handles
+            .into_iter()
+            .enumerate()
+            .map(|(i, h)| {
+                h.join().unwrap_or_else(|_| {
+                    Err(WorkerError {
+                        rank: i + 1,
+                        message: "panicked".into(),
+                    }
+                    .into())
+                })
+            })
+            .collect();
+        (first, rest)
+    });
+    let mut errors: Vec<(usize, E)> = Vec::new();
+    let first = first.map_err(|e| errors.push((0, e))).ok();
+    for (i, r) in rest.into_iter().enumerate() {
+        if let Err(e) = r {
+            errors.push((i + 1, e));
         }
     }
+    if errors.is_empty() {
+        return Ok(first.expect("rank 0 succeeded"));
+    }
+    let pick = errors
+        .iter()
+        .position(|(_, e)| e.scope() != ErrorScope::PeerFailed)
+        .unwrap_or(0);
+    let (rank, e) = errors.swap_remove(pick);
+    Err(match e.scope() {
+        ErrorScope::Own if rank != 0 => WorkerError {
+            rank,
+            message: e.to_string(),
+        }
+        .into(),
+        _ => e,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::distributed::{DEFAULT_TIMEOUT, share};
 
     fn run_group<T: Send>(
         world: usize,
@@ -501,3 +383,4 @@ mod tests {
         assert_eq!(parts, vec![0..3, 3..6, 6..10]);
     }
 }
+

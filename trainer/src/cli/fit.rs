@@ -1,0 +1,95 @@
+//! `trainer fit`: a new head (and optionally the last blocks) on cached features, into a run
+//! directory; `--resume` continues one.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use kestrel_trainer::distributed::{Job, JobOpts};
+use kestrel_trainer::train::{self, FitOutcome, FitParams};
+
+use super::args::{DataArgs, EngineArgs, FitArgs, WorkerArgs};
+
+/// Train a new head (and optionally the last blocks) on cached features into a run directory.
+/// `--workers N` trains data-parallel on N threads; under `mpirun -np N` (a build with
+/// `--features kestrel-trainer/mpi`) each process is one rank and rank 0 writes the run.
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    data: DataArgs,
+    #[command(flatten)]
+    fit: FitArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[command(flatten)]
+    workers: WorkerArgs,
+    /// Run directory (params.json, metrics.jsonl, summary.json, checkpoints/, *.png).
+    #[arg(long, required_unless_present = "resume")]
+    out: Option<PathBuf>,
+    /// Continue RUN_DIR from its last checkpoint with its saved parameters.
+    #[arg(long, value_name = "RUN_DIR", conflicts_with = "out")]
+    resume: Option<PathBuf>,
+    /// Print summary.json on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn job_opts(a: &Args) -> Result<JobOpts> {
+    let opts = a.workers.job_opts(JobOpts {
+        cache_root: a.data.cache.root(),
+        ..a.engine.job_opts()
+    })?;
+    Ok(match &a.resume {
+        // A resumed run keeps its worker count (under mpirun: the ranks).
+        Some(dir) => JobOpts {
+            workers: saved_params(dir)?.workers,
+            ..opts
+        },
+        None => opts,
+    })
+}
+
+pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
+    let (params, dir, resuming) = match a.resume {
+        Some(dir) => (saved_params(&dir)?, dir, true),
+        None => (
+            a.fit.params(&a.data, a.engine.engine, a.workers.workers)?,
+            a.out.expect("clap requires --out"),
+            false,
+        ),
+    };
+    let Some(o) = train::fit(&params, &dir, resuming, job)? else {
+        return Ok(ExitCode::SUCCESS); // ranks other than 0 print nothing
+    };
+    print_outcome(&o, a.json)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The parameters a run directory was trained with.
+pub fn saved_params(dir: &std::path::Path) -> Result<FitParams> {
+    let text = std::fs::read_to_string(dir.join("params.json"))
+        .with_context(|| format!("{}: not a run directory (no params.json)", dir.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{}/params.json", dir.display()))
+}
+
+/// The summary line and the validation table, or summary.json with `json`.
+pub fn print_outcome(o: &FitOutcome, json: bool) -> Result<()> {
+    let s = &o.summary;
+    if json {
+        println!("{}", serde_json::to_string(s)?);
+        return Ok(());
+    }
+    println!(
+        "best epoch {} of {}: val accuracy {:.4} (loss {:.4}){} -> {}",
+        s.best_epoch,
+        s.epochs_run,
+        s.val_accuracy,
+        s.val_loss,
+        s.test_accuracy
+            .map(|a| format!(", test accuracy {a:.4}"))
+            .unwrap_or_default(),
+        o.run_dir.display()
+    );
+    println!("{}", s.validation.to_table());
+    Ok(())
+}

@@ -1,0 +1,42 @@
+//! `trainer keygen`: an ed25519 signing key pair.
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use kestrel_shared::{fsutil, signing};
+use kestrel_trainer::distributed::Job;
+
+/// Generate an ed25519 signing key pair: DIR/kestrel.key (secret, mode 0600) and DIR/kestrel.pub.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Directory for kestrel.key and kestrel.pub.
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+}
+
+pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
+    let (secret, public) = (a.out.join("kestrel.key"), a.out.join("kestrel.pub"));
+    if secret.exists() {
+        bail!("{} exists: refusing to overwrite a signing key", secret.display());
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let mut seed = [0u8; 32];
+    rand::Rng::fill(&mut rand::rng(), &mut seed);
+    let (sk, pk) = signing::keypair_hex(seed);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&secret)
+        .with_context(|| format!("creating {}", secret.display()))?;
+    writeln!(f, "{sk}")?;
+    f.sync_all()?;
+    fsutil::write_atomic(&public, format!("{pk}\n").as_bytes())
+        .with_context(|| format!("writing {}", public.display()))?;
+    let id = signing::key_id(&signing::public_key(&pk, "new key")?);
+    println!("key {id}: {} (secret), {} (public)", secret.display(), public.display());
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,100 @@
+//! The `trainer` command line: one file per command (its `Args`, its `run(args, &Job)` and its
+//! output), shared argument groups in [`args`], fleet commands in [`fleet`]. This module only
+//! dispatches: it builds the [`Job`] a command asks for and runs the command in it.
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use kestrel_trainer::distributed::{Job, JobOpts};
+
+pub mod args;
+mod bench;
+mod classify;
+mod evaluate;
+mod export;
+#[path = "../fleet_cli.rs"]
+pub mod fleet;
+mod fit;
+mod import_weights;
+mod keygen;
+mod latency;
+mod lower;
+mod predict;
+mod prepare;
+mod preprocess;
+mod sign;
+mod tune;
+
+#[derive(Parser)]
+#[command(
+    name = "trainer",
+    version,
+    about = "Kestrel trainer: pretrained backbones, head training, export and publishing"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+pub enum Cmd {
+    Prepare(prepare::Args),
+    Fit(fit::Args),
+    Tune(tune::Args),
+    Evaluate(evaluate::Args),
+    Predict(predict::Args),
+    Classify(classify::Args),
+    Export(export::Args),
+    Keygen(keygen::Args),
+    Sign(sign::Args),
+    ImportWeights(import_weights::Args),
+    Lower(lower::Args),
+    Preprocess(preprocess::Args),
+    Latency(latency::Args),
+    Bench(bench::Args),
+    #[command(flatten)]
+    Fleet(fleet::FleetCmd),
+}
+
+/// Runs a command in the job it asks for (an MPI rank under `mpirun` for the distributed ones).
+/// Under MPI, a failing rank ends the whole job ([`Job::fail`]).
+pub fn run(cmd: Cmd) -> Result<ExitCode> {
+    let job = Job::start(job_opts(&cmd)?)?;
+    dispatch(cmd, &job).map_err(|e| job.fail(e))
+}
+
+fn job_opts(cmd: &Cmd) -> Result<JobOpts> {
+    match cmd {
+        Cmd::Prepare(a) => prepare::job_opts(a),
+        Cmd::Fit(a) => fit::job_opts(a),
+        Cmd::Tune(a) => tune::job_opts(a),
+        Cmd::Evaluate(a) => evaluate::job_opts(a),
+        Cmd::Predict(a) => predict::job_opts(a),
+        Cmd::Classify(a) => classify::job_opts(a),
+        Cmd::Export(a) => export::job_opts(a),
+        Cmd::Latency(a) => latency::job_opts(a),
+        Cmd::Bench(a) => bench::job_opts(a),
+        _ => Ok(JobOpts::default()),
+    }
+}
+
+fn dispatch(cmd: Cmd, job: &Job) -> Result<ExitCode> {
+    match cmd {
+        Cmd::Prepare(a) => prepare::run(a, job),
+        Cmd::Fit(a) => fit::run(a, job),
+        Cmd::Tune(a) => tune::run(a, job),
+        Cmd::Evaluate(a) => evaluate::run(a, job),
+        Cmd::Predict(a) => predict::run(a, job),
+        Cmd::Classify(a) => classify::run(a, job),
+        Cmd::Export(a) => export::run(a, job),
+        Cmd::Keygen(a) => keygen::run(a, job),
+        Cmd::Sign(a) => sign::run(a, job),
+        Cmd::ImportWeights(a) => import_weights::run(a, job),
+        Cmd::Lower(a) => lower::run(a, job),
+        Cmd::Preprocess(a) => preprocess::run(a, job),
+        Cmd::Latency(a) => latency::run(a, job),
+        Cmd::Bench(a) => bench::run(a, job),
+        Cmd::Fleet(c) => fleet::run(c),
+    }
+}

@@ -1,0 +1,63 @@
+//! `trainer prepare`: the table into the sample cache, and the frozen backbone once per sample
+//! into the feature cache (reused by every later fit and tune on the same data).
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use kestrel_trainer::data::split;
+use kestrel_trainer::distributed::{Job, JobOpts};
+use kestrel_trainer::train;
+
+use super::args::{DataArgs, EngineArgs, FitArgs, WorkerArgs};
+
+/// Decode + preprocess an image table into the sample cache and run the frozen backbone once
+/// per sample into the feature cache (reused by every later fit/tune on the same data).
+/// Under `mpirun -np N` the ranks extract the features together.
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    data: DataArgs,
+    #[command(flatten)]
+    fit: FitArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[command(flatten)]
+    workers: WorkerArgs,
+    /// Print the caches' summary as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn job_opts(a: &Args) -> Result<JobOpts> {
+    a.workers.job_opts(JobOpts {
+        cache_root: a.data.cache.root(),
+        ..a.engine.job_opts()
+    })
+}
+
+pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
+    let p = a.fit.params(&a.data, a.engine.engine, job.world())?;
+    let pp = train::prepare(&p, job)?;
+    if !job.is_lead() {
+        return Ok(ExitCode::SUCCESS);
+    }
+    if a.json {
+        let v = serde_json::json!({
+            "samples": pp.prepared.len(),
+            "labels": pp.dataset_labels,
+            "skipped": pp.prepared.meta.skipped.len(),
+            "shards": pp.prepared.meta.shards,
+            "samples_cache": pp.prepared.dir,
+            "samples_cache_reused": pp.prepared.reused,
+            "feature_dims": pp.features.meta.dims,
+            "backbone_runs": pp.features.computed,
+            "feature_seconds": pp.features.meta.seconds,
+            "feature_workers": pp.features.meta.workers,
+            "features_cache": pp.features.dir,
+        });
+        println!("{v}");
+    } else {
+        print!("{}", split::count_table(pp.labels(), &pp.splits, &pp.dataset_labels));
+    }
+    Ok(ExitCode::SUCCESS)
+}

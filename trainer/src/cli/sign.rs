@@ -1,0 +1,31 @@
+//! `trainer sign`: an artifact's manifest signature.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use kestrel_shared::{fsutil, manifest, signing};
+use kestrel_trainer::distributed::Job;
+
+/// Sign an artifact's manifest.json into manifest.sig (devices only accept signed manifests).
+#[derive(clap::Args)]
+pub struct Args {
+    /// Exported artifact directory.
+    #[arg(long, value_name = "ART_DIR")]
+    artifact: PathBuf,
+    /// Secret key file written by `trainer keygen`.
+    #[arg(long)]
+    key: PathBuf,
+}
+
+pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
+    let sk = super::fleet::secret_key(&a.key)?;
+    let mpath = a.artifact.join(manifest::MANIFEST_FILE);
+    let bytes = std::fs::read(&mpath).with_context(|| format!("reading {}", mpath.display()))?;
+    let sig = signing::sign(&sk, &bytes);
+    let spath = a.artifact.join(signing::SIGNATURE_FILE);
+    fsutil::write_atomic(&spath, serde_json::to_string_pretty(&sig)?.as_bytes())
+        .with_context(|| format!("writing {}", spath.display()))?;
+    println!("signed {} with key {}", mpath.display(), sig.key_id);
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,294 @@
+//! [`Job`]: the run context every trainer operation receives. It says where the ranks of the
+//! operation run — one worker, N worker threads of this process, or this process as one rank of an
+//! MPI job — how many engine threads each gets, where the caches are, and who logs (rank 0 only).
+//! An operation is written once, as what one rank does ([`Job::run`] gives it a [`Rank`]), and runs
+//! the same on 1 worker, N local workers or N MPI ranks.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use indicatif::ProgressBar;
+
+use super::{Collective, CollectiveError, DEFAULT_TIMEOUT, RankError, launched_by_mpi, run_workers};
+
+/// Where log lines go (rank 0 only).
+type Sink = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// How a job is set up: what the command line says.
+#[derive(Debug, Clone)]
+pub struct JobOpts {
+    /// Local worker threads (ranks) for data-parallel operations; 1 under MPI (each process is one).
+    pub workers: usize,
+    /// Engine threads of this process (split evenly over local workers).
+    pub threads: usize,
+    /// Root of the sample and feature caches.
+    pub cache_root: PathBuf,
+    /// How long a collective waits for the other ranks.
+    pub timeout: Duration,
+    /// Whether the operation may run as an MPI job (under `mpirun`).
+    pub distributed: bool,
+}
+
+impl Default for JobOpts {
+    fn default() -> Self {
+        Self {
+            workers: 1,
+            threads: default_threads(),
+            cache_root: default_cache_root(),
+            timeout: DEFAULT_TIMEOUT,
+            distributed: false,
+        }
+    }
+}
+
+/// The cores this process may use.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// `$KESTREL_HOME/cache`.
+pub fn default_cache_root() -> PathBuf {
+    kestrel_models::engine::kestrel_home().join("cache")
+}
+
+/// The run context of one operation (see the module docs).
+pub struct Job {
+    opts: JobOpts,
+    /// This process's rank of an MPI job, when an MPI launcher started it.
+    mpi: Option<Box<dyn Collective>>,
+    log: Sink,
+    quiet: bool,
+}
+
+/// One rank of a [`Job`], as the operation's per-rank code sees it.
+pub struct Rank<'a> {
+    pub comm: &'a dyn Collective,
+    /// Engine threads of this rank.
+    pub threads: usize,
+    /// The job's log, when this process logs (rank 0's process, not quiet).
+    log: Option<&'a (dyn Fn(&str) + Send + Sync)>,
+}
+
+impl Job {
+    /// A job on this process's own workers (`opts.workers` threads), never MPI.
+    pub fn local(opts: JobOpts) -> Job {
+        Job {
+            opts,
+            mpi: None,
+            log: Arc::new(|line| eprintln!("{line}")),
+            quiet: false,
+        }
+    }
+
+    /// The job this process belongs to: one rank of an MPI job when an MPI launcher (mpirun,
+    /// srun) started it and the operation may run distributed, else a local job. A command that
+    /// cannot run distributed refuses to run under an MPI launcher.
+    pub fn start(opts: JobOpts) -> Result<Job, JobError> {
+        if !launched_by_mpi() {
+            return Ok(Job::local(opts));
+        }
+        if !opts.distributed {
+            return Err(JobError::NotDistributed);
+        }
+        let comm = mpi_comm(opts.timeout)?;
+        Ok(Job {
+            opts: JobOpts { workers: 1, ..opts },
+            mpi: Some(comm),
+            log: Arc::new(|line| eprintln!("{line}")),
+            quiet: false,
+        })
+    }
+
+    /// The same job without log lines or progress bars (tuning trials, library callers).
+    pub fn quiet(mut self) -> Job {
+        self.quiet = true;
+        self
+    }
+
+    /// The same job with log lines sent to `sink` instead of stderr.
+    pub fn with_log(mut self, sink: impl Fn(&str) + Send + Sync + 'static) -> Job {
+        self.log = Arc::new(sink);
+        self
+    }
+
+    /// Settings for a one-worker job with this job's caches and `threads` (one tuning trial).
+    pub fn single(&self, threads: usize) -> JobOpts {
+        JobOpts {
+            workers: 1,
+            threads,
+            distributed: false,
+            ..self.opts.clone()
+        }
+    }
+
+    /// The log sink, when this process logs.
+    fn sink(&self) -> Option<&(dyn Fn(&str) + Send + Sync)> {
+        (self.is_lead() && !self.quiet).then_some(self.log.as_ref())
+    }
+
+    pub fn threads(&self) -> usize {
+        self.opts.threads
+    }
+
+    pub fn cache_root(&self) -> &Path {
+        &self.opts.cache_root
+    }
+
+    /// Ranks of the job: local workers, or the MPI world.
+    pub fn world(&self) -> usize {
+        self.mpi.as_ref().map_or(self.opts.workers.max(1), |c| c.world())
+    }
+
+    /// This process's MPI rank (0 when local).
+    pub fn rank(&self) -> usize {
+        self.mpi.as_ref().map_or(0, |c| c.rank())
+    }
+
+    /// Rank 0's process: the one that logs, writes results and prints.
+    pub fn is_lead(&self) -> bool {
+        self.rank() == 0
+    }
+
+    /// This process's rank of an MPI job (process-level collectives), if it is one.
+    pub fn mpi(&self) -> Option<&dyn Collective> {
+        self.mpi.as_deref()
+    }
+
+    /// Logs a line on rank 0 (not when quiet).
+    pub fn log(&self, line: impl AsRef<str>) {
+        if let Some(log) = self.sink() {
+            log(line.as_ref());
+        }
+    }
+
+    /// A progress bar on stderr (hidden off rank 0 and when quiet).
+    pub fn progress(&self, len: u64, what: &str) -> ProgressBar {
+        progress(self.sink().is_some(), len, what)
+    }
+
+    /// Runs `f` once per rank: on the job's local worker threads (the calling thread is rank 0;
+    /// see [`run_workers`]), or as this process's rank of the MPI job. Returns the value of this
+    /// process's rank (rank 0's locally); the first rank's root-cause error otherwise.
+    pub fn run<T: Send, E: RankError>(
+        &self,
+        f: impl Fn(&Rank<'_>) -> Result<T, E> + Sync,
+    ) -> Result<T, E> {
+        let log = self.sink();
+        if let Some(comm) = self.mpi() {
+            return f(&Rank {
+                comm,
+                threads: self.opts.threads,
+                log,
+            });
+        }
+        let world = self.world();
+        let threads = (self.opts.threads / world).max(1);
+        run_workers(world, self.opts.timeout, |comm| {
+            f(&Rank { comm, threads, log })
+        })
+    }
+
+    /// Runs `f` on rank 0 first and then on the other processes of an MPI job (a cache that rank 0
+    /// builds and the others then find on a shared file system); locally, just once.
+    pub fn lead_first<T, E: From<CollectiveError>>(
+        &self,
+        f: impl Fn() -> Result<T, E>,
+    ) -> Result<T, E> {
+        let Some(comm) = self.mpi().filter(|c| c.world() > 1) else {
+            return f();
+        };
+        let first = if comm.rank() == 0 { Some(f()?) } else { None };
+        comm.barrier()?;
+        match first {
+            Some(v) => Ok(v),
+            None => f(),
+        }
+    }
+
+    /// Ends an MPI job with this rank's error: printed with the rank, then `MPI_Abort` makes every
+    /// rank exit non-zero (never a hang). A local job just returns the error.
+    pub fn fail<E: std::fmt::Display>(&self, e: E) -> E {
+        if let Some(comm) = self.mpi() {
+            comm.abort(&format!("{e:#}"));
+            eprintln!("error: rank {}: {e:#}", comm.rank());
+            std::process::exit(1)
+        }
+        e
+    }
+}
+
+impl Rank<'_> {
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn world(&self) -> usize {
+        self.comm.world()
+    }
+
+    pub fn is_lead(&self) -> bool {
+        self.comm.rank() == 0
+    }
+
+    /// Logs a line on rank 0 only.
+    pub fn log(&self, line: impl AsRef<str>) {
+        if let (true, Some(log)) = (self.is_lead(), self.log) {
+            log(line.as_ref());
+        }
+    }
+
+    /// A progress bar shown on rank 0 only.
+    pub fn progress(&self, len: u64, what: &str) -> ProgressBar {
+        progress(self.is_lead() && self.log.is_some(), len, what)
+    }
+}
+
+fn progress(shown: bool, len: u64, what: &str) -> ProgressBar {
+    if shown {
+        crate::report::progress(len, what)
+    } else {
+        ProgressBar::hidden()
+    }
+}
+
+/// This process's rank of the MPI job: MPI is initialised and every rank checks that the others
+/// run the same executable (version and sha256).
+#[cfg(feature = "mpi")]
+fn mpi_comm(timeout: Duration) -> Result<Box<dyn Collective>, JobError> {
+    let comm = super::mpi::MpiComm::init(timeout)?;
+    let exe = std::env::current_exe().map_err(|e| JobError::Executable(e.to_string()))?;
+    let bytes =
+        std::fs::read(&exe).map_err(|e| JobError::Executable(format!("{}: {e}", exe.display())))?;
+    let id = format!(
+        "{} {}",
+        env!("CARGO_PKG_VERSION"),
+        crate::data::cache::sha256_hex(&bytes)
+    );
+    drop(bytes);
+    if let Err(e) = comm.check_same("trainer executables (version and sha256)", id.as_bytes()) {
+        comm.fail(&e);
+    }
+    Ok(Box::new(comm))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_comm(_: Duration) -> Result<Box<dyn Collective>, JobError> {
+    Err(JobError::NoMpi)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    #[error("only prepare, fit, tune and predict run as MPI jobs; run this command without mpirun")]
+    NotDistributed,
+    #[error(
+        "this process was started by an MPI launcher (mpirun/srun), but this trainer was built \
+         without MPI: rebuild with `cargo build --release --features kestrel-trainer/mpi` \
+         (needs libopenmpi-dev and libclang-dev), or use --workers N on one machine"
+    )]
+    NoMpi,
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    #[error("locating the trainer executable: {0}")]
+    Executable(String),
+}

@@ -1,0 +1,105 @@
+//! The run directory: `params.json`, `split.json`, `metrics.jsonl`, `checkpoints/epoch-NNNN.*`
+//! (weights + optimizer state, then the state JSON whose presence completes a checkpoint; the two
+//! latest are kept), `best.safetensors`, `last.safetensors`, `summary.json` and the curves.
+
+use std::path::{Path, PathBuf};
+
+use kestrel_models::{Weights, torch};
+
+use super::model::Trainable;
+use super::optim::Opt;
+use super::prepare::{SPLIT_FILE, split_records};
+use super::{FitParams, Prepped, TrainError, TrainState};
+use crate::report::{self, EpochMetrics};
+
+fn ckpt_path(run: &Path, epoch: usize, ext: &str) -> PathBuf {
+    run.join("checkpoints")
+        .join(format!("epoch-{epoch:04}.{ext}"))
+}
+
+fn run_err(run: &Path, reason: String) -> TrainError {
+    TrainError::Run {
+        path: run.display().to_string(),
+        reason,
+    }
+}
+
+/// Creates the run directory (and its `checkpoints/`).
+pub fn create(run: &Path) -> Result<(), TrainError> {
+    std::fs::create_dir_all(run.join("checkpoints")).map_err(|e| run_err(run, e.to_string()))
+}
+
+/// The latest complete checkpoint (its `.json` is written last).
+pub fn latest_checkpoint(run: &Path) -> Option<usize> {
+    let dir = std::fs::read_dir(run.join("checkpoints")).ok()?;
+    dir.filter_map(|e| {
+        let name = e.ok()?.file_name().to_string_lossy().into_owned();
+        name.strip_prefix("epoch-")?
+            .strip_suffix(".json")?
+            .parse()
+            .ok()
+    })
+    .filter(|&e| ckpt_path(run, e, "safetensors").exists())
+    .max()
+}
+
+/// Loads the latest checkpoint into `model` and `opt`: its epoch and state, or `None` when there
+/// is none yet.
+pub fn load_latest(
+    run: &Path,
+    model: &Trainable,
+    opt: &mut Opt,
+) -> Result<Option<(usize, TrainState)>, TrainError> {
+    let Some(e) = latest_checkpoint(run) else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(ckpt_path(run, e, "json"))
+        .map_err(|err| run_err(run, err.to_string()))?;
+    let state: TrainState = serde_json::from_str(&text)
+        .map_err(|err| run_err(run, format!("checkpoint state: {err}")))?;
+    let w = torch::read_safetensors(&ckpt_path(run, e, "safetensors"))?;
+    model.load(&w)?;
+    opt.load(&model.vars, &w, state.opt_step)?;
+    Ok(Some((e, state)))
+}
+
+/// Writes `params.json` and `split.json`, and rewrites `metrics.jsonl` from the state's history
+/// (dropping the lines of an epoch lost with its checkpoint).
+pub fn begin(run: &Path, p: &FitParams, pp: &Prepped, state: &TrainState) -> Result<(), TrainError> {
+    report::write_json_atomic(&run.join("params.json"), p)?;
+    report::write_json_atomic(&run.join(SPLIT_FILE), &split_records(pp))?;
+    let metrics = run.join("metrics.jsonl");
+    let _ = std::fs::remove_file(&metrics);
+    for m in &state.history {
+        report::append_jsonl(&metrics, m)?;
+    }
+    Ok(())
+}
+
+/// Saves epoch `m.epoch`: checkpoint (weights + optimizer state, then the state JSON), the
+/// metrics line, and drops the checkpoint two epochs back.
+pub fn save_epoch(
+    run: &Path,
+    model: &Trainable,
+    opt: &Opt,
+    state: &TrainState,
+    m: &EpochMetrics,
+) -> Result<(), TrainError> {
+    let epoch = m.epoch;
+    let mut ck = model.weights()?;
+    ck.extend(opt.state(&model.vars)?);
+    torch::write_safetensors(&ckpt_path(run, epoch, "safetensors"), &ck, None)?;
+    report::write_json_atomic(&ckpt_path(run, epoch, "json"), state)?;
+    report::append_jsonl(&run.join("metrics.jsonl"), m)?;
+    if epoch > 2 {
+        for ext in ["json", "safetensors"] {
+            let _ = std::fs::remove_file(ckpt_path(run, epoch - 2, ext));
+        }
+    }
+    Ok(())
+}
+
+/// The best epoch's weights saved by an earlier process (a run resumed after its best epoch).
+pub fn best_weights(run: &Path) -> Result<Weights, TrainError> {
+    Ok(torch::read_safetensors(&run.join("best.safetensors"))?)
+}

@@ -1,0 +1,268 @@
+//! `trainer fit`: transfer learning on cached backbone features (candle), with resumable,
+//! deterministic runs.
+//!
+//! The frozen part of the backbone (`[0, boundary)`, `boundary = blocks - unfreeze_last`) comes from
+//! the feature cache; the unfrozen blocks (batch norm folded into their convs, i.e. BN statistics
+//! stay frozen) and a new linear classifier train in candle. Initial classifier weights come from a
+//! seeded generator, each epoch's order from (seed, epoch), so a run is a pure function of its
+//! parameters and a resumed run ends with the same weights as an uninterrupted one.
+//!
+//! - [`params`]: what determines a run; [`prepare`]: table → caches → split;
+//! - [`rank`]: one rank's training loop; [`checkpoint`]: the run directory;
+//! - [`model`] and [`optim`]: the trainable part and its optimizers; [`augment`]: augmented views.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::{D, Device, Tensor as CTensor};
+use kestrel_models::{Weights, torch};
+use serde::{Deserialize, Serialize};
+
+pub mod augment;
+pub mod checkpoint;
+pub mod model;
+pub mod optim;
+pub mod params;
+pub mod prepare;
+pub mod rank;
+
+pub use model::{Trainable, model_summary};
+pub use params::{FitParams, LrScaling, Optimizer, Schedule};
+pub use prepare::{Prepped, SPLIT_FILE, SplitRecord, prepare};
+pub use rank::train_rank;
+
+use crate::data::{self, cache::CacheError};
+use crate::distributed::{CollectiveError, ErrorScope, Job, RankError, WorkerError};
+use crate::report::{self, EpochMetrics, Evaluation};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Data(#[from] data::DataError),
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error(transparent)]
+    Backbone(#[from] kestrel_models::backbone::BackboneError),
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Engine(#[from] kestrel_models::EngineError),
+    #[error(transparent)]
+    Preprocess(#[from] kestrel_shared::PreprocessError),
+    #[error(transparent)]
+    Import(#[from] kestrel_models::torch::ImportError),
+    #[error(transparent)]
+    Report(#[from] report::ReportError),
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    #[error("training diverged: no epoch of {epochs} had a finite validation loss (lower --lr)")]
+    Diverged { epochs: usize },
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+    #[error("{path}: {reason}")]
+    Run { path: String, reason: String },
+}
+
+impl RankError for TrainError {
+    fn scope(&self) -> ErrorScope {
+        match self {
+            TrainError::Collective(e) => ErrorScope::of_collective(Some(e)),
+            TrainError::Worker(_) => ErrorScope::Job,
+            _ => ErrorScope::Own,
+        }
+    }
+}
+
+/// What is saved with every checkpoint besides the weights.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainState {
+    /// Epochs completed.
+    pub epoch: usize,
+    pub opt_step: u64,
+    pub best_epoch: usize,
+    pub best_val_loss: f64,
+    pub best_val_accuracy: f64,
+    pub bad_epochs: usize,
+    pub history: Vec<EpochMetrics>,
+}
+
+/// `summary.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Summary {
+    pub best_epoch: usize,
+    pub epochs_run: usize,
+    pub val_accuracy: f64,
+    pub val_loss: f64,
+    pub test_accuracy: Option<f64>,
+    pub labels: Vec<String>,
+    pub validation: Evaluation,
+    pub test: Option<Evaluation>,
+    pub backbone_runs: usize,
+    pub feature_seconds: f64,
+    pub train_seconds: f64,
+}
+
+
+impl Default for TrainState {
+    fn default() -> Self {
+        TrainState {
+            epoch: 0,
+            opt_step: 0,
+            best_epoch: 0,
+            best_val_loss: f64::INFINITY,
+            best_val_accuracy: 0.0,
+            bad_epochs: 0,
+            history: Vec::new(),
+        }
+    }
+}
+
+pub struct FitOutcome {
+    pub run_dir: PathBuf,
+    pub summary: Summary,
+}
+
+/// Trains (or, with `resume`, continues) a run in `run_dir` on the job's ranks: the features are
+/// prepared once (by the ranks together), then every rank trains its part of every global batch
+/// ([`train_rank`]), so N local workers or N MPI ranks train exactly what 1 worker trains with the
+/// same `--batch-size` and `--seed`. Rank 0's process returns the outcome, the others `None`.
+pub fn fit(
+    p: &FitParams,
+    run_dir: &Path,
+    resume: bool,
+    job: &Job,
+) -> Result<Option<FitOutcome>, TrainError> {
+    let p = p.on_ranks(job.world())?;
+    if job.is_lead() {
+        checkpoint::create(run_dir)?;
+    }
+    let started = Instant::now();
+    let pp = prepare(&p, job)?;
+    let feature_seconds = started.elapsed().as_secs_f64();
+    if job.mpi().is_some() && job.world() > 1 {
+        job.log(format!("{} ranks (MPI)", job.world()));
+    }
+    job.run(|rank| train_rank(&p, Some(run_dir), resume, &pp, rank, feature_seconds))
+}
+
+fn batch_tensor(
+    pp: &Prepped,
+    idx: &[usize],
+    feats: Option<&[f32]>,
+) -> Result<(CTensor, CTensor), TrainError> {
+    let per = pp.features.per_sample();
+    let mut x = Vec::with_capacity(idx.len() * per);
+    match feats {
+        Some(f) => x.extend_from_slice(f),
+        None => {
+            for &i in idx {
+                x.extend_from_slice(pp.features.row(i));
+            }
+        }
+    }
+    let mut shape = vec![idx.len()];
+    shape.extend(&pp.features.meta.dims);
+    let y: Vec<u32> = idx.iter().map(|&i| pp.labels()[i] as u32).collect();
+    Ok((
+        CTensor::from_vec(x, shape, &Device::Cpu)?,
+        CTensor::from_vec(y, idx.len(), &Device::Cpu)?,
+    ))
+}
+
+/// Loss and predictions of `model` over `idx` (batched).
+pub fn predict(
+    pp: &Prepped,
+    model: &Trainable,
+    idx: &[usize],
+) -> Result<(f64, Vec<usize>), TrainError> {
+    let (loss_sum, preds) = predict_sum(pp, model, idx)?;
+    Ok((loss_sum / idx.len().max(1) as f64, preds))
+}
+
+/// Summed (not averaged) loss and predictions of `model` over `idx`.
+pub fn predict_sum(
+    pp: &Prepped,
+    model: &Trainable,
+    idx: &[usize],
+) -> Result<(f64, Vec<usize>), TrainError> {
+    let mut loss_sum = 0.0;
+    let mut preds = Vec::with_capacity(idx.len());
+    for chunk in idx.chunks(256) {
+        let (x, y) = batch_tensor(pp, chunk, None)?;
+        let logits = model.forward(&x)?;
+        loss_sum += candle_nn::loss::cross_entropy(&logits, &y)?.to_scalar::<f32>()? as f64
+            * chunk.len() as f64;
+        preds.extend(
+            logits
+                .argmax(D::Minus1)?
+                .to_vec1::<u32>()?
+                .into_iter()
+                .map(|v| v as usize),
+        );
+    }
+    Ok((loss_sum, preds))
+}
+
+/// Loads a finished run's parameters and best weights.
+pub fn load_run(run_dir: &Path) -> Result<(FitParams, Weights), TrainError> {
+    let run_err = |reason: String| TrainError::Run {
+        path: run_dir.display().to_string(),
+        reason,
+    };
+    let text = std::fs::read_to_string(run_dir.join("params.json"))
+        .map_err(|e| run_err(format!("params.json: {e}")))?;
+    let params: FitParams =
+        serde_json::from_str(&text).map_err(|e| run_err(format!("params.json: {e}")))?;
+    let weights = torch::read_safetensors(&run_dir.join("best.safetensors"))?;
+    Ok((params, weights))
+}
+
+/// `trainer evaluate --run`: the run's best model over every sample of `data`.
+pub fn evaluate_run(run_dir: &Path, data: &Path, job: &Job) -> Result<Evaluation, TrainError> {
+    let (params, weights) = load_run(run_dir)?;
+    let p = FitParams {
+        data: data.to_path_buf(),
+        skip_invalid: false,
+        ..params.clone()
+    };
+    let pp = prepare(&p, job)?;
+    if pp.dataset_labels != load_labels(run_dir)? {
+        return Err(TrainError::Invalid(format!(
+            "{} has labels {:?}, the run was trained on {:?}",
+            data.display(),
+            pp.dataset_labels,
+            load_labels(run_dir)?
+        )));
+    }
+    let model = Trainable::new(
+        &pp.backbone,
+        pp.boundary,
+        pp.dataset_labels.len(),
+        Some(&weights),
+        p.seed,
+    )?;
+    let idx: Vec<usize> = (0..pp.prepared.len()).collect();
+    let (loss, pred) = predict(&pp, &model, &idx)?;
+    Ok(report::evaluate(
+        &pred,
+        pp.labels(),
+        &pp.dataset_labels,
+        Some(loss),
+    ))
+}
+
+fn load_labels(run_dir: &Path) -> Result<Vec<String>, TrainError> {
+    let text =
+        std::fs::read_to_string(run_dir.join("summary.json")).map_err(|e| TrainError::Run {
+            path: run_dir.display().to_string(),
+            reason: format!("summary.json: {e}"),
+        })?;
+    let s: Summary = serde_json::from_str(&text).map_err(|e| TrainError::Run {
+        path: run_dir.display().to_string(),
+        reason: format!("summary.json: {e}"),
+    })?;
+    Ok(s.labels)
+}
+

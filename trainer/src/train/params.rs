@@ -1,0 +1,127 @@
+//! What determines a run: [`FitParams`] (saved as `params.json`) and its choices.
+
+use std::path::PathBuf;
+
+use kestrel_models::EngineKind;
+use serde::{Deserialize, Serialize};
+
+use super::TrainError;
+use crate::data::SourceOpts;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Optimizer {
+    Sgd,
+    Adamw,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// x0.1 at 1/3 and 2/3 of the epochs.
+    Step,
+    /// Cosine decay to 0 over the epochs.
+    Cosine,
+    None,
+}
+
+/// How the learning rate changes with the number of workers (ranks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LrScaling {
+    /// The same learning rate for any worker count: with the same global batch, N workers train
+    /// exactly what 1 worker trains (the default).
+    #[default]
+    None,
+    /// lr x workers (Horovod's recipe, for when the global batch grows with the workers).
+    Linear,
+}
+
+/// Everything that determines a run (saved as `params.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FitParams {
+    pub data: PathBuf,
+    pub source: SourceOpts,
+    pub backbone: String,
+    pub arch: Option<String>,
+    pub engine: EngineKind,
+    pub epochs: usize,
+    pub batch_size: usize,
+    pub lr: f64,
+    pub momentum: f64,
+    pub weight_decay: f64,
+    pub optimizer: Optimizer,
+    pub schedule: Schedule,
+    pub early_stopping: Option<usize>,
+    pub seed: u64,
+    pub val_fraction: f64,
+    pub test_fraction: f64,
+    pub unfreeze_last: usize,
+    pub augment_flip: bool,
+    pub augment_crop: bool,
+    pub workers: usize,
+    pub skip_invalid: bool,
+    /// Learning-rate scaling with the worker count (absent in older params.json: none).
+    #[serde(default)]
+    pub lr_scaling: LrScaling,
+}
+
+impl FitParams {
+    pub fn lr_at(&self, epoch: usize) -> f64 {
+        match self.schedule {
+            Schedule::None => self.lr,
+            Schedule::Step => {
+                let k = (epoch * 3) / self.epochs.max(1);
+                self.lr * 0.1f64.powi(k as i32)
+            }
+            Schedule::Cosine => {
+                self.lr
+                    * 0.5
+                    * (1.0
+                        + (std::f64::consts::PI * epoch as f64 / self.epochs.max(1) as f64).cos())
+            }
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let bad = |m: String| Err(TrainError::Invalid(m));
+        if self.epochs == 0 || self.batch_size == 0 {
+            return bad("--epochs and --batch-size must be positive".into());
+        }
+        if !(self.lr > 0.0) {
+            return bad(format!("--lr must be positive, got {}", self.lr));
+        }
+        if !(0.0..1.0).contains(&(self.val_fraction + self.test_fraction))
+            || self.val_fraction <= 0.0
+        {
+            return bad("--val-fraction must be > 0 and val + test fractions < 1".into());
+        }
+        if self.batch_size < self.workers.max(1) {
+            return bad(format!(
+                "--batch-size {} is smaller than --workers {}: every worker needs at least one sample of each global batch",
+                self.batch_size, self.workers
+            ));
+        }
+        Ok(())
+    }
+}
+
+
+impl FitParams {
+    /// These parameters on a job of `world` ranks: `workers` must be 1 or `world` (the ranks are
+    /// the workers; it is recorded as `world`).
+    pub fn on_ranks(&self, world: usize) -> Result<FitParams, TrainError> {
+        if self.workers != 1 && self.workers != world {
+            return Err(TrainError::Invalid(format!(
+                "--workers {} under a {world}-rank job: the ranks are the workers (pass 1 or {world})",
+                self.workers
+            )));
+        }
+        let p = FitParams {
+            workers: world,
+            ..self.clone()
+        };
+        p.validate()?;
+        Ok(p)
+    }
+}

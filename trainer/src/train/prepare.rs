@@ -1,0 +1,128 @@
+//! Data ready for training: the table loaded, its sample and feature caches, and the split.
+
+use kestrel_models::backbone::Backbone;
+use serde::{Deserialize, Serialize};
+
+use super::{FitParams, TrainError};
+use crate::data::split::{self, Split};
+use crate::data::{self, Dataset, Features, Prepared, features};
+use crate::distributed::Job;
+
+/// Data ready for training: cached samples and features, labels and split.
+pub struct Prepped {
+    pub dataset_labels: Vec<String>,
+    pub prepared: Prepared,
+    pub features: Features,
+    pub splits: Vec<Split>,
+    pub backbone: Backbone,
+    pub boundary: usize,
+}
+
+impl Prepped {
+    pub fn indices(&self, s: Split) -> Vec<usize> {
+        (0..self.splits.len())
+            .filter(|&i| self.splits[i] == s)
+            .collect()
+    }
+
+    pub fn labels(&self) -> &[usize] {
+        &self.prepared.meta.sample_labels
+    }
+}
+
+/// Which sample went to which split, written into every run directory.
+pub const SPLIT_FILE: &str = "split.json";
+
+/// One sample's assignment: its id in the table, label, content hash and split.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SplitRecord {
+    pub split: Split,
+    pub id: String,
+    pub label: String,
+    pub sha256: String,
+}
+
+pub fn split_records(pp: &Prepped) -> Vec<SplitRecord> {
+    let m = &pp.prepared.meta;
+    (0..pp.splits.len())
+        .map(|i| SplitRecord {
+            split: pp.splits[i],
+            id: m.ids[i].clone(),
+            label: m.labels[m.sample_labels[i]].clone(),
+            sha256: m.content_sha256[i].clone(),
+        })
+        .collect()
+}
+
+/// Loads the table, builds or reuses the sample cache (rank 0 first under MPI) and the feature
+/// cache (extracted by the job's ranks together), and splits.
+pub fn prepare(p: &FitParams, job: &Job) -> Result<Prepped, TrainError> {
+    let ds: Dataset = data::load(&p.data, &p.source)?;
+    let arch = p
+        .arch
+        .as_deref()
+        .map(|a| {
+            kestrel_models::Arch::parse(a)
+                .ok_or_else(|| TrainError::Invalid(format!("unknown architecture `{a}`")))
+        })
+        .transpose()?;
+    let backbone = Backbone::resolve(&p.backbone, arch)?;
+    let blocks = backbone.net.blocks.len();
+    if p.unfreeze_last >= blocks {
+        return Err(TrainError::Invalid(format!(
+            "--unfreeze-last {} but {} has {blocks} blocks",
+            p.unfreeze_last, backbone.net.arch
+        )));
+    }
+    let boundary = blocks - p.unfreeze_last;
+    let prepared = job.lead_first(|| {
+        Prepared::open_or_build(
+            job.cache_root(),
+            &ds,
+            &backbone.net.preprocess,
+            job.world(),
+            p.skip_invalid,
+        )
+    })?;
+    job.log(format!(
+        "samples: {} from {} ({} classes){}, cache {} {}",
+        prepared.len(),
+        ds.source,
+        ds.labels.len(),
+        match prepared.meta.skipped.len() {
+            0 => String::new(),
+            n => format!(", {n} invalid skipped"),
+        },
+        if prepared.reused { "reused" } else { "built" },
+        prepared.dir.display()
+    ));
+    for (id, why) in prepared.meta.skipped.iter().take(5) {
+        job.log(format!("  skipped {id}: {why}"));
+    }
+    let features = features::features(job, &prepared, &backbone, boundary, p.engine)?;
+    job.log(format!(
+        "features: boundary {boundary}/{blocks} dims {:?}, backbone runs: {} ({})",
+        features.meta.dims,
+        features.computed,
+        if features.computed == 0 {
+            "cache hit".to_string()
+        } else {
+            format!(
+                "{:.1}s on {}, {} worker(s)",
+                features.meta.seconds, p.engine, features.meta.workers
+            )
+        }
+    ));
+    let labels = prepared.meta.sample_labels.clone();
+    let classes = prepared.meta.labels.len();
+    let splits = split::stratified(&labels, classes, p.val_fraction, p.test_fraction, p.seed);
+    Ok(Prepped {
+        dataset_labels: prepared.meta.labels.clone(),
+        prepared,
+        features,
+        splits,
+        backbone,
+        boundary,
+    })
+}
+
