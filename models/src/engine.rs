@@ -210,22 +210,13 @@ pub fn ort_library_path() -> PathBuf {
     kestrel_home().join("onnxruntime").join("libonnxruntime.so")
 }
 
-/// Kestrel's cache directory for fetched weights, data and libraries.
-pub fn kestrel_home() -> PathBuf {
-    if let Some(p) = std::env::var_os("KESTREL_HOME") {
-        return PathBuf::from(p);
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."));
-    home.join(".cache").join("kestrel")
-}
+pub use kestrel_shared::fsutil::kestrel_home;
 
 #[cfg(feature = "ort")]
 pub use ort_engine::OrtEngine;
 
 /// Where ONNX Runtime runs its graphs: the CPU execution provider (default) or CUDA. Set once per
-/// process (`trainer --device`); the CUDA provider is loaded from the ONNX Runtime library at run
+/// process (`trainer ... --execution-provider`); the CUDA provider is loaded from the ONNX Runtime library at run
 /// time, so this builds without CUDA. Not exercised here: the PyPI `onnxruntime` wheel these
 /// machines use is CPU-only (`onnxruntime-gpu` ships the CUDA provider) and there is no GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -2,7 +2,7 @@
 
 use std::fs::{self, File};
 use std::io::{self, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Writes `bytes` to `path` so that a crash leaves either the old file or the new one: a unique
@@ -55,4 +55,16 @@ mod tests {
         assert!(super::write_atomic(&dir.join("missing/x"), b"").is_err());
         std::fs::remove_dir_all(dir).unwrap();
     }
+}
+
+/// Kestrel's directory for fetched weights, data, libraries and caches: `$KESTREL_HOME`, else
+/// `~/.cache/kestrel` (as in scripts/env.sh), else `./.cache/kestrel` without a home directory.
+pub fn kestrel_home() -> PathBuf {
+    if let Some(p) = std::env::var_os("KESTREL_HOME") {
+        return PathBuf::from(p);
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cache").join("kestrel")
 }

@@ -9,8 +9,10 @@ use kestrel_trainer::{export, train};
 
 use super::args::{DataArgs, EngineArgs};
 
-/// Evaluate a run's best model (--run) or an exported artifact (--model, through its manifest
-/// exactly as the edge runs it) on a table: accuracy, per-class metrics, confusion matrix.
+/// Evaluate a run's best model or an exported artifact on a table.
+///
+/// --run: the run's best weights; --model: the artifact through its manifest, exactly as the edge
+/// runs it. Prints accuracy, per-class metrics and the confusion matrix.
 #[derive(clap::Args)]
 pub struct Args {
     /// Run directory written by `trainer fit`.

@@ -10,8 +10,10 @@ use kestrel_trainer::export::{self, ExportOpts, QuantForm};
 
 use super::args::{CacheArgs, ThreadArgs};
 
-/// Export a run as a self-describing artifact directory (model.onnx, manifest.json, safetensors,
-/// golden samples), verified in tract and ONNX Runtime.
+/// Export a run as a self-describing, verified artifact directory.
+///
+/// Writes model.onnx, manifest.json, safetensors and golden samples, verified in tract and ONNX
+/// Runtime against the trainer (and the quantized forms against the accuracy gate).
 #[derive(clap::Args)]
 pub struct Args {
     /// Run directory written by `trainer fit`.

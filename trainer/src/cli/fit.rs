@@ -11,6 +11,7 @@ use kestrel_trainer::train::{self, FitOutcome, FitParams};
 use super::args::{DataArgs, EngineArgs, FitArgs, WorkerArgs};
 
 /// Train a new head (and optionally the last blocks) on cached features into a run directory.
+///
 /// `--workers N` trains data-parallel on N threads; under `mpirun -np N` (a build with
 /// `--features kestrel-trainer/mpi`) each process is one rank and rank 0 writes the run.
 #[derive(clap::Args)]

@@ -9,8 +9,9 @@ use kestrel_trainer::export;
 
 use super::args::{EngineArgs, ModelArgs};
 
-/// Batch-1 latency of an exported model (inference only; the image is preprocessed once
-/// with the manifest's spec). Prints milliseconds per image.
+/// Batch-1 latency of an exported model, in milliseconds per image.
+///
+/// Inference only: the image is preprocessed once with the manifest's spec.
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]

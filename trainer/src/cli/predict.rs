@@ -9,9 +9,11 @@ use kestrel_trainer::predict;
 
 use super::args::{ModelArgs, TableArgs, ThreadArgs, WorkerArgs};
 
-/// Batch inference: classify every row of an image table with an exported artifact (verified and
-/// health-checked exactly as the edge loads it), spread over workers; writes Parquet with
-/// columns path, label, prediction, class, score, error (rows in table order).
+/// Classify every row of an image table with an exported artifact, into Parquet.
+///
+/// The artifact is verified and health-checked exactly as the edge loads it; the rows are spread
+/// over workers; the Parquet file has columns path, label, prediction, class, score, error (rows
+/// in table order).
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]

@@ -10,8 +10,10 @@ use kestrel_trainer::train;
 
 use super::args::{DataArgs, EngineArgs, FitArgs, WorkerArgs};
 
-/// Decode + preprocess an image table into the sample cache and run the frozen backbone once
-/// per sample into the feature cache (reused by every later fit/tune on the same data).
+/// Fill the sample and feature caches of an image table (the backbone runs once per sample).
+///
+/// Decodes and preprocesses the table into the sample cache and runs the frozen backbone once
+/// per sample into the feature cache, reused by every later fit/tune on the same data.
 /// Under `mpirun -np N` the ranks extract the features together.
 #[derive(clap::Args)]
 pub struct Args {

@@ -10,9 +10,10 @@ use kestrel_trainer::tune::{self, Space};
 
 use super::args::{DataArgs, EngineArgs, FitArgs};
 
-/// Search head hyperparameters with TPE (seeded random warm-up, then Tree-structured Parzen
-/// Estimator) over trials that train in parallel on the shared feature cache (computed once).
-/// Writes OUT/trials.jsonl and OUT/best.json and prints the trials sorted by validation loss.
+/// Search head hyperparameters with TPE over trials trained in parallel on one feature cache.
+///
+/// A seeded random warm-up, then the Tree-structured Parzen Estimator; the features are computed
+/// once and shared by every trial. Writes OUT/trials.jsonl and OUT/best.json and prints the trials sorted by validation loss.
 /// The training flags are the trials' base; the searched ones come from the space. Under
 /// `mpirun -np N` the trials are spread over the ranks too.
 #[derive(clap::Args)]

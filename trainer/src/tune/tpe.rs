@@ -214,7 +214,8 @@ fn phi(z: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tune::space::Space;
+    use crate::train::Optimizer;
+    use crate::tune::space::{Space, read_space};
     use rand::SeedableRng;
 
     /// A synthetic objective with a known optimum: lr 1e-2, momentum 0.8, weight decay 3e-4,
