@@ -205,6 +205,7 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
         Ok(())
     }
 
+    // long-function: the pickle VM's opcode loop, one short match arm per opcode on shared VM state
     /// Runs until STOP; returns the unpickled object.
     pub(super) fn load(&mut self) -> Result<Value, PErr> {
         loop {
