@@ -206,79 +206,11 @@ impl Updater {
 
     /// Feeds one event; returns what to do.
     pub fn handle(&mut self, ev: Event) -> Vec<Action> {
-        let target = self.phase.target();
         match ev {
-            Event::Offered(o) => {
-                if target == Some(o.version) {
-                    return vec![]; // redelivery of what is in progress
-                }
-                let mut out = Vec::new();
-                if let Some(t) = target {
-                    out.push(Action::Discard { version: t }); // a newer desired state supersedes
-                    self.phase = Phase::Idle;
-                }
-                if self.active == Some(o.version) {
-                    return out; // already active (a redelivery, or back to it mid-update)
-                }
-                let why = match self.active {
-                    _ if o.chunks == 0 => Some("the offer has no chunks".to_string()),
-                    _ if o.total_bytes > self.max_bytes => Some(format!(
-                        "artifact of {} bytes is over the limit of {}",
-                        o.total_bytes, self.max_bytes
-                    )),
-                    Some(a) if o.version < a && !o.rollback => Some(format!(
-                        "v{} is older than the active v{a}: a downgrade needs --rollback",
-                        o.version
-                    )),
-                    _ => None,
-                };
-                if let Some(reason) = why {
-                    out.extend(self.reject(o.version, reason));
-                    return out;
-                }
-                out.push(Action::Fetch {
-                    version: o.version,
-                    chunks: (0..o.chunks).collect(),
-                });
-                out.push(Action::Report(Report::Downloading { version: o.version }));
-                self.phase = Phase::Downloading {
-                    offer: o,
-                    have: BTreeSet::new(),
-                    corrupt: 0,
-                };
-                out
-            }
+            Event::Offered(o) => self.offered(o),
             Event::Refused { version, reason } => self.reject(version, reason),
-            Event::ChunkStored { version, index } => match &mut self.phase {
-                Phase::Downloading { offer, have, .. }
-                    if offer.version == version && index < offer.chunks =>
-                {
-                    have.insert(index);
-                    if have.len() as u32 == offer.chunks {
-                        self.phase = Phase::Verifying { version };
-                        vec![Action::Verify { version }]
-                    } else {
-                        vec![]
-                    }
-                }
-                _ => vec![],
-            },
-            Event::ChunkCorrupt { version, index } => {
-                match &mut self.phase {
-                    Phase::Downloading { offer, corrupt, .. } if offer.version == version => {
-                        *corrupt += 1;
-                        if *corrupt >= MAX_CORRUPT_CHUNKS {
-                            self.reject(version, format!("chunk {index} failed its sha256 check {MAX_CORRUPT_CHUNKS} times"))
-                        } else {
-                            vec![Action::Fetch {
-                                version,
-                                chunks: vec![index],
-                            }]
-                        }
-                    }
-                    _ => vec![],
-                }
-            }
+            Event::ChunkStored { version, index } => self.chunk_stored(version, index),
+            Event::ChunkCorrupt { version, index } => self.chunk_corrupt(version, index),
             Event::Verified { version } if self.phase == (Phase::Verifying { version }) => {
                 self.phase = Phase::Staging { version };
                 vec![Action::Stage { version }]
@@ -299,34 +231,127 @@ impl Updater {
             Event::HealthFailed { version, reason }
                 if self.phase == (Phase::Checking { version }) =>
             {
-                let reason = format!("health check failed: {reason}");
-                self.phase = Phase::Idle;
-                self.last_error = Some(reason.clone());
-                self.last_failed = Some(version);
-                vec![
-                    Action::Discard { version },
-                    Action::Report(Report::RolledBack {
-                        version,
-                        active: self.active,
-                        reason,
-                    }),
-                ]
+                self.health_failed(version, reason)
             }
             Event::Activated { version } if self.phase == (Phase::Activating { version }) => {
-                if self.active != Some(version) {
-                    self.previous = self.active;
-                }
-                self.active = Some(version);
-                self.phase = Phase::Idle;
-                self.last_error = None;
-                vec![Action::Report(Report::Active {
-                    version,
-                    previous: self.previous,
-                })]
+                self.activated(version)
             }
             // Stale or out-of-order results (e.g. for a superseded version) change nothing.
             _ => vec![],
         }
+    }
+
+    /// A new desired version: supersedes any update in progress, then is refused or fetched.
+    fn offered(&mut self, o: Offer) -> Vec<Action> {
+        let target = self.phase.target();
+        if target == Some(o.version) {
+            return vec![]; // redelivery of what is in progress
+        }
+        let mut out = Vec::new();
+        if let Some(t) = target {
+            out.push(Action::Discard { version: t }); // a newer desired state supersedes
+            self.phase = Phase::Idle;
+        }
+        if self.active == Some(o.version) {
+            return out; // already active (a redelivery, or back to it mid-update)
+        }
+        if let Some(reason) = self.refusal(&o) {
+            out.extend(self.reject(o.version, reason));
+            return out;
+        }
+        out.push(Action::Fetch {
+            version: o.version,
+            chunks: (0..o.chunks).collect(),
+        });
+        out.push(Action::Report(Report::Downloading { version: o.version }));
+        self.phase = Phase::Downloading {
+            offer: o,
+            have: BTreeSet::new(),
+            corrupt: 0,
+        };
+        out
+    }
+
+    /// Why an offer cannot be accepted at all, if it cannot.
+    fn refusal(&self, o: &Offer) -> Option<String> {
+        match self.active {
+            _ if o.chunks == 0 => Some("the offer has no chunks".to_string()),
+            _ if o.total_bytes > self.max_bytes => Some(format!(
+                "artifact of {} bytes is over the limit of {}",
+                o.total_bytes, self.max_bytes
+            )),
+            Some(a) if o.version < a && !o.rollback => Some(format!(
+                "v{} is older than the active v{a}: a downgrade needs --rollback",
+                o.version
+            )),
+            _ => None,
+        }
+    }
+
+    fn chunk_stored(&mut self, version: u64, index: u32) -> Vec<Action> {
+        match &mut self.phase {
+            Phase::Downloading { offer, have, .. }
+                if offer.version == version && index < offer.chunks =>
+            {
+                have.insert(index);
+                if have.len() as u32 == offer.chunks {
+                    self.phase = Phase::Verifying { version };
+                    vec![Action::Verify { version }]
+                } else {
+                    vec![]
+                }
+            }
+            _ => vec![],
+        }
+    }
+
+    fn chunk_corrupt(&mut self, version: u64, index: u32) -> Vec<Action> {
+        match &mut self.phase {
+            Phase::Downloading { offer, corrupt, .. } if offer.version == version => {
+                *corrupt += 1;
+                if *corrupt >= MAX_CORRUPT_CHUNKS {
+                    self.reject(
+                        version,
+                        format!("chunk {index} failed its sha256 check {MAX_CORRUPT_CHUNKS} times"),
+                    )
+                } else {
+                    vec![Action::Fetch {
+                        version,
+                        chunks: vec![index],
+                    }]
+                }
+            }
+            _ => vec![],
+        }
+    }
+
+    /// The staged version failed its health check: discarded, the active one stays.
+    fn health_failed(&mut self, version: u64, reason: String) -> Vec<Action> {
+        let reason = format!("health check failed: {reason}");
+        self.phase = Phase::Idle;
+        self.last_error = Some(reason.clone());
+        self.last_failed = Some(version);
+        vec![
+            Action::Discard { version },
+            Action::Report(Report::RolledBack {
+                version,
+                active: self.active,
+                reason,
+            }),
+        ]
+    }
+
+    fn activated(&mut self, version: u64) -> Vec<Action> {
+        if self.active != Some(version) {
+            self.previous = self.active;
+        }
+        self.active = Some(version);
+        self.phase = Phase::Idle;
+        self.last_error = None;
+        vec![Action::Report(Report::Active {
+            version,
+            previous: self.previous,
+        })]
     }
 
     /// After a restart with this (journaled) state: the actions that continue the update.

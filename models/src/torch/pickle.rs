@@ -164,6 +164,14 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
         }
     }
 
+    /// A memo index written in decimal on its own line (the text opcodes GET and PUT).
+    fn line_index(&mut self, op: &str) -> Result<u32, PErr> {
+        let l = self.line()?;
+        l.trim()
+            .parse()
+            .map_err(|_| PErr::Bad(format!("bad {op} {l:?}")))
+    }
+
     fn memo_get(&self, id: u32) -> Result<Value, PErr> {
         self.memo
             .get(&id)
@@ -205,6 +213,7 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
         Ok(())
     }
 
+    // long-function: the pickle VM's opcode loop, one short match arm per opcode on shared VM state
     /// Runs until STOP; returns the unpickled object.
     pub(super) fn load(&mut self) -> Result<Value, PErr> {
         loop {
@@ -456,11 +465,7 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                     self.stack.push(v);
                 }
                 b'g' => {
-                    let l = self.line()?;
-                    let id = l
-                        .trim()
-                        .parse()
-                        .map_err(|_| PErr::Bad(format!("bad GET {l:?}")))?;
+                    let id = self.line_index("GET")?;
                     let v = self.memo_get(id)?;
                     self.stack.push(v);
                 }
@@ -475,11 +480,7 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                     self.stack.push(v);
                 }
                 b'p' => {
-                    let l = self.line()?;
-                    let id = l
-                        .trim()
-                        .parse()
-                        .map_err(|_| PErr::Bad(format!("bad PUT {l:?}")))?;
+                    let id = self.line_index("PUT")?;
                     self.memo_put(id)?;
                 }
                 b'q' => {

@@ -1,5 +1,6 @@
-//! Calibration of quantized exports: a probe graph run in tract measures every Conv/Gemm input
-//! (activation ranges for static int8, per-channel means for bias correction).
+//! Stage 2: the quantized forms. Calibration of quantized exports: a probe graph run in tract
+//! measures every Conv/Gemm input (activation ranges for static int8, per-channel means for bias
+//! correction).
 
 use std::collections::BTreeMap;
 
@@ -9,10 +10,77 @@ use kestrel_models::onnx::{self, Linear, LowerOpts};
 use kestrel_models::quant::{Quant, quantize_per_channel};
 use kestrel_models::weights::FoldedConv;
 
-use crate::train::{Prepped, TrainError};
+use super::trained::Trained;
+use super::{ExportError, ExportOpts, QuantForm};
+use crate::data::Split;
+
+/// The network as it is lowered: the quantization and the (bias-corrected) weights it applies to.
+/// For `--quantize none`, the trained network unchanged.
+pub(super) struct Quantized {
+    pub quant: Quant,
+    pub folded: Vec<FoldedConv>,
+    pub head: Linear,
+}
+
+/// Quantized forms: calibrate on training samples (activation ranges for int8, input means for
+/// the bias correction of both forms), then bias-correct a copy of the trained network.
+pub(super) fn quantize(
+    run: &Trained,
+    o: &ExportOpts,
+    log: &mut dyn FnMut(String),
+) -> Result<Quantized, ExportError> {
+    let (folded, head) = (&run.folded, &run.head);
+    if o.quantize == QuantForm::None {
+        return Ok(Quantized {
+            quant: Quant::None,
+            folded: folded.clone(),
+            head: head.clone(),
+        });
+    }
+    let train_idx = run.pp.indices(Split::Train);
+    let step = (train_idx.len() / o.calibration.max(1)).max(1);
+    let calib: Vec<usize> = train_idx
+        .iter()
+        .step_by(step)
+        .take(o.calibration)
+        .copied()
+        .collect();
+    log(format!("calibrating on {} training samples", calib.len()));
+    let samples = run.inputs(&calib);
+    // Static int8: activation ranges of the float network. Both forms: bias correction from
+    // the inputs the quantized network sees.
+    let quant = match o.quantize {
+        QuantForm::Int8 => {
+            let mut ranges = calibrate(&run.pp, folded, head, &Quant::None, &samples)?.ranges;
+            // The layers nearest the input keep float activations (their weights stay int8):
+            // they see the widest, least regular ranges, and quantizing them costs the most.
+            ranges.retain(|k, _| !float_layer(k, o.float_blocks));
+            Quant::Static(ranges)
+        }
+        _ => Quant::Weights,
+    };
+    let (mut qf, mut qh) = (folded.clone(), head.clone());
+    let qcal = calibrate(&run.pp, &qf, &qh, &quant, &samples)?;
+    bias_correct(run.net(), (folded, head), (&mut qf, &mut qh), &qcal.means);
+    Ok(Quantized {
+        quant,
+        folded: qf,
+        head: qh,
+    })
+}
+
+/// Layers kept with float activations in static int8: the stem and the first `blocks` blocks.
+fn float_layer(layer: &str, blocks: usize) -> bool {
+    layer == "stem"
+        || layer
+            .strip_prefix("blocks.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|b| b.parse::<usize>().ok())
+            .is_some_and(|b| b < blocks)
+}
 
 /// What calibration measures at the input of every Conv/Gemm (keyed by layer name).
-pub(super) struct Calibration {
+struct Calibration {
     /// `(min, max)` over all samples (static int8 activation ranges).
     pub ranges: BTreeMap<String, (f32, f32)>,
     /// Per-channel mean (bias correction).
@@ -21,13 +89,13 @@ pub(super) struct Calibration {
 
 /// Runs the network (quantized as `quant`) with probes in tract over `samples`, recording each
 /// Conv/Gemm input's range and per-channel mean.
-pub(super) fn calibrate(
-    pp: &Prepped,
+fn calibrate(
+    pp: &crate::train::Prepped,
     folded: &[FoldedConv],
     head: &Linear,
     quant: &Quant,
     samples: &[Vec<f32>],
-) -> Result<Calibration, TrainError> {
+) -> Result<Calibration, ExportError> {
     let net = &pp.backbone.net;
     let opts = LowerOpts {
         quant: quant.clone(),
@@ -114,7 +182,7 @@ fn dequantized(w: &Tensor) -> Tensor {
 /// absorbs the shift: `b_q = b − (W_q − W)·E[x]`. (Also correcting for upstream mean errors, i.e.
 /// matching the float network's means, over-corrects when done for all layers at once: measured,
 /// it diverged.)
-pub(super) fn bias_correct(
+fn bias_correct(
     net: &kestrel_models::Network,
     float: (&[FoldedConv], &Linear),
     quant: (&mut [FoldedConv], &mut Linear),

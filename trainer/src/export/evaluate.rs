@@ -1,0 +1,116 @@
+//! Exported artifacts at work: `trainer evaluate --model` and `trainer latency` load
+//! `model.onnx` as described by its manifest, exactly as the edge does.
+
+use std::path::{Path, PathBuf};
+
+use kestrel_models::artifact::argmax;
+use kestrel_models::engine::{Engine, OrtEngine, TractEngine};
+use kestrel_models::{EngineKind, Tensor};
+use kestrel_shared::ImageLimits;
+use kestrel_shared::manifest::Manifest;
+
+use super::ExportError;
+use crate::data::{self, Prepared, features};
+
+/// Reads the manifest beside an exported `model.onnx` (or in an artifact directory).
+pub fn read_manifest(model: &Path) -> Result<(PathBuf, Manifest), ExportError> {
+    let dir = if model.is_dir() {
+        model.to_path_buf()
+    } else {
+        model.parent().unwrap_or(Path::new(".")).to_path_buf()
+    };
+    let m = kestrel_models::artifact::read_manifest(&dir)?;
+    Ok((dir, m))
+}
+
+/// Loads an exported model on `kind` (tract or ort), as described by its manifest.
+fn load_model(
+    model: &Path,
+    kind: EngineKind,
+    threads: usize,
+) -> Result<(Manifest, Box<dyn Engine>), ExportError> {
+    let (dir, m) = read_manifest(model)?;
+    let onnx_path = if model.is_dir() {
+        dir.join("model.onnx")
+    } else {
+        model.to_path_buf()
+    };
+    let bytes = std::fs::read(&onnx_path).map_err(ExportError::io(&onnx_path))?;
+    let input_shape: Vec<usize> = m.input.shape[1..]
+        .iter()
+        .map(|d| d.as_u64().unwrap_or(0) as usize)
+        .collect();
+    let engine: Box<dyn Engine> = match kind {
+        EngineKind::Tract => Box::new(TractEngine::from_onnx(&bytes, input_shape, threads)?),
+        EngineKind::Ort => Box::new(OrtEngine::from_onnx(&bytes, input_shape, threads)?),
+        EngineKind::Candle => return Err(ExportError::CandleEngine),
+    };
+    Ok((m, engine))
+}
+
+/// Mean batch-1 inference time in milliseconds over `rounds` runs (after one warm-up run).
+pub fn latency_ms(
+    model: &Path,
+    kind: EngineKind,
+    image: &Path,
+    rounds: usize,
+    threads: usize,
+) -> Result<f64, ExportError> {
+    let (m, engine) = load_model(model, kind, threads)?;
+    let x = m.preprocess.run_file(image, &ImageLimits::default())?;
+    let [h, w] = m.preprocess.input_size.map(|v| v as usize);
+    let input = Tensor::new(vec![1, 3, h, w], x.data);
+    engine.run(&input)?;
+    let t = std::time::Instant::now();
+    for _ in 0..rounds.max(1) {
+        engine.run(&input)?;
+    }
+    Ok(t.elapsed().as_secs_f64() * 1000.0 / rounds.max(1) as f64)
+}
+
+/// `trainer evaluate --model`: evaluates an exported artifact exactly as the edge will, using only
+/// its manifest (preprocessing, labels, tensor names).
+pub fn evaluate_model(
+    model: &Path,
+    data_path: &Path,
+    source: &data::SourceOpts,
+    engine: EngineKind,
+    cache_root: &Path,
+    threads: usize,
+) -> Result<crate::report::Evaluation, ExportError> {
+    let (m, engine) = load_model(model, engine, threads)?;
+    let ds = data::load(data_path, source)?;
+    let prepared = Prepared::open_or_build(cache_root, &ds, &m.preprocess, 1, false)?;
+    let map: Vec<usize> = prepared
+        .meta
+        .labels
+        .iter()
+        .map(|l| {
+            m.labels
+                .iter()
+                .position(|x| x == l)
+                .ok_or_else(|| ExportError::UnknownLabel {
+                    data: data_path.display().to_string(),
+                    label: l.clone(),
+                    labels: m.labels.clone(),
+                })
+        })
+        .collect::<Result<_, _>>()?;
+    let pixels = prepared.load_pixels()?;
+    let refs: Vec<&[u8]> = pixels.iter().map(|p| p.as_slice()).collect();
+    let logits = features::run_frozen(
+        engine.as_ref(),
+        &prepared,
+        &refs,
+        m.labels.len(),
+        &crate::report::progress(refs.len() as u64, "evaluate"),
+    )?;
+    let pred: Vec<usize> = logits.chunks(m.labels.len()).map(argmax).collect();
+    let truth: Vec<usize> = prepared
+        .meta
+        .sample_labels
+        .iter()
+        .map(|&l| map[l])
+        .collect();
+    Ok(crate::report::evaluate(&pred, &truth, &m.labels, None))
+}

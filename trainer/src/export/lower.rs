@@ -1,0 +1,60 @@
+//! Stage 3: the (quantized) network lowered to one ONNX graph — backbone + head, symbolic batch,
+//! float logits — carrying the artifact's description as metadata properties.
+
+use kestrel_models::onnx::{self, LowerOpts};
+
+use super::ExportOpts;
+use super::calibrate::Quantized;
+use super::trained::Trained;
+
+pub(super) struct Lowered {
+    /// The artifact's name.
+    pub name: String,
+    pub opts: LowerOpts,
+    /// `model.onnx`.
+    pub onnx: Vec<u8>,
+    /// Per-sample input shape (without the batch dimension).
+    pub input_shape: Vec<usize>,
+    /// Per-sample output shape (without the batch dimension).
+    pub output_shape: Vec<usize>,
+}
+
+pub(super) fn lower(run: &Trained, q: &Quantized, o: &ExportOpts, name: String) -> Lowered {
+    let net = run.net();
+    let opts = LowerOpts {
+        quant: q.quant.clone(),
+        ..LowerOpts::logits(net, q.head.clone())
+    };
+    let mut model = onnx::lower(net, &q.folded, &opts);
+    model.model_version = o.version as i64;
+    let meta_props = [
+        ("kestrel.name", name.clone()),
+        ("kestrel.version", o.version.to_string()),
+        ("kestrel.arch", net.arch.to_string()),
+        (
+            "kestrel.labels",
+            serde_json::to_string(run.labels()).expect("json"),
+        ),
+        (
+            "kestrel.preprocess",
+            serde_json::to_string(&net.preprocess).expect("json"),
+        ),
+        ("kestrel.quantization", o.quantize.name().to_string()),
+        ("kestrel.input", onnx::INPUT_NAME.to_string()),
+        ("kestrel.output", opts.output_name.clone()),
+    ];
+    onnx::set_metadata(
+        &mut model,
+        meta_props
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+    );
+    Lowered {
+        name,
+        onnx: onnx::to_bytes(&model),
+        input_shape: opts.input_shape(net),
+        output_shape: opts.output_shape(net),
+        opts,
+    }
+}

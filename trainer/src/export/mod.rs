@@ -1,0 +1,179 @@
+//! `trainer export`: a trained run becomes a self-describing artifact directory —
+//! `model.onnx` (backbone + head, one graph, symbolic batch, float logits), `manifest.json`,
+//! `model.safetensors`, `head.safetensors` (and `model.int8.safetensors` for int8 forms), and
+//! golden images — verified in tract and ONNX Runtime before it is written.
+//!
+//! [`export`] runs as stages, each a function from one value to the next:
+//! [`trained`] (the run as the trainer sees it) → [`calibrate`] (quantized forms) → [`lower`]
+//! (the ONNX graph) → [`verify`] (every runtime against the trainer, with the gates) → [`golden`]
+//! (sample images and their expected outputs) → [`write`] (files and manifest, atomically).
+//! [`evaluate`] runs exported artifacts (`trainer evaluate --model`, `trainer latency`).
+
+use std::path::Path;
+
+use kestrel_shared::manifest::Manifest;
+
+mod calibrate;
+mod evaluate;
+mod golden;
+mod lower;
+mod trained;
+mod verify;
+mod write;
+
+pub use evaluate::{evaluate_model, latency_ms, read_manifest};
+
+use crate::data::DataError;
+use crate::data::cache::CacheError;
+use crate::train::TrainError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum QuantForm {
+    None,
+    Int8Weights,
+    Int8,
+}
+
+impl QuantForm {
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantForm::None => "none",
+            QuantForm::Int8Weights => "int8-weights",
+            QuantForm::Int8 => "int8",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ExportOpts {
+    pub quantize: QuantForm,
+    /// Training samples used to calibrate activation ranges (static int8).
+    pub calibration: usize,
+    /// Static int8: the stem and this many leading blocks keep float activations.
+    pub float_blocks: usize,
+    pub f16: bool,
+    /// Largest accepted accuracy drop of a quantized form, in percentage points.
+    pub max_accuracy_drop: f64,
+    /// Largest accepted |logit − reference| of the f32 form in any runtime.
+    pub tolerance: f64,
+    pub name: Option<String>,
+    pub version: u64,
+    pub golden: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    /// Loading or preparing the run.
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Weights(#[from] kestrel_models::weights::WeightError),
+    #[error(transparent)]
+    Engine(#[from] kestrel_models::EngineError),
+    #[error(transparent)]
+    Preprocess(#[from] kestrel_shared::PreprocessError),
+    #[error(transparent)]
+    Artifact(#[from] kestrel_models::artifact::ArtifactError),
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+    #[error("{path}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}")]
+    Json {
+        path: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// Serialising a tensor or a safetensors file (`what` names it).
+    #[error("{what}")]
+    Safetensors {
+        what: String,
+        #[source]
+        source: safetensors::SafeTensorError,
+    },
+    /// A tensor the exported network needs is not in the run (`what` names it).
+    #[error("run lacks {0}")]
+    RunLacks(String),
+    #[error("golden sample not in the table")]
+    GoldenNotInTable,
+    /// Gate: the f32 form's logits differ from the trainer's by more than `--tolerance`.
+    #[error(
+        "{runtime} disagrees with the trainer: max |logit diff| {max_diff:.3e} > {tolerance:.0e}"
+    )]
+    Disagrees {
+        runtime: String,
+        max_diff: f64,
+        tolerance: f64,
+    },
+    /// Gate: a form loses more accuracy than `--max-accuracy-drop`.
+    #[error(
+        "{form} form loses {drop:.2} accuracy points in {runtime} (f32 {f32_accuracy:.4} → {accuracy:.4}), more than --max-accuracy-drop {max_drop}"
+    )]
+    AccuracyDrop {
+        form: &'static str,
+        runtime: String,
+        drop: f64,
+        f32_accuracy: f64,
+        accuracy: f64,
+        max_drop: f64,
+    },
+    /// Gate: a runtime's top-1 on the golden samples differs from tract's.
+    #[error("{runtime} and tract disagree on the golden samples' top-1")]
+    GoldenMismatch { runtime: String },
+    #[error("exported models run on tract or ort, not candle")]
+    CandleEngine,
+    #[error("{data} has label `{label}`, unknown to the model (labels {labels:?})")]
+    UnknownLabel {
+        data: String,
+        label: String,
+        labels: Vec<String>,
+    },
+}
+
+impl ExportError {
+    fn io(path: impl AsRef<Path>) -> impl FnOnce(std::io::Error) -> ExportError {
+        let path = path.as_ref().display().to_string();
+        move |source| ExportError::Io { path, source }
+    }
+}
+
+/// Exports `run_dir` into `out` (replaced if it exists). Returns the manifest written.
+pub fn export(
+    run_dir: &Path,
+    out: &Path,
+    o: &ExportOpts,
+    cache_root: &Path,
+    threads: usize,
+    log: &mut dyn FnMut(String),
+) -> Result<Manifest, ExportError> {
+    let run = trained::Trained::load(run_dir, cache_root, threads)?;
+    let quantized = calibrate::quantize(&run, o, log)?;
+    let lowered = lower::lower(&run, &quantized, o, artifact_name(run_dir, o));
+    let engines = verify::engines(&lowered, threads, log)?;
+    let mut verification = verify::verify(&run, &engines, o, log)?;
+    let golden = golden::golden(&run, &engines, o.golden, &mut verification.checks)?;
+    write::write(out, &run, &quantized, &lowered, verification, golden, o)
+}
+
+/// `--name`, or the run directory's name and the quantized form.
+fn artifact_name(run_dir: &Path, o: &ExportOpts) -> String {
+    o.name.clone().unwrap_or_else(|| {
+        format!(
+            "{}-{}",
+            run_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or("model".into()),
+            o.quantize.name()
+        )
+    })
+}
