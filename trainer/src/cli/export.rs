@@ -80,7 +80,7 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         version: a.model_version,
         golden: a.golden,
     };
-    let m = export::export(&a.run, &a.out, &opts, job.cache_root(), job.threads(), &mut |l| job.log(l))
+    let m = export::export(&a.run, &a.out, &opts, job)
         .with_context(|| format!("exporting {} to {}", a.run.display(), a.out.display()))?;
     if a.json {
         println!("{}", serde_json::to_string(&m)?);

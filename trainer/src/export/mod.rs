@@ -24,6 +24,7 @@ mod write;
 pub use evaluate::{evaluate_model, latency_ms, read_manifest};
 
 use crate::data::DataError;
+use crate::distributed::Job;
 use crate::data::cache::CacheError;
 use crate::train::TrainError;
 
@@ -146,25 +147,20 @@ impl ExportError {
     }
 }
 
-/// Exports `run_dir` into `out` (replaced if it exists). Returns the manifest written.
-pub fn export(
-    run_dir: &Path,
-    out: &Path,
-    o: &ExportOpts,
-    cache_root: &Path,
-    threads: usize,
-    log: &mut dyn FnMut(String),
-) -> Result<Manifest, ExportError> {
-    let run = trained::Trained::load(run_dir, cache_root, threads)?;
+/// Exports `run_dir` into `out` (replaced if it exists), with the job's caches and threads.
+/// Returns the manifest written.
+pub fn export(run_dir: &Path, out: &Path, o: &ExportOpts, job: &Job) -> Result<Manifest, ExportError> {
+    let log = &mut |line: String| job.log(line);
+    let run = trained::Trained::load(run_dir, job)?;
     let quantized = calibrate::quantize(&run, o, log)?;
     let lowered = lower::lower(&run, &quantized, o, artifact_name(run_dir, o));
-    let engines = verify::engines(&lowered, threads, log)?;
+    let engines = verify::engines(&lowered, job.threads(), log)?;
     let mut verification = verify::verify(&run, &engines, o, log)?;
     let golden = golden::golden(&run, &engines, o.golden, &mut verification.checks)?;
     write::write(out, &run, &quantized, &lowered, verification, golden, o)
 }
 
-/// `--name`, or the run directory's name and the quantized form.
+/// `--model-name`, or the run directory's name and the quantized form.
 fn artifact_name(run_dir: &Path, o: &ExportOpts) -> String {
     o.name.clone().unwrap_or_else(|| {
         format!(

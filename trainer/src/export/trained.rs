@@ -10,7 +10,7 @@ use kestrel_models::onnx::Linear;
 use kestrel_models::weights::FoldedConv;
 
 use super::ExportError;
-use crate::distributed::{Job, JobOpts};
+use crate::distributed::Job;
 use crate::train::{self, FitParams, Prepped, Trainable};
 
 pub(super) struct Trained {
@@ -32,7 +32,7 @@ pub(super) struct Trained {
 }
 
 impl Trained {
-    pub fn load(run_dir: &Path, cache_root: &Path, threads: usize) -> Result<Self, ExportError> {
+    pub fn load(run_dir: &Path, job: &Job) -> Result<Self, ExportError> {
         let (params, weights) = train::load_run(run_dir)?;
         let summary_path = format!("{}/summary.json", run_dir.display());
         let summary = serde_json::from_str(
@@ -43,12 +43,7 @@ impl Trained {
             path: summary_path,
             source,
         })?;
-        let job = Job::local(JobOpts {
-            threads,
-            cache_root: cache_root.to_path_buf(),
-            ..Default::default()
-        });
-        let pp = train::prepare(&params, &job)?;
+        let pp = train::prepare(&params, job)?;
         let model = Trainable::new(
             &pp.backbone,
             pp.boundary,
