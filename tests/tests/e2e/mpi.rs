@@ -1,7 +1,6 @@
 //! MPI: `mpirun -np N trainer fit` trains what one worker trains, and a killed, stalled or
 //! mismatched rank ends the job with a non-zero exit naming it. Needs the trainer built with
 //! `--features kestrel-trainer/mpi` and Open MPI's `mpirun` (scripts/test.sh does both).
-#![cfg(feature = "mpi")]
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
