@@ -5,14 +5,16 @@
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::Status;
 use serde_json::Value;
 
-use crate::{bin, fetched, run, stderr, stdout};
+pub use crate::trainer_ok;
+use crate::{bin, lfw, s};
 
 /// A child process killed (SIGKILL) and reaped on drop; its output goes to `log`.
 pub struct Proc {
@@ -75,12 +77,22 @@ impl Drop for Proc {
     }
 }
 
+/// A free loopback port, never handed out before in this process: the tests run as threads of
+/// one test binary, and a port that one test was given is not given to another.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 fn wait_port(port: u16, p: &mut Proc) {
@@ -172,18 +184,6 @@ impl Broker {
     }
 }
 
-/// Trainer CLI call that must succeed; returns stdout.
-pub fn trainer_ok(args: &[&str]) -> String {
-    let o = run("trainer", args);
-    assert!(
-        o.status.success(),
-        "trainer {args:?}: {}{}",
-        stdout(&o),
-        stderr(&o)
-    );
-    stdout(&o)
-}
-
 /// Signing keys, a run and exported artifacts shared by the fleet tests of one test binary.
 pub struct Fixture {
     pub dir: PathBuf,
@@ -214,16 +214,15 @@ pub fn fixture() -> &'static Fixture {
             .join(format!("fleet-{}", name.split('-').next().unwrap()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let s = |p: &Path| p.display().to_string();
         let (keys, rogue) = (dir.join("keys"), dir.join("rogue"));
         trainer_ok(&["keygen", "--out", &s(&keys)]);
         trainer_ok(&["keygen", "--out", &s(&rogue)]);
-        let data = fetched("datasets/lfw/imagefolder");
+        let data = lfw();
         let run_dir = dir.join("run");
         trainer_ok(&[
             "fit",
             "--data",
-            &s(&data),
+            &data,
             "--engine",
             "ort",
             "--epochs",
@@ -234,19 +233,15 @@ pub fn fixture() -> &'static Fixture {
             &s(&run_dir),
         ]);
         let export = |out: &Path, form: &str, version: &str| {
-            trainer_ok(&[
-                "export",
-                "--run",
-                &s(&run_dir),
-                "--out",
-                &s(out),
+            let args = [
                 "--quantize",
                 form,
                 "--model-version",
                 version,
                 "--name",
                 "lfw",
-            ]);
+            ];
+            crate::export_ok(&run_dir, out, &args);
         };
         let f = Fixture {
             v1: dir.join("v1"),
@@ -282,9 +277,12 @@ impl Fixture {
         signing_key(&self.keys)
     }
 
-    /// A copy of `src` as `version` with its manifest edited by `edit` (files untouched).
+    /// A copy of `src` as `version` with its manifest edited by `edit` (files untouched), in a
+    /// directory of its own (tests running at the same time may make the same version).
     pub fn variant(&self, src: &Path, version: u64, edit: impl Fn(&mut Value)) -> PathBuf {
-        let dst = self.dir.join(format!("variant-{version}"));
+        static N: AtomicU64 = AtomicU64::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let dst = self.dir.join(format!("variant-{version}-{n}"));
         let _ = std::fs::remove_dir_all(&dst);
         crate::copy_dir(src, &dst);
         let mpath = dst.join("manifest.json");

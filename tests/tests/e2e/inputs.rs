@@ -1,12 +1,13 @@
 //! Shared preprocessing across binaries, and bad inputs (images, checkpoints) failing clearly.
 
 use std::io::Cursor;
+use std::process::Output;
 
 use image::{DynamicImage, ImageFormat, RgbImage};
 use kestrel_models::tensor::{Tensor, Weights};
 use kestrel_models::{Arch, Network, torch};
 use kestrel_shared::ImageLimits;
-use kestrel_tests::{photo, run, stderr};
+use kestrel_tests::{photo, run, run_ok, stderr};
 
 #[test]
 fn trainer_and_edge_preprocess_identically() {
@@ -35,16 +36,8 @@ fn trainer_and_edge_preprocess_identically() {
     };
     let t_out = dir.path().join("t").display().to_string();
     let e_out = dir.path().join("e").display().to_string();
-    let t = run(
-        "trainer",
-        &args(&t_out).iter().map(String::as_str).collect::<Vec<_>>(),
-    );
-    assert!(t.status.success(), "{}", stderr(&t));
-    let e = run(
-        "edge-agent",
-        &args(&e_out).iter().map(String::as_str).collect::<Vec<_>>(),
-    );
-    assert!(e.status.success(), "{}", stderr(&e));
+    run_ok("trainer", &args(&t_out));
+    run_ok("edge-agent", &args(&e_out));
     for img in &images {
         let name = format!("{}.f32", img.file_name().unwrap().to_string_lossy());
         let a = std::fs::read(dir.path().join("t").join(&name)).unwrap();
@@ -65,6 +58,19 @@ fn png_bytes(w: u32, h: u32) -> Vec<u8> {
         .write_to(&mut c, ImageFormat::Png)
         .unwrap();
     c.into_inner()
+}
+
+/// `trainer classify` with a random MobileNetV2: `ARGS...` are images (and flags).
+fn classify_random(args: &[&str]) -> Output {
+    let mut a = vec![
+        "classify",
+        "--backbone",
+        "random:1",
+        "--arch",
+        "mobilenetv2",
+    ];
+    a.extend(args);
+    run("trainer", &a)
 }
 
 #[test]
@@ -92,17 +98,7 @@ fn bad_images_are_named_and_fail() {
     for (name, bytes, reason) in cases {
         let path = dir.path().join(name);
         std::fs::write(&path, &bytes).unwrap();
-        let out = run(
-            "trainer",
-            &[
-                "classify",
-                "--backbone",
-                "random:1",
-                "--arch",
-                "mobilenetv2",
-                path.to_str().unwrap(),
-            ],
-        );
+        let out = classify_random(&[path.to_str().unwrap()]);
         let err = stderr(&out);
         assert!(!out.status.success(), "{name}: expected failure");
         assert!(
@@ -113,19 +109,11 @@ fn bad_images_are_named_and_fail() {
     }
     // A good image next to a bad one is still classified, and the run still fails.
     let bad = dir.path().join("empty.jpg");
-    let out = run(
-        "trainer",
-        &[
-            "classify",
-            "--backbone",
-            "random:1",
-            "--arch",
-            "mobilenetv2",
-            "--json",
-            photo("coffee.png").to_str().unwrap(),
-            bad.to_str().unwrap(),
-        ],
-    );
+    let out = classify_random(&[
+        "--json",
+        photo("coffee.png").to_str().unwrap(),
+        bad.to_str().unwrap(),
+    ]);
     assert!(!out.status.success());
     assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1);
 }

@@ -4,18 +4,14 @@
 use std::path::Path;
 use std::process::Output;
 
-use kestrel_shared::protocol::{ArtifactOffer, Desired, SignedDesired, Target, sha256_hex};
+use kestrel_shared::protocol::{ArtifactOffer, Desired, SignedDesired, Target, Topics, sha256_hex};
 use kestrel_tests::fleet::{
-    Broker, BrokerKind, agent_config, fixture, start_agent, start_agent_with, trainer_ok,
+    Broker, BrokerKind, Proc, agent_config, fixture, start_agent, start_agent_with, trainer_ok,
     wait_status,
 };
-use kestrel_tests::{fetched, run, stderr, stdout};
+use kestrel_tests::{fetched, json_lines, run, s, stderr, stdout};
 use kestrel_trainer::fleet::{Bundle, Conn, now_unix};
 use serde_json::Value;
-
-fn s(p: &Path) -> String {
-    p.display().to_string()
-}
 
 fn publish(b: &Broker, art: &Path, key: &Path, target: &str, extra: &[&str]) -> Output {
     let url = b.url();
@@ -94,10 +90,24 @@ fn rumqttd_delivery_inference_updates_and_every_rejection() {
     let f = fixture();
     let dir = f.dir.join("rumqttd");
     let b = Broker::start(BrokerKind::Rumqttd, &dir.join("broker"));
-    let cfg = b.config();
+    let mut agent = v1_published_before_the_device_infers_like_evaluate(&b, &dir);
+    v2_replaces_v1_kept_as_previous(&b, &dir);
+    // Every bad update is rejected with a reason in the status, and v2 keeps serving.
+    let topics = Conn::connect(&b.config(), "t").unwrap().topics.clone();
+    downgrades_and_unknown_keys_are_rejected(&b, &topics);
+    bad_files_are_rejected(&b, &topics, &dir);
+    bad_images_get_error_replies(&b, &dir, &mut agent);
 
-    // v1 is published before the device exists; the publisher has exited when it connects.
-    let p = publish_ok(&b, &f.v1, &f.key(), "device/pi-1");
+    // SIGTERM: a clean exit.
+    assert!(agent.terminate().success());
+}
+
+/// v1 is published before the device exists; the publisher has exited when it connects. Then
+/// inference over MQTT gives what `trainer evaluate` gives on the same 200 images.
+fn v1_published_before_the_device_infers_like_evaluate(b: &Broker, dir: &Path) -> Proc {
+    let f = fixture();
+    let cfg = b.config();
+    let p = publish_ok(b, &f.v1, &f.key(), "device/pi-1");
     assert_eq!(
         (p["version"].as_u64(), p["replaced"].as_u64()),
         (Some(1), None)
@@ -109,16 +119,15 @@ fn rumqttd_delivery_inference_updates_and_every_rejection() {
         &f.keys,
         "max_artifact_bytes = 8000000\nmax_image_bytes = 1000000",
     );
-    let mut agent = start_agent(&conf, &[]);
+    let agent = start_agent(&conf, &[]);
     let st = wait_status(&cfg, "pi-1", 120, "v1 active", |s| {
         s.active == Some(1) && s.state == "idle"
     });
     assert_eq!(st.model.as_deref(), Some("lfw"));
     assert_eq!(st.last_error, None);
 
-    // Inference over MQTT gives what `trainer evaluate` gives on the same 200 images.
     let table = s(&fetched("datasets/lfw/manifest.csv"));
-    let (lines, summary, o) = infer(&b, "pi-1", &["--data", &table]);
+    let (lines, summary, o) = infer(b, "pi-1", &["--data", &table]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!((lines.len(), summary["errors"].as_u64()), (200, Some(0)));
     assert!(lines.iter().all(|l| l["prediction"]["version"] == 1));
@@ -136,11 +145,15 @@ fn rumqttd_delivery_inference_updates_and_every_rejection() {
     assert_eq!(summary["evaluation"]["confusion"], eval["confusion"]);
     assert_eq!(summary["evaluation"]["accuracy"], eval["accuracy"]);
     assert!(eval["accuracy"].as_f64().unwrap() > 0.95);
+    agent
+}
 
-    // v2 replaces v1, which is kept as previous.
-    let p = publish_ok(&b, &f.v2, &f.key(), "device/pi-1");
+/// v2 replaces v1, which is kept as previous.
+fn v2_replaces_v1_kept_as_previous(b: &Broker, dir: &Path) {
+    let f = fixture();
+    let p = publish_ok(b, &f.v2, &f.key(), "device/pi-1");
     assert_eq!(p["replaced"].as_u64(), Some(1));
-    wait_status(&cfg, "pi-1", 120, "v2 active, v1 previous", |s| {
+    wait_status(&b.config(), "pi-1", 120, "v2 active, v1 previous", |s| {
         s.active == Some(2) && s.previous == Some(1) && s.state == "idle"
     });
     let store = dir.join("pi-1/store");
@@ -152,28 +165,33 @@ fn rumqttd_delivery_inference_updates_and_every_rejection() {
         std::fs::read_link(store.join("previous")).unwrap(),
         Path::new("versions/1")
     );
+}
 
-    // Every bad update is rejected with a reason in the status, and v2 keeps serving.
-    let rejected = |what: &str, text: &str| {
-        let st = wait_status(&cfg, "pi-1", 120, what, |s| {
-            s.last_error.as_deref().is_some_and(|e| e.contains(text)) && s.state == "idle"
-        });
-        assert_eq!((st.active, st.previous), (Some(2), Some(1)), "{what}");
-        let (lines, _, o) = infer(
-            &b,
-            "pi-1",
-            &[&s(&fetched("datasets/lfw/imagefolder/face/000.png"))],
-        );
-        assert!(o.status.success(), "{what}: {}", stderr(&o));
-        assert_eq!(lines[0]["prediction"]["version"], 2, "{what}");
-    };
+/// pi-1 rejected an update (`text` in its status' last error) and v2 keeps serving.
+fn rejected(b: &Broker, what: &str, text: &str) {
+    let st = wait_status(&b.config(), "pi-1", 120, what, |s| {
+        s.last_error.as_deref().is_some_and(|e| e.contains(text)) && s.state == "idle"
+    });
+    assert_eq!((st.active, st.previous), (Some(2), Some(1)), "{what}");
+    let (lines, _, o) = infer(
+        b,
+        "pi-1",
+        &[&s(&fetched("datasets/lfw/imagefolder/face/000.png"))],
+    );
+    assert!(o.status.success(), "{what}: {}", stderr(&o));
+    assert_eq!(lines[0]["prediction"]["version"], 2, "{what}");
+}
 
+/// A downgrade, and manifests or desired states signed by a key the device does not trust.
+fn downgrades_and_unknown_keys_are_rejected(b: &Broker, topics: &Topics) {
+    let f = fixture();
     // A downgrade: the publisher refuses without --rollback, and so does the device.
-    let o = publish(&b, &f.v1, &f.key(), "device/pi-1", &[]);
+    let o = publish(b, &f.v1, &f.key(), "device/pi-1", &[]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("needs --rollback"), "{}", stderr(&o));
-    publish_raw(&b, vec![], desired("pi-1", 1, false));
+    publish_raw(b, vec![], desired("pi-1", 1, false));
     rejected(
+        b,
         "downgrade",
         "older than the active v2: a downgrade needs --rollback",
     );
@@ -186,38 +204,74 @@ fn rumqttd_delivery_inference_updates_and_every_rejection() {
         128 * 1024,
     )
     .unwrap();
-    let topics = Conn::connect(&cfg, "t").unwrap().topics.clone();
-    publish_raw(&b, rogue.messages(&topics), desired("pi-1", 3, false));
-    rejected("unknown key", "signed by unknown key");
+    publish_raw(b, rogue.messages(topics), desired("pi-1", 3, false));
+    rejected(b, "unknown key", "signed by unknown key");
     // A desired state (and manifest) signed by that key, through the CLI.
     let v10 = f.variant(&f.v2, 10, |_| {});
     let rogue_key = f.rogue_keys.join("kestrel.key");
-    let o = publish(&b, &v10, &rogue_key, "device/pi-1", &[]);
+    let o = publish(b, &v10, &rogue_key, "device/pi-1", &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     rejected(
+        b,
         "unsigned desired state",
         "desired state refused: signed by unknown key",
     );
+}
 
+/// Altered chunks, files that do not match the signed manifest, a too large artifact, an unsafe
+/// file name and a model that fails its health check.
+fn bad_files_are_rejected(b: &Broker, topics: &Topics, dir: &Path) {
+    let f = fixture();
     // A chunk altered in the broker after publishing.
     let v4 = Bundle::from_dir(&f.variant(&f.v2, 4, |_| {}), &f.signing(), 128 * 1024).unwrap();
-    let mut msgs = v4.messages(&topics);
+    let mut msgs = v4.messages(topics);
     msgs.push((topics.chunk("lfw", 4, 3), b"tampered".to_vec(), true));
-    publish_raw(&b, msgs, desired("pi-1", 4, false));
-    rejected("altered chunk", "chunk 3 failed its sha256 check 3 times");
+    publish_raw(b, msgs, desired("pi-1", 4, false));
+    rejected(
+        b,
+        "altered chunk",
+        "chunk 3 failed its sha256 check 3 times",
+    );
 
     // Files that do not match the signed manifest (chunk hashes forged to match).
     let mut v5 = Bundle::from_dir(&f.variant(&f.v2, 5, |_| {}), &f.signing(), 128 * 1024).unwrap();
     v5.chunks[1][100] ^= 0xff;
     v5.offer.chunks[1] = sha256_hex(&v5.chunks[1]);
-    publish_raw(&b, v5.messages(&topics), desired("pi-1", 5, false));
-    rejected("hash mismatch", "verification failed: model.onnx: sha256");
+    publish_raw(b, v5.messages(topics), desired("pi-1", 5, false));
+    rejected(
+        b,
+        "hash mismatch",
+        "verification failed: model.onnx: sha256",
+    );
 
     // An artifact over the device's size limit (the f32 model, 13 MB > 8 MB).
-    publish_ok(&b, &f.f32_v6, &f.key(), "device/pi-1");
-    rejected("too large", "over the limit of 8000000");
+    publish_ok(b, &f.f32_v6, &f.key(), "device/pi-1");
+    rejected(b, "too large", "over the limit of 8000000");
 
     // A path-like file name in a (validly signed) manifest.
+    publish_raw(b, unsafe_name_v7(topics), desired("pi-1", 7, false));
+    rejected(b, "unsafe name", "unsafe file name `../evil.png`");
+    assert!(!dir.join("pi-1/evil.png").exists() && !dir.join("pi-1/store/evil.png").exists());
+
+    // A model whose golden outputs do not match fails its health check and is rolled back.
+    let v8 = f.variant(&f.v2, 8, |m| {
+        for g in m["golden"].as_array_mut().unwrap() {
+            let top = g["expected_top1"].as_u64().unwrap();
+            g["expected_top1"] = (1 - top).into();
+        }
+    });
+    publish_ok(b, &v8, &f.key(), "device/pi-1");
+    rejected(b, "health check", "health check failed");
+    assert!(
+        !dir.join("pi-1/store").join("versions/8").exists(),
+        "the failed model is discarded"
+    );
+}
+
+/// The messages of v7: v2's files under a validly signed manifest that names a golden image
+/// `../evil.png`.
+fn unsafe_name_v7(topics: &Topics) -> Vec<(String, Vec<u8>, bool)> {
+    let f = fixture();
     let v7 = f.variant(&f.v2, 7, |m| {
         let g = m["golden"][0]["file"].as_str().unwrap().to_string();
         m["golden"][0]["file"] = "../evil.png".into();
@@ -245,25 +299,11 @@ fn rumqttd_delivery_inference_updates_and_every_rejection() {
         serde_json::to_vec(&offer).unwrap(),
         true,
     ));
-    publish_raw(&b, msgs, desired("pi-1", 7, false));
-    rejected("unsafe name", "unsafe file name `../evil.png`");
-    assert!(!dir.join("pi-1/evil.png").exists() && !dir.join("pi-1/store/evil.png").exists());
+    msgs
+}
 
-    // A model whose golden outputs do not match fails its health check and is rolled back.
-    let v8 = f.variant(&f.v2, 8, |m| {
-        for g in m["golden"].as_array_mut().unwrap() {
-            let top = g["expected_top1"].as_u64().unwrap();
-            g["expected_top1"] = (1 - top).into();
-        }
-    });
-    publish_ok(&b, &v8, &f.key(), "device/pi-1");
-    rejected("health check", "health check failed");
-    assert!(
-        !store.join("versions/8").exists(),
-        "the failed model is discarded"
-    );
-
-    // Bad images over MQTT get error replies; the agent stays up and keeps serving.
+/// Bad images over MQTT get error replies; the agent stays up and keeps serving.
+fn bad_images_get_error_replies(b: &Broker, dir: &Path, agent: &mut Proc) {
     let bad = dir.join("bad");
     std::fs::create_dir_all(&bad).unwrap();
     let png = std::fs::read(fetched("datasets/lfw/imagefolder/face/000.png")).unwrap();
@@ -272,7 +312,7 @@ fn rumqttd_delivery_inference_updates_and_every_rejection() {
     // Over the device's 1 MB image limit, under the 1 MiB packet limit.
     std::fs::write(bad.join("oversize.png"), vec![7u8; 1_040_000]).unwrap();
     let (lines, summary, o) = infer(
-        &b,
+        b,
         "pi-1",
         &[
             &s(&bad.join("corrupt.png")),
@@ -291,10 +331,7 @@ fn rumqttd_delivery_inference_updates_and_every_rejection() {
     assert!(!err(1).is_empty(), "{lines:?}");
     assert!(err(2).contains("over the limit of 1000000"), "{}", err(2));
     assert!(agent.is_running(), "{}", agent.output());
-    rejected("still serving after bad images", "health check failed");
-
-    // SIGTERM: a clean exit.
-    assert!(agent.terminate().success());
+    rejected(b, "still serving after bad images", "health check failed");
 }
 
 #[test]
@@ -367,49 +404,7 @@ fn mosquitto_late_device_update_and_broker_restart() {
     wait_status(&cfg, "pi-m", 120, "v1 active", |s| {
         s.active == Some(1) && s.state == "idle"
     });
-    let (lines, summary, o) = infer(
-        &b,
-        "pi-m",
-        &[
-            &s(&fetched("datasets/lfw/imagefolder/face/000.png")),
-            &s(&fetched("datasets/lfw/imagefolder/nonface/199.png")),
-        ],
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert_eq!(summary["errors"].as_u64(), Some(0));
-    // The same answers as the artifact run locally by `edge-agent predict`.
-    let o = run(
-        "edge-agent",
-        &[
-            "predict",
-            "--model",
-            &s(&f.v1),
-            "--json",
-            &s(&fetched("datasets/lfw/imagefolder/face/000.png")),
-            &s(&fetched("datasets/lfw/imagefolder/nonface/199.png")),
-        ],
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
-    let local: Vec<Value> = stdout(&o)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    for (remote, local) in lines.iter().zip(&local) {
-        let (r, l) = (&remote["prediction"]["top"], &local["top"]);
-        for k in 0..2 {
-            assert_eq!(r[k]["class"], l[k]["class"]);
-            let (a, b) = (
-                r[k]["score"].as_f64().unwrap(),
-                l[k]["score"].as_f64().unwrap(),
-            );
-            assert!((a - b).abs() < 1e-6, "{r} vs {l}");
-        }
-    }
-    let labels: Vec<&str> = lines
-        .iter()
-        .map(|l| l["prediction"]["top"][0]["label"].as_str().unwrap())
-        .collect();
-    assert_eq!(labels, ["face", "nonface"]);
+    answers_like_edge_agent_predict(&b, "pi-m", &f.v1);
 
     // v2 to the group; v1 kept as previous.
     publish_ok(&b, &f.v2, &f.key(), "group/all");
@@ -445,7 +440,52 @@ fn mosquitto_late_device_update_and_broker_restart() {
         |s| s.active == Some(2) && s.updated > st.updated,
     );
 
-    // Images dropped into the watched directory are classified into results.jsonl.
+    watched_directory_images_are_classified(&watch);
+}
+
+/// Two images over MQTT: no errors, face then nonface, and the same answers as the artifact
+/// `art` run locally by `edge-agent predict`.
+fn answers_like_edge_agent_predict(b: &Broker, device: &str, art: &Path) {
+    let images = [
+        s(&fetched("datasets/lfw/imagefolder/face/000.png")),
+        s(&fetched("datasets/lfw/imagefolder/nonface/199.png")),
+    ];
+    let (lines, summary, o) = infer(b, device, &[&images[0], &images[1]]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(summary["errors"].as_u64(), Some(0));
+    let o = run(
+        "edge-agent",
+        &[
+            "predict",
+            "--model",
+            &s(art),
+            "--json",
+            &images[0],
+            &images[1],
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let local = json_lines(&o);
+    for (remote, local) in lines.iter().zip(&local) {
+        let (r, l) = (&remote["prediction"]["top"], &local["top"]);
+        for k in 0..2 {
+            assert_eq!(r[k]["class"], l[k]["class"]);
+            let (a, b) = (
+                r[k]["score"].as_f64().unwrap(),
+                l[k]["score"].as_f64().unwrap(),
+            );
+            assert!((a - b).abs() < 1e-6, "{r} vs {l}");
+        }
+    }
+    let labels: Vec<&str> = lines
+        .iter()
+        .map(|l| l["prediction"]["top"][0]["label"].as_str().unwrap())
+        .collect();
+    assert_eq!(labels, ["face", "nonface"]);
+}
+
+/// Images dropped into the watched directory are classified (by v2) into results.jsonl.
+fn watched_directory_images_are_classified(watch: &Path) {
     for (i, img) in ["face/000.png", "nonface/199.png"].iter().enumerate() {
         let src = fetched(&format!("datasets/lfw/imagefolder/{img}"));
         std::fs::copy(src, watch.join(format!(".{i}.tmp"))).unwrap();

@@ -1,17 +1,18 @@
 //! MPI: `mpirun -np N trainer fit` trains what one worker trains, and a killed, stalled or
 //! mismatched rank ends the job with a non-zero exit naming it. Needs the trainer built with
 //! `--features kestrel-trainer/mpi` and Open MPI's `mpirun` (scripts/test.sh does both).
-#![cfg(feature = "mpi")]
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use kestrel_models::torch::read_safetensors;
-use kestrel_tests::{bin, fetched, run, stderr, stdout};
+use kestrel_tests::{
+    bin, export_ok, lfw, max_abs_diff, read_json, read_jsonl, run_ok, stderr, stdout, table_subset,
+};
 
-fn lfw() -> String {
-    fetched("datasets/lfw/imagefolder").display().to_string()
+/// Arguments as owned strings (an MPI app context's arguments).
+fn owned(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
 }
 
 /// `mpirun -np N` over one program (each `&[args]` one MPMD app context of one rank when several).
@@ -28,7 +29,7 @@ fn mpirun(apps: &[(usize, PathBuf, Vec<String>)]) -> Command {
 }
 
 fn fit_args(out: &Path, cache: &Path, extra: &[&str]) -> Vec<String> {
-    let mut a: Vec<String> = [
+    let mut a = owned(&[
         "--threads",
         "1",
         "fit",
@@ -42,11 +43,8 @@ fn fit_args(out: &Path, cache: &Path, extra: &[&str]) -> Vec<String> {
         out.to_str().unwrap(),
         "--cache",
         cache.to_str().unwrap(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    a.extend(extra.iter().map(|s| s.to_string()));
+    ]);
+    a.extend(owned(extra));
     a
 }
 
@@ -55,30 +53,12 @@ fn output(mut c: Command) -> Output {
         .expect("mpirun (install Open MPI: scripts/setup.sh)")
 }
 
-fn max_abs_diff(a: &Path, b: &Path) -> f32 {
-    let (a, b) = (read_safetensors(a).unwrap(), read_safetensors(b).unwrap());
-    let mut worst = 0f32;
-    for (name, ta) in &a {
-        for (x, y) in ta.data.iter().zip(&b[name].data) {
-            worst = worst.max((x - y).abs());
-        }
-    }
-    worst
-}
-
 #[test]
 fn mpi_ranks_train_what_one_worker_trains() {
     let tmp = tempfile::tempdir().unwrap();
     let cache = tmp.path().join("cache");
     let one = tmp.path().join("one");
-    let o = run(
-        "trainer",
-        &fit_args(&one, &cache, &["--epochs", "10"])
-            .iter()
-            .map(String::as_str)
-            .collect::<Vec<_>>(),
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
+    run_ok("trainer", &fit_args(&one, &cache, &["--epochs", "10"]));
     for n in [2usize, 3] {
         let dir = tmp.path().join(format!("mpi{n}"));
         let o = output(mpirun(&[(
@@ -99,9 +79,7 @@ fn mpi_ranks_train_what_one_worker_trains() {
             eprintln!("mpirun -np {n} vs 1 worker, {f}: max abs diff {d:e}");
             assert!(d <= 1e-5, "-np {n}: {f} differs by {d}");
         }
-        let params: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("params.json")).unwrap())
-                .unwrap();
+        let params = read_json(&dir.join("params.json"));
         assert_eq!(params["workers"], n);
     }
 }
@@ -243,17 +221,7 @@ fn mismatched_configs_and_binaries_fail_clearly() {
     );
     // Fewer samples than ranks: a 2-image table on 3 ranks.
     let small = tmp.path().join("small");
-    for class in std::fs::read_dir(lfw()).unwrap() {
-        let class = class.unwrap().path();
-        let first = std::fs::read_dir(&class)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .min()
-            .unwrap();
-        let dst = small.join(class.file_name().unwrap());
-        std::fs::create_dir_all(&dst).unwrap();
-        std::fs::copy(&first, dst.join(first.file_name().unwrap())).unwrap();
-    }
+    table_subset(Path::new(&lfw()), &small, 1);
     let mut args = fit_args(&dir, &cache, &["--batch-size", "3"]);
     let at = args.iter().position(|a| a == "--data").unwrap();
     args[at + 1] = small.display().to_string();
@@ -273,7 +241,7 @@ fn tune_and_predict_spread_over_mpi_ranks() {
     let c = cache.to_str().unwrap().to_string();
     let data = lfw();
     let tune_args = |out: &Path, extra: &[&str]| -> Vec<String> {
-        let mut a: Vec<String> = [
+        let mut a = owned(&[
             "--threads",
             "1",
             "tune",
@@ -290,12 +258,9 @@ fn tune_and_predict_spread_over_mpi_ranks() {
             "--seed",
             "5",
             "--out",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        a.push(out.display().to_string());
-        a.extend(extra.iter().map(|s| s.to_string()));
+            out.to_str().unwrap(),
+        ]);
+        a.extend(owned(extra));
         a
     };
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
@@ -314,20 +279,16 @@ fn tune_and_predict_spread_over_mpi_ranks() {
     let o = output(mpirun(&[(2, bin("trainer"), tune_args(&b, &[]))]));
     assert!(o.status.success(), "{}", stderr(&o));
     let params = |d: &Path| -> Vec<serde_json::Value> {
-        std::fs::read_to_string(d.join("trials.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["params"].clone())
+        read_jsonl(&d.join("trials.jsonl"))
+            .iter()
+            .map(|t| t["params"].clone())
             .collect()
     };
     assert_eq!(params(&a).len(), 12);
     assert_eq!(params(&a), params(&b), "same seed and ranks, same trials");
-    let best: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(a.join("best.json")).unwrap()).unwrap();
+    let best = read_json(&a.join("best.json"));
     assert!(best["val_accuracy"].as_f64().unwrap() >= 0.95, "{best}");
-    let fp: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(final_run.join("params.json")).unwrap())
-            .unwrap();
+    let fp = read_json(&final_run.join("params.json"));
     assert_eq!(
         fp["workers"], 2,
         "the final fit ran data-parallel on the ranks"
@@ -336,21 +297,9 @@ fn tune_and_predict_spread_over_mpi_ranks() {
 
     // Batch prediction: 2 ranks write what 1 worker writes.
     let art = tmp.path().join("art");
-    let o = run(
-        "trainer",
-        &[
-            "export",
-            "--run",
-            final_run.to_str().unwrap(),
-            "--out",
-            art.to_str().unwrap(),
-            "--cache",
-            &c,
-        ],
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
+    export_ok(&final_run, &art, &["--cache", &c]);
     let predict = |out: &Path| -> Vec<String> {
-        [
+        owned(&[
             "--threads",
             "1",
             "predict",
@@ -361,17 +310,10 @@ fn tune_and_predict_spread_over_mpi_ranks() {
             "--out",
             out.to_str().unwrap(),
             "--json",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+        ])
     };
     let (p1, p2) = (tmp.path().join("p1.parquet"), tmp.path().join("p2.parquet"));
-    let o = run(
-        "trainer",
-        &predict(&p1).iter().map(String::as_str).collect::<Vec<_>>(),
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
+    run_ok("trainer", &predict(&p1));
     let o = output(mpirun(&[(2, bin("trainer"), predict(&p2))]));
     assert!(o.status.success(), "{}", stderr(&o));
     let s: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
@@ -388,7 +330,7 @@ fn tune_and_predict_spread_over_mpi_ranks() {
 fn mpi_ranks_extract_the_features_one_worker_extracts() {
     let tmp = tempfile::tempdir().unwrap();
     let prepare = |cache: &Path| -> Vec<String> {
-        [
+        owned(&[
             "--threads",
             "1",
             "prepare",
@@ -399,18 +341,10 @@ fn mpi_ranks_extract_the_features_one_worker_extracts() {
             &lfw(),
             "--cache",
             cache.to_str().unwrap(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+        ])
     };
     let (c1, c2) = (tmp.path().join("c1"), tmp.path().join("c2"));
-    let o = run(
-        "trainer",
-        &prepare(&c1).iter().map(String::as_str).collect::<Vec<_>>(),
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
-    let one: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let one = kestrel_tests::trainer_json(&prepare(&c1));
     let o = output(mpirun(&[(2, bin("trainer"), prepare(&c2))]));
     assert!(o.status.success(), "{}", stderr(&o));
     let two: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();

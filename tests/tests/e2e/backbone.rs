@@ -4,14 +4,12 @@ use kestrel_models::backbone::Backbone;
 use kestrel_models::onnx::LowerOpts;
 use kestrel_models::{Arch, EngineKind, Tensor};
 use kestrel_shared::ImageLimits;
-use kestrel_tests::{photo, run, stderr, stdout};
+use kestrel_tests::{json_lines, photo, python, run_ok, stdout};
 
-fn top1_per_image(json_lines: &str) -> Vec<(String, u64, f64)> {
-    json_lines
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value =
-                serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l:?}: {e}"));
+fn top1_per_image(out: &std::process::Output) -> Vec<(String, u64, f64)> {
+    json_lines(out)
+        .iter()
+        .map(|v| {
             let top = &v["top"][0];
             (
                 v["image"].as_str().unwrap().to_string(),
@@ -27,7 +25,7 @@ fn classify_photos_on_every_engine() {
     let chelsea = photo("chelsea.png");
     let coffee = photo("coffee.png");
     for engine in ["tract", "ort", "candle"] {
-        let out = run(
+        let out = run_ok(
             "trainer",
             &[
                 "classify",
@@ -42,8 +40,7 @@ fn classify_photos_on_every_engine() {
                 coffee.to_str().unwrap(),
             ],
         );
-        assert!(out.status.success(), "{engine}: {}", stderr(&out));
-        let tops = top1_per_image(&stdout(&out));
+        let tops = top1_per_image(&out);
         assert_eq!(tops.len(), 2, "{engine}: {}", stdout(&out));
         assert!(tops[0].0.ends_with("chelsea.png"));
         assert!(
@@ -115,7 +112,6 @@ fn engines_agree_on_random_mobilenetv2() {
 #[test]
 fn lowered_graphs_pass_the_onnx_checker() {
     let dir = tempfile::tempdir().unwrap();
-    let py = kestrel_tests::fetched("venv/bin/python");
     for (backbone, arch) in [
         ("efficientnet-lite0", None),
         ("random:3", Some("mobilenetv2")),
@@ -133,15 +129,12 @@ fn lowered_graphs_pass_the_onnx_checker() {
         if let Some(a) = arch {
             args.extend(["--arch", a]);
         }
-        let out = run("trainer", &args);
-        assert!(out.status.success(), "{}", stderr(&out));
-        let check = std::process::Command::new(&py)
-            .args(["-c", "import onnx, sys; m = onnx.load(sys.argv[1]); onnx.checker.check_model(m, full_check=True); \
-                   print(m.opset_import[0].version, m.graph.output[0].type.tensor_type.shape.dim[1].dim_value)"])
-            .arg(&path)
-            .output()
-            .unwrap();
-        assert!(check.status.success(), "{backbone}: {}", stderr(&check));
+        run_ok("trainer", &args);
+        let check = python(
+            "import onnx, sys; m = onnx.load(sys.argv[1]); onnx.checker.check_model(m, full_check=True); \
+             print(m.opset_import[0].version, m.graph.output[0].type.tensor_type.shape.dim[1].dim_value)",
+            &[&path],
+        );
         assert_eq!(stdout(&check).trim(), "13 1000", "{backbone}");
     }
 }

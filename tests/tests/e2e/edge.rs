@@ -1,8 +1,10 @@
 //! The device side of an artifact: verification, health check and inference, and the rejections.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use kestrel_tests::{copy_dir, fetched, run, stderr, stdout};
+use kestrel_tests::{
+    copy_dir, export_ok, fetched, json_lines, run, run_ok, stderr, stdout, trainer_json,
+};
 use serde_json::Value;
 
 fn edit_manifest(dir: &Path, f: impl FnOnce(&mut Value)) {
@@ -28,9 +30,18 @@ fn check_fails(art: &Path, extra: &[&str], reason: &str) {
 fn edge_predicts_like_the_trainer_and_rejects_bad_artifacts() {
     let tmp = tempfile::tempdir().unwrap();
     let data = fetched("datasets/lfw/imagefolder");
-    let run_dir = tmp.path().join("run");
-    let art = tmp.path().join("art");
-    let o = run(
+    let art = fit_and_export(tmp.path(), &data);
+    let images = edge_confusion_equals_the_trainers(&data, &art);
+    a_bad_image_is_named_and_the_others_answered(tmp.path(), &art, &images[0]);
+    bad_artifacts_are_rejected(tmp.path(), &art);
+    signatures_are_checked(tmp.path(), &art);
+}
+
+/// A 5-epoch LFW run exported as int8-weights (`DIR/art`), which passes `edge-agent check`.
+fn fit_and_export(dir: &Path, data: &Path) -> PathBuf {
+    let run_dir = dir.join("run");
+    let art = dir.join("art");
+    run_ok(
         "trainer",
         &[
             "fit",
@@ -42,26 +53,16 @@ fn edge_predicts_like_the_trainer_and_rejects_bad_artifacts() {
             run_dir.to_str().unwrap(),
         ],
     );
-    assert!(o.status.success(), "{}", stderr(&o));
-    let o = run(
-        "trainer",
-        &[
-            "export",
-            "--run",
-            run_dir.to_str().unwrap(),
-            "--out",
-            art.to_str().unwrap(),
-            "--quantize",
-            "int8-weights",
-        ],
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
+    export_ok(&run_dir, &art, &["--quantize", "int8-weights"]);
 
-    let o = run("edge-agent", &["check", "--model", art.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let o = run_ok("edge-agent", &["check", "--model", art.to_str().unwrap()]);
     assert!(stdout(&o).contains("golden samples pass"));
+    art
+}
 
-    // Every LFW image on the edge: the confusion matrix equals `trainer evaluate --model` (tract).
+/// Every LFW image on the edge: the confusion matrix equals `trainer evaluate --model` (tract).
+/// Returns the images.
+fn edge_confusion_equals_the_trainers(data: &Path, art: &Path) -> Vec<String> {
     let mut images: Vec<String> = Vec::new();
     for class in ["face", "nonface"] {
         let mut v: Vec<String> = std::fs::read_dir(data.join(class))
@@ -73,38 +74,34 @@ fn edge_predicts_like_the_trainer_and_rejects_bad_artifacts() {
     }
     let mut args = vec!["predict", "--json", "--model", art.to_str().unwrap()];
     args.extend(images.iter().map(String::as_str));
-    let o = run("edge-agent", &args);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let o = run_ok("edge-agent", &args);
     let mut confusion = [[0u64; 2]; 2];
-    for line in stdout(&o).lines() {
-        let p: Value = serde_json::from_str(line).unwrap();
+    for p in json_lines(&o) {
         let truth = usize::from(p["image"].as_str().unwrap().contains("/nonface/"));
         confusion[truth][p["top"][0]["class"].as_u64().unwrap() as usize] += 1;
         assert_eq!(p["version"], 1);
     }
-    let o = run(
-        "trainer",
-        &[
-            "evaluate",
-            "--model",
-            art.join("model.onnx").to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--json",
-        ],
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
-    let e: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let e = trainer_json(&[
+        "evaluate",
+        "--model",
+        art.join("model.onnx").to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--json",
+    ]);
     assert_eq!(
         serde_json::json!(confusion),
         e["confusion"],
         "edge and trainer disagree"
     );
     assert!(confusion[0][0] + confusion[1][1] >= 190, "{confusion:?}");
+    images
+}
 
-    // A bad image among good ones: named, the others still answered, exit 1.
-    let bad = tmp.path().join("truncated.png");
-    let good = std::fs::read(&images[0]).unwrap();
+/// A bad image among good ones: named, the others still answered, exit 1.
+fn a_bad_image_is_named_and_the_others_answered(dir: &Path, art: &Path, image: &str) {
+    let bad = dir.join("truncated.png");
+    let good = std::fs::read(image).unwrap();
     std::fs::write(&bad, &good[..good.len() / 2]).unwrap();
     let o = run(
         "edge-agent",
@@ -114,48 +111,51 @@ fn edge_predicts_like_the_trainer_and_rejects_bad_artifacts() {
             "--model",
             art.to_str().unwrap(),
             bad.to_str().unwrap(),
-            &images[0],
+            image,
         ],
     );
     assert!(!o.status.success());
     assert!(stderr(&o).contains("truncated.png"), "{}", stderr(&o));
     assert_eq!(stdout(&o).lines().count(), 1);
+}
 
-    // Rejections, each with its reason.
-    let tampered = tmp.path().join("tampered");
-    copy_dir(&art, &tampered);
+/// Rejections, each with its reason.
+fn bad_artifacts_are_rejected(dir: &Path, art: &Path) {
+    let tampered = dir.join("tampered");
+    copy_dir(art, &tampered);
     let mut onnx = std::fs::read(tampered.join("model.onnx")).unwrap();
     let n = onnx.len();
     onnx[n - 100] ^= 0xff;
     std::fs::write(tampered.join("model.onnx"), onnx).unwrap();
     check_fails(&tampered, &[], "model.onnx: sha256");
 
-    let escape = tmp.path().join("escape");
-    copy_dir(&art, &escape);
+    let escape = dir.join("escape");
+    copy_dir(art, &escape);
     edit_manifest(&escape, |m| {
         m["files"][0]["path"] = "../art/model.onnx".into()
     });
     check_fails(&escape, &[], "unsafe file name `../art/model.onnx`");
 
-    let unhealthy = tmp.path().join("unhealthy");
-    copy_dir(&art, &unhealthy);
+    let unhealthy = dir.join("unhealthy");
+    copy_dir(art, &unhealthy);
     edit_manifest(&unhealthy, |m| {
         let l = m["golden"][0]["logits"][0].as_f64().unwrap();
         m["golden"][0]["logits"][0] = (l + 0.5).into();
     });
     check_fails(&unhealthy, &[], "health check failed");
 
-    check_fails(&art, &["--max-bytes", "1000"], "over the limit of 1000");
+    check_fails(art, &["--max-bytes", "1000"], "over the limit of 1000");
+}
 
-    // Signatures: a manifest signed by a trusted key passes; unknown key and altered manifest fail.
-    let (ka, kb) = (tmp.path().join("key-a"), tmp.path().join("key-b"));
+/// Signatures: a manifest signed by a trusted key passes; unknown key and altered manifest fail.
+fn signatures_are_checked(dir: &Path, art: &Path) {
+    let (ka, kb) = (dir.join("key-a"), dir.join("key-b"));
     for k in [&ka, &kb] {
-        let o = run("trainer", &["keygen", "--out", k.to_str().unwrap()]);
-        assert!(o.status.success(), "{}", stderr(&o));
+        run_ok("trainer", &["keygen", "--out", k.to_str().unwrap()]);
     }
     let o = run("trainer", &["keygen", "--out", ka.to_str().unwrap()]);
     assert!(!o.status.success() && stderr(&o).contains("refusing to overwrite"));
-    let o = run(
+    run_ok(
         "trainer",
         &[
             "sign",
@@ -165,9 +165,8 @@ fn edge_predicts_like_the_trainer_and_rejects_bad_artifacts() {
             ka.join("kestrel.key").to_str().unwrap(),
         ],
     );
-    assert!(o.status.success(), "{}", stderr(&o));
     let trusted_a = ka.join("kestrel.pub");
-    let o = run(
+    run_ok(
         "edge-agent",
         &[
             "check",
@@ -177,14 +176,13 @@ fn edge_predicts_like_the_trainer_and_rejects_bad_artifacts() {
             trusted_a.to_str().unwrap(),
         ],
     );
-    assert!(o.status.success(), "{}", stderr(&o));
     check_fails(
-        &art,
+        art,
         &["--trusted-key", kb.join("kestrel.pub").to_str().unwrap()],
         "signed by unknown key",
     );
-    let altered = tmp.path().join("altered");
-    copy_dir(&art, &altered);
+    let altered = dir.join("altered");
+    copy_dir(art, &altered);
     edit_manifest(&altered, |m| m["version"] = 99.into());
     check_fails(
         &altered,

@@ -2,29 +2,22 @@
 //! resume and bad inputs.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Instant;
 
-use kestrel_tests::{bin, copy_dir, fetched, run, stderr, stdout};
+use kestrel_tests::{
+    bin, copy_dir, dataset, kill_after_epochs, lfw, python, read_json, read_jsonl, run, run_ok,
+    stderr, trainer_json,
+};
 
 use serde_json::Value;
-
-fn dataset(name: &str, form: &str) -> String {
-    fetched(&format!("datasets/{name}/{form}"))
-        .display()
-        .to_string()
-}
 
 /// Runs `trainer fit ... --json --out DIR` and returns summary.json as printed.
 fn fit(args: &[&str], out: &Path) -> (Value, String) {
     let mut a = vec!["fit", "--json", "--out", out.to_str().unwrap()];
     a.extend(args);
-    let o = run("trainer", &a);
-    assert!(o.status.success(), "fit {args:?} failed: {}", stderr(&o));
-    (
-        serde_json::from_str(&stdout(&o)).expect("summary JSON"),
-        stderr(&o),
-    )
+    let o = run_ok("trainer", &a);
+    (kestrel_tests::json(&o), stderr(&o))
 }
 
 fn sha(path: &Path) -> Vec<u8> {
@@ -82,7 +75,7 @@ fn lfw_and_digits_through_every_source() {
 #[test]
 fn second_fit_does_no_backbone_work_and_run_dir_is_complete() {
     let tmp = tempfile::tempdir().unwrap();
-    let data = dataset("lfw", "imagefolder");
+    let data = lfw();
     let cache = tmp.path().join("cache");
     let cache = cache.to_str().unwrap();
     let (first, _) = fit(
@@ -116,11 +109,7 @@ fn second_fit_does_no_backbone_work_and_run_dir_is_complete() {
     assert!(second["test_accuracy"].as_f64().unwrap() >= 0.9);
 
     let run = tmp.path().join("b");
-    let metrics: Vec<Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let metrics = read_jsonl(&run.join("metrics.jsonl"));
     assert_eq!(metrics.len(), 4);
     for key in [
         "epoch",
@@ -132,8 +121,7 @@ fn second_fit_does_no_backbone_work_and_run_dir_is_complete() {
     ] {
         assert!(metrics[3][key].is_number(), "metrics.jsonl lacks {key}");
     }
-    let summary: Value =
-        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
+    let summary = read_json(&run.join("summary.json"));
     assert_eq!(summary["labels"], serde_json::json!(["face", "nonface"]));
     assert!(summary["best_epoch"].as_u64().unwrap() >= 1);
     let confusion = summary["validation"]["confusion"].as_array().unwrap();
@@ -144,8 +132,7 @@ fn second_fit_does_no_backbone_work_and_run_dir_is_complete() {
         .sum();
     assert_eq!(total, 40);
     assert!(summary["validation"]["per_class"][0]["precision"].is_number());
-    let params: Value =
-        serde_json::from_str(&std::fs::read_to_string(run.join("params.json")).unwrap()).unwrap();
+    let params = read_json(&run.join("params.json"));
     assert_eq!(params["optimizer"], "adamw");
     for png in ["loss.png", "accuracy.png"] {
         let img = image::open(run.join(png)).unwrap();
@@ -153,21 +140,16 @@ fn second_fit_does_no_backbone_work_and_run_dir_is_complete() {
     }
 
     // evaluate the run on the whole table.
-    let o = kestrel_tests::run(
-        "trainer",
-        &[
-            "evaluate",
-            "--run",
-            run.to_str().unwrap(),
-            "--data",
-            &data,
-            "--cache",
-            cache,
-            "--json",
-        ],
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
-    let e: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let e = trainer_json(&[
+        "evaluate",
+        "--run",
+        run.to_str().unwrap(),
+        "--data",
+        &data,
+        "--cache",
+        cache,
+        "--json",
+    ]);
     assert_eq!(e["samples"], 200);
     assert!(e["accuracy"].as_f64().unwrap() >= 0.95, "{e}");
 }
@@ -175,7 +157,7 @@ fn second_fit_does_no_backbone_work_and_run_dir_is_complete() {
 #[test]
 fn killed_and_resumed_run_ends_with_identical_weights() {
     let tmp = tempfile::tempdir().unwrap();
-    let data = dataset("lfw", "imagefolder");
+    let data = lfw();
     let args = [
         "--data",
         data.as_str(),
@@ -198,34 +180,15 @@ fn killed_and_resumed_run_ends_with_identical_weights() {
     let killed = tmp.path().join("killed");
     let mut cmd = Command::new(bin("trainer"));
     cmd.args(["fit", "--out", killed.to_str().unwrap()])
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    let mut child = cmd.spawn().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let epochs_done = || {
-        std::fs::read_to_string(killed.join("metrics.jsonl"))
-            .map(|s| s.lines().count())
-            .unwrap_or(0)
-    };
-    while epochs_done() < 5 {
-        assert!(
-            Instant::now() < deadline && child.try_wait().unwrap().is_none(),
-            "run ended before it could be killed"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
-    let done = epochs_done();
+        .args(args);
+    let done = kill_after_epochs(&mut cmd, &killed, 5);
     assert!(done < 60, "the run finished before the kill");
     eprintln!("killed after {done} epochs");
 
-    let o = run(
+    let o = run_ok(
         "trainer",
         &["fit", "--resume", killed.to_str().unwrap(), "--json"],
     );
-    assert!(o.status.success(), "{}", stderr(&o));
     assert!(
         stderr(&o).contains("resuming after epoch"),
         "{}",
@@ -271,7 +234,7 @@ fn bad_tables_fail_clearly() {
     let tmp = tempfile::tempdir().unwrap();
     let cache = tmp.path().join("cache");
     let cache = cache.to_str().unwrap();
-    let lfw = PathBuf::from(dataset("lfw", "imagefolder"));
+    let lfw = PathBuf::from(lfw());
 
     // A corrupt image: fails naming it; --skip-invalid skips it and says so.
     let table = tmp.path().join("corrupt");
@@ -330,18 +293,12 @@ fn bad_tables_fail_clearly() {
     assert!(e.contains("species"), "{e}");
 
     // A Parquet file without the content column.
-    let py = fetched("venv/bin/python");
     let no_content = tmp.path().join("no-content.parquet");
-    let o = Command::new(py)
-        .args([
-            "-c",
-            "import pyarrow as pa, pyarrow.parquet as pq, sys; \
-               pq.write_table(pa.table({'path': ['a.png'], 'label': ['x']}), sys.argv[1])",
-        ])
-        .arg(&no_content)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
+    python(
+        "import pyarrow as pa, pyarrow.parquet as pq, sys; \
+         pq.write_table(pa.table({'path': ['a.png'], 'label': ['x']}), sys.argv[1])",
+        &[&no_content],
+    );
     let e = fit_err(&["--data", no_content.to_str().unwrap()], cache);
     assert!(
         e.contains("content") && e.contains("no-content.parquet"),
@@ -352,7 +309,7 @@ fn bad_tables_fail_clearly() {
 #[test]
 fn unfrozen_blocks_and_augmentation_train() {
     let tmp = tempfile::tempdir().unwrap();
-    let data = dataset("lfw", "imagefolder");
+    let data = lfw();
     let run = tmp.path().join("unfreeze");
     let (s, log) = fit(
         &["--data", &data, "--epochs", "3", "--unfreeze-last", "1"],

@@ -1,17 +1,25 @@
 //! `trainer tune`: TPE over parallel trials on the real LFW subset, reading one feature cache.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use kestrel_tests::{fetched, run, stderr, stdout};
+use kestrel_tests::{Scratch, lfw, read_json, read_jsonl, run, run_ok, stderr, stdout};
 use serde_json::Value;
 
-fn lfw() -> String {
-    fetched("datasets/lfw/imagefolder").display().to_string()
-}
+/// The hyperparameters of a trial.
+const PARAMS: [&str; 6] = [
+    "lr",
+    "momentum",
+    "weight_decay",
+    "batch_size",
+    "optimizer",
+    "epochs",
+];
 
-fn tune(extra: &[&str], out: &Path, cache: &Path) -> (String, String) {
-    let data = lfw();
+/// `trainer tune --data LFW --engine ort EXTRA...` into `out` in the scratch directory, with its
+/// cache; returns the output directory, stdout and the log.
+fn tune(w: &Scratch, extra: &[&str], out: &str) -> (PathBuf, String, String) {
+    let (data, dir) = (lfw(), w.join(out));
     let mut a = vec![
         "tune",
         "--data",
@@ -19,32 +27,26 @@ fn tune(extra: &[&str], out: &Path, cache: &Path) -> (String, String) {
         "--engine",
         "ort",
         "--cache",
-        cache.to_str().unwrap(),
+        w.cache.to_str().unwrap(),
         "--out",
-        out.to_str().unwrap(),
+        dir.to_str().unwrap(),
     ];
     a.extend(extra);
-    let o = run("trainer", &a);
-    assert!(o.status.success(), "tune {extra:?} failed: {}", stderr(&o));
-    (stdout(&o), stderr(&o))
+    let o = run_ok("trainer", &a);
+    (dir, stdout(&o), stderr(&o))
 }
 
 fn trials(dir: &Path) -> Vec<Value> {
-    std::fs::read_to_string(dir.join("trials.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    read_jsonl(&dir.join("trials.jsonl"))
 }
 
 #[test]
 fn fifty_parallel_trials_find_an_accurate_head_and_fit_it() {
-    let tmp = tempfile::tempdir().unwrap();
-    let cache = tmp.path().join("cache");
-    let out = tmp.path().join("tune");
-    let run_dir = tmp.path().join("final");
+    let w = Scratch::new();
+    let run_dir = w.join("final");
     let t = Instant::now();
-    let (json, log) = tune(
+    let (out, json, log) = tune(
+        &w,
         &[
             "--trials",
             "50",
@@ -56,8 +58,7 @@ fn fifty_parallel_trials_find_an_accurate_head_and_fit_it() {
             "--then-fit",
             run_dir.to_str().unwrap(),
         ],
-        &out,
-        &cache,
+        "tune",
     );
     eprintln!(
         "tune --trials 50 --parallel 2 (with feature extraction and --then-fit): {:?}",
@@ -81,14 +82,7 @@ fn fifty_parallel_trials_find_an_accurate_head_and_fit_it() {
     );
     for (i, t) in all.iter().enumerate() {
         assert_eq!(t["trial"], i);
-        for k in [
-            "lr",
-            "momentum",
-            "weight_decay",
-            "batch_size",
-            "optimizer",
-            "epochs",
-        ] {
+        for k in PARAMS {
             assert!(!t["params"][k].is_null(), "{t}");
         }
         assert!(t["seconds"].as_f64().unwrap() > 0.0);
@@ -97,8 +91,7 @@ fn fifty_parallel_trials_find_an_accurate_head_and_fit_it() {
     let sorted = v["trials"].as_array().unwrap();
     assert_eq!(sorted.len(), 50);
     assert_eq!(&sorted[0], best);
-    let best_file: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("best.json")).unwrap()).unwrap();
+    let best_file = read_json(&out.join("best.json"));
     assert_eq!(&best_file, best);
     let losses: Vec<f64> = sorted
         .iter()
@@ -106,17 +99,8 @@ fn fifty_parallel_trials_find_an_accurate_head_and_fit_it() {
         .collect();
     assert!(losses.windows(2).all(|w| w[0] <= w[1]), "{losses:?}");
     // --then-fit trained the best parameters into a run directory.
-    let params: Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("params.json")).unwrap())
-            .unwrap();
-    for k in [
-        "lr",
-        "momentum",
-        "weight_decay",
-        "batch_size",
-        "optimizer",
-        "epochs",
-    ] {
+    let params = read_json(&run_dir.join("params.json"));
+    for k in PARAMS {
         assert_eq!(params[k], best["params"][k], "{k}");
     }
     assert!(v["then_fit"]["val_accuracy"].as_f64().unwrap() >= 0.95);
@@ -125,8 +109,7 @@ fn fifty_parallel_trials_find_an_accurate_head_and_fit_it() {
 
 #[test]
 fn the_same_seed_gives_the_same_trials() {
-    let tmp = tempfile::tempdir().unwrap();
-    let cache = tmp.path().join("cache");
+    let w = Scratch::new();
     let args = [
         "--trials",
         "16",
@@ -137,22 +120,17 @@ fn the_same_seed_gives_the_same_trials() {
         "--seed",
         "5",
     ];
-    let (a_dir, b_dir, c_dir) = (
-        tmp.path().join("a"),
-        tmp.path().join("b"),
-        tmp.path().join("c"),
-    );
-    let (table, _) = tune(&args, &a_dir, &cache);
+    let (a_dir, table, _) = tune(&w, &args, "a");
     assert!(table.starts_with("rank trial source"), "{table}");
     assert_eq!(table.lines().count(), 17, "{table}");
-    let (_, log) = tune(&args, &b_dir, &cache);
+    let (b_dir, _, log) = tune(&w, &args, "b");
     assert!(log.contains("backbone runs: 0 (cache hit)"), "{log}");
     let params =
         |d: &Path| -> Vec<Value> { trials(d).iter().map(|t| t["params"].clone()).collect() };
     assert_eq!(params(&a_dir), params(&b_dir));
     let mut other = args.to_vec();
     other[7] = "6";
-    tune(&other, &c_dir, &cache);
+    let (c_dir, _, _) = tune(&w, &other, "c");
     assert_ne!(
         params(&a_dir),
         params(&c_dir),
@@ -162,16 +140,15 @@ fn the_same_seed_gives_the_same_trials() {
 
 #[test]
 fn a_space_file_bounds_the_search_and_bad_spaces_fail() {
-    let tmp = tempfile::tempdir().unwrap();
-    let cache = tmp.path().join("cache");
-    let space = tmp.path().join("space.toml");
+    let w = Scratch::new();
+    let space = w.join("space.toml");
     std::fs::write(
         &space,
         "lr = [0.001, 0.01]\nbatch_size = [8]\noptimizer = [\"adamw\"]\nepochs = [2, 3]\n",
     )
     .unwrap();
-    let out = tmp.path().join("t");
-    tune(
+    let (out, _, _) = tune(
+        &w,
         &[
             "--trials",
             "12",
@@ -180,8 +157,7 @@ fn a_space_file_bounds_the_search_and_bad_spaces_fail() {
             "--space",
             space.to_str().unwrap(),
         ],
-        &out,
-        &cache,
+        "t",
     );
     for t in trials(&out) {
         let p = &t["params"];

@@ -1,55 +1,36 @@
 //! Data-parallel training: N local workers (threads with allreduce) train exactly what one worker
 //! trains with the same global batch and seed, and bad worker counts fail clearly.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
-use kestrel_models::torch::read_safetensors;
-use kestrel_tests::{fetched, run, stderr};
+use kestrel_tests::{
+    Scratch, bin, copy_dir, export_ok, fetched, kill_after_epochs, lfw, max_abs_diff, python,
+    read_json, run, run_ok, stderr, table_subset, trainer_json,
+};
 
-fn lfw() -> String {
-    fetched("datasets/lfw/imagefolder").display().to_string()
-}
-
-fn fit(args: &[&str], out: &Path, cache: &Path) -> String {
+/// `trainer fit --json --engine ort ARGS...` into `out` in the scratch directory, with its
+/// cache; returns the run directory and the log.
+fn fit(w: &Scratch, args: &[&str], out: &str) -> (PathBuf, String) {
+    let dir = w.join(out);
     let mut a = vec![
         "fit",
         "--json",
         "--engine",
         "ort",
         "--out",
-        out.to_str().unwrap(),
+        dir.to_str().unwrap(),
         "--cache",
-        cache.to_str().unwrap(),
+        w.cache.to_str().unwrap(),
     ];
     a.extend(args);
-    let o = run("trainer", &a);
-    assert!(o.status.success(), "fit {args:?} failed: {}", stderr(&o));
-    stderr(&o)
-}
-
-/// Largest absolute difference between the same tensors of two safetensors files.
-fn max_abs_diff(a: &Path, b: &Path) -> f32 {
-    let (a, b) = (read_safetensors(a).unwrap(), read_safetensors(b).unwrap());
-    assert_eq!(
-        a.keys().collect::<Vec<_>>(),
-        b.keys().collect::<Vec<_>>(),
-        "different tensors"
-    );
-    let mut worst = 0f32;
-    for (name, ta) in &a {
-        let tb = &b[name];
-        assert_eq!(ta.shape, tb.shape, "{name}");
-        for (x, y) in ta.data.iter().zip(&tb.data) {
-            worst = worst.max((x - y).abs());
-        }
-    }
-    worst
+    let o = run_ok("trainer", &a);
+    (dir, stderr(&o))
 }
 
 #[test]
 fn workers_train_what_one_worker_trains() {
-    let tmp = tempfile::tempdir().unwrap();
-    let cache = tmp.path().join("cache");
+    let w = Scratch::new();
     let data = lfw();
     let base = [
         "--data",
@@ -61,26 +42,24 @@ fn workers_train_what_one_worker_trains() {
         "--batch-size",
         "32",
     ];
-    let one = tmp.path().join("w1");
-    fit(&base, &one, &cache);
+    let (one, _) = fit(&w, &base, "w1");
     // 2 workers (parts of 16) and 3 workers (uneven parts 10/11/11 of the same global batch).
-    for w in ["2", "3"] {
-        let dir = tmp.path().join(format!("w{w}"));
-        let mut args = base.to_vec();
-        args.extend(["--workers", w]);
-        let log = fit(&args, &dir, &cache);
+    for n in ["2", "3"] {
+        let (dir, log) = fit(
+            &w,
+            &[&base[..], &["--workers", n]].concat(),
+            &format!("w{n}"),
+        );
         assert!(
-            log.contains(&format!("{w} workers: global batch 32")),
+            log.contains(&format!("{n} workers: global batch 32")),
             "{log}"
         );
         for f in ["best.safetensors", "last.safetensors"] {
             let d = max_abs_diff(&one.join(f), &dir.join(f));
-            eprintln!("--workers {w} vs 1, {f}: max abs diff {d:e}");
-            assert!(d <= 1e-5, "--workers {w}: {f} differs by {d}");
+            eprintln!("--workers {n} vs 1, {f}: max abs diff {d:e}");
+            assert!(d <= 1e-5, "--workers {n}: {f} differs by {d}");
         }
-        let s: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap())
-                .unwrap();
+        let s = read_json(&dir.join("summary.json"));
         assert!(s["val_accuracy"].as_f64().unwrap() >= 0.95, "{s}");
         assert_eq!(
             std::fs::read_to_string(dir.join("metrics.jsonl"))
@@ -91,10 +70,8 @@ fn workers_train_what_one_worker_trains() {
         );
     }
     // Linear lr scaling: 2 workers at lr 0.005 (x2) train what 1 worker trains at lr 0.01.
-    let lin = tmp.path().join("linear");
-    let mut args = base.to_vec();
-    args.extend(["--workers", "2", "--lr-scaling", "linear", "--lr", "0.005"]);
-    fit(&args, &lin, &cache);
+    let linear = ["--workers", "2", "--lr-scaling", "linear", "--lr", "0.005"];
+    let (lin, _) = fit(&w, &[&base[..], &linear].concat(), "linear");
     let d = max_abs_diff(&one.join("last.safetensors"), &lin.join("last.safetensors"));
     eprintln!("--lr-scaling linear, 2 workers at lr 0.005 vs 1 worker at 0.01: {d:e}");
     assert!(d <= 1e-5, "linear scaling: differs by {d}");
@@ -102,8 +79,7 @@ fn workers_train_what_one_worker_trains() {
 
 #[test]
 fn augmented_training_splits_the_same_views_over_workers() {
-    let tmp = tempfile::tempdir().unwrap();
-    let cache = tmp.path().join("cache");
+    let w = Scratch::new();
     let data = lfw();
     let base = [
         "--data",
@@ -115,12 +91,8 @@ fn augmented_training_splits_the_same_views_over_workers() {
         "--seed",
         "3",
     ];
-    let one = tmp.path().join("w1");
-    fit(&base, &one, &cache);
-    let two = tmp.path().join("w2");
-    let mut args = base.to_vec();
-    args.extend(["--workers", "2"]);
-    fit(&args, &two, &cache);
+    let (one, _) = fit(&w, &base, "w1");
+    let (two, _) = fit(&w, &[&base[..], &["--workers", "2"]].concat(), "w2");
     let d = max_abs_diff(&one.join("last.safetensors"), &two.join("last.safetensors"));
     eprintln!("augmented, --workers 2 vs 1: max abs diff {d:e}");
     assert!(d <= 1e-5, "augmented run differs by {d}");
@@ -128,33 +100,18 @@ fn augmented_training_splits_the_same_views_over_workers() {
 
 #[test]
 fn too_few_samples_or_batch_for_the_workers_fail_clearly() {
-    let tmp = tempfile::tempdir().unwrap();
-    let cache = tmp.path().join("cache");
+    let w = Scratch::new();
     // A 4-image table: two of each class.
-    let small = tmp.path().join("small");
-    let src = fetched("datasets/lfw/imagefolder");
-    for class in std::fs::read_dir(&src).unwrap() {
-        let class = class.unwrap().path();
-        let name = class.file_name().unwrap().to_owned();
-        let mut files: Vec<_> = std::fs::read_dir(&class)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .collect();
-        files.sort();
-        let dst = small.join(&name);
-        std::fs::create_dir_all(&dst).unwrap();
-        for f in &files[..2] {
-            std::fs::copy(f, dst.join(f.file_name().unwrap())).unwrap();
-        }
-    }
-    let out = tmp.path().join("run");
+    let small = w.join("small");
+    table_subset(&fetched("datasets/lfw/imagefolder"), &small, 2);
+    let out = w.join("run");
     let fail = |args: &[&str]| {
         let mut a = vec![
             "fit",
             "--engine",
             "ort",
             "--cache",
-            cache.to_str().unwrap(),
+            w.cache.to_str().unwrap(),
             "--out",
             out.to_str().unwrap(),
         ];
@@ -190,25 +147,20 @@ fn too_few_samples_or_batch_for_the_workers_fail_clearly() {
 
 /// `trainer prepare --json` with its own cache; returns the JSON.
 fn prepare(workers: &str, threads: &str, data: &str, cache: &Path) -> serde_json::Value {
-    let o = run(
-        "trainer",
-        &[
-            "--threads",
-            threads,
-            "prepare",
-            "--json",
-            "--engine",
-            "ort",
-            "--workers",
-            workers,
-            "--data",
-            data,
-            "--cache",
-            cache.to_str().unwrap(),
-        ],
-    );
-    assert!(o.status.success(), "prepare failed: {}", stderr(&o));
-    serde_json::from_str(&kestrel_tests::stdout(&o)).unwrap()
+    trainer_json(&[
+        "--threads",
+        threads,
+        "prepare",
+        "--json",
+        "--engine",
+        "ort",
+        "--workers",
+        workers,
+        "--data",
+        data,
+        "--cache",
+        cache.to_str().unwrap(),
+    ])
 }
 
 fn read_f32(path: &Path) -> Vec<f32> {
@@ -246,43 +198,24 @@ fn features_extracted_by_two_workers_equal_one_workers() {
 
 /// Rows of a Parquet file as JSON objects, read by pyarrow (an independent reader).
 fn read_parquet(path: &Path) -> Vec<serde_json::Value> {
-    let py = fetched("venv/bin/python");
-    let o = std::process::Command::new(py)
-        .args([
-            "-c",
-            "import sys, json, pyarrow.parquet as pq; print(json.dumps(pq.read_table(sys.argv[1]).to_pylist()))",
-            path.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = python(
+        "import sys, json, pyarrow.parquet as pq; print(json.dumps(pq.read_table(sys.argv[1]).to_pylist()))",
+        &[path],
+    );
     serde_json::from_slice(&o.stdout).unwrap()
 }
 
 #[test]
 fn batch_prediction_over_workers_matches_evaluate_and_names_bad_rows() {
-    let tmp = tempfile::tempdir().unwrap();
-    let cache = tmp.path().join("cache");
+    let w = Scratch::new();
+    let tmp = &w.tmp;
     let data = lfw();
-    let run_dir = tmp.path().join("run");
-    fit(&["--data", &data, "--epochs", "5"], &run_dir, &cache);
+    let (run_dir, _) = fit(&w, &["--data", &data, "--epochs", "5"], "run");
     let art = tmp.path().join("art");
-    let o = run(
-        "trainer",
-        &[
-            "export",
-            "--run",
-            run_dir.to_str().unwrap(),
-            "--out",
-            art.to_str().unwrap(),
-            "--cache",
-            cache.to_str().unwrap(),
-        ],
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
+    export_ok(&run_dir, &art, &["--cache", w.cache.to_str().unwrap()]);
     // The table, with one image replaced by garbage.
     let table = tmp.path().join("table");
-    kestrel_tests::copy_dir(Path::new(&data), &table);
+    copy_dir(Path::new(&data), &table);
     let class = std::fs::read_dir(&table)
         .unwrap()
         .next()
@@ -298,23 +231,18 @@ fn batch_prediction_over_workers_matches_evaluate_and_names_bad_rows() {
     let bad = files[0].display().to_string();
 
     let predict = |workers: &str, out: &Path| -> serde_json::Value {
-        let o = run(
-            "trainer",
-            &[
-                "predict",
-                "--json",
-                "--model",
-                art.to_str().unwrap(),
-                "--data",
-                table.to_str().unwrap(),
-                "--workers",
-                workers,
-                "--out",
-                out.to_str().unwrap(),
-            ],
-        );
-        assert!(o.status.success(), "{}", stderr(&o));
-        serde_json::from_str(&kestrel_tests::stdout(&o)).unwrap()
+        trainer_json(&[
+            "predict",
+            "--json",
+            "--model",
+            art.to_str().unwrap(),
+            "--data",
+            table.to_str().unwrap(),
+            "--workers",
+            workers,
+            "--out",
+            out.to_str().unwrap(),
+        ])
     };
     let (p1, p2) = (tmp.path().join("p1.parquet"), tmp.path().join("p2.parquet"));
     let s1 = predict("1", &p1);
@@ -334,21 +262,16 @@ fn batch_prediction_over_workers_matches_evaluate_and_names_bad_rows() {
     assert_eq!(broken[0]["path"], bad.as_str());
     assert!(broken[0]["prediction"].is_null());
     // Predictions agree with `trainer evaluate --model` on the intact table.
-    let o = run(
-        "trainer",
-        &[
-            "evaluate",
-            "--json",
-            "--model",
-            art.to_str().unwrap(),
-            "--data",
-            &data,
-            "--cache",
-            cache.to_str().unwrap(),
-        ],
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
-    let e: serde_json::Value = serde_json::from_str(&kestrel_tests::stdout(&o)).unwrap();
+    let e = trainer_json(&[
+        "evaluate",
+        "--json",
+        "--model",
+        art.to_str().unwrap(),
+        "--data",
+        &data,
+        "--cache",
+        w.cache.to_str().unwrap(),
+    ]);
     let correct = r1.iter().filter(|r| r["prediction"] == r["label"]).count();
     let eval_correct = (e["accuracy"].as_f64().unwrap() * 200.0).round() as usize;
     // The garbage row cannot be right; every other row is classified as evaluate classifies it.
@@ -367,7 +290,7 @@ fn batch_prediction_over_workers_matches_evaluate_and_names_bad_rows() {
 #[test]
 fn a_build_without_mpi_says_so_under_an_mpi_launcher() {
     let tmp = tempfile::tempdir().unwrap();
-    let o = std::process::Command::new(kestrel_tests::bin("trainer"))
+    let o = Command::new(bin("trainer"))
         .args([
             "fit",
             "--data",
@@ -390,10 +313,7 @@ fn a_build_without_mpi_says_so_under_an_mpi_launcher() {
 /// broadcasts it; the result is byte-identical to an uninterrupted 2-worker run.
 #[test]
 fn a_killed_two_worker_run_resumes_to_identical_weights() {
-    use std::process::{Command, Stdio};
-    use std::time::{Duration, Instant};
-    let tmp = tempfile::tempdir().unwrap();
-    let cache = tmp.path().join("cache");
+    let w = Scratch::new();
     let data = lfw();
     let args = [
         "--data",
@@ -411,47 +331,32 @@ fn a_killed_two_worker_run_resumes_to_identical_weights() {
         "--weight-decay",
         "0.01",
     ];
-    let whole = tmp.path().join("whole");
-    fit(&args, &whole, &cache);
+    let (whole, _) = fit(&w, &args, "whole");
 
-    let killed = tmp.path().join("killed");
-    let mut child = Command::new(kestrel_tests::bin("trainer"))
-        .args(["fit", "--engine", "ort", "--cache", cache.to_str().unwrap()])
-        .args(["--out", killed.to_str().unwrap()])
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let epochs_done = || {
-        std::fs::read_to_string(killed.join("metrics.jsonl"))
-            .map(|s| s.lines().count())
-            .unwrap_or(0)
-    };
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while epochs_done() < 4 {
-        assert!(
-            Instant::now() < deadline && child.try_wait().unwrap().is_none(),
-            "run ended before it could be killed"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    child.kill().unwrap();
-    child.wait().unwrap();
-    let done = epochs_done();
+    let killed = w.join("killed");
+    let mut cmd = Command::new(bin("trainer"));
+    cmd.args([
+        "fit",
+        "--engine",
+        "ort",
+        "--cache",
+        w.cache.to_str().unwrap(),
+    ])
+    .args(["--out", killed.to_str().unwrap()])
+    .args(args);
+    let done = kill_after_epochs(&mut cmd, &killed, 4);
     assert!(done < 40, "the run finished before the kill");
     eprintln!("2-worker run killed after {done} epochs");
-    let o = run(
+    let o = run_ok(
         "trainer",
         &[
             "fit",
             "--resume",
             killed.to_str().unwrap(),
             "--cache",
-            cache.to_str().unwrap(),
+            w.cache.to_str().unwrap(),
         ],
     );
-    assert!(o.status.success(), "{}", stderr(&o));
     assert!(
         stderr(&o).contains("resuming after epoch"),
         "{}",

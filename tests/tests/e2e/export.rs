@@ -2,39 +2,31 @@
 //! and the ONNX checker; the manifest alone drives evaluation; failures stop the export.
 
 use std::path::Path;
-use std::process::Command;
+use std::process::Output;
 
-use kestrel_tests::{fetched, run, stderr, stdout};
+use kestrel_tests::{dataset, export_ok, python, run, run_ok, stderr, stdout};
 use serde_json::Value;
 
-fn dataset(name: &str, form: &str) -> String {
-    fetched(&format!("datasets/{name}/{form}"))
-        .display()
-        .to_string()
+/// A trainer call that must succeed and print JSON last (`--json`); returns that JSON.
+fn ok_json(args: &[&str]) -> Value {
+    last_json(&run_ok("trainer", args))
 }
 
-fn ok_json(args: &[&str]) -> Value {
-    let o = run("trainer", args);
-    assert!(o.status.success(), "trainer {args:?}: {}", stderr(&o));
-    serde_json::from_str(stdout(&o).lines().last().unwrap_or_default())
-        .unwrap_or_else(|e| panic!("{args:?}: {e}: {}", stdout(&o)))
+/// The last line of standard output as JSON.
+fn last_json(o: &Output) -> Value {
+    serde_json::from_str(stdout(o).lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
 }
 
 /// `onnx.checker.check_model(full_check=True)` and one Python ONNX Runtime run; returns the output shape.
 fn python_check(model: &Path) -> String {
-    let py = fetched("venv/bin/python");
-    let o = Command::new(py)
-        .args([
-            "-c",
-            "import onnx, onnxruntime as ort, numpy as np, sys\n\
+    let o = python(
+        "import onnx, onnxruntime as ort, numpy as np, sys\n\
 m = onnx.load(sys.argv[1]); onnx.checker.check_model(m, full_check=True)\n\
 s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n\
 print(s.run(None, {'input': np.zeros((3, 3, 224, 224), np.float32)})[0].shape)",
-        ])
-        .arg(model)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}: {}", model.display(), stderr(&o));
+        &[model],
+    );
     stdout(&o).trim().to_string()
 }
 
@@ -74,16 +66,7 @@ fn three_forms_for_lfw_and_digits() {
         let mut f32_size = 0;
         for form in ["none", "int8-weights", "int8"] {
             let art = tmp.path().join(format!("{name}-{form}"));
-            let m = ok_json(&[
-                "export",
-                "--run",
-                run_dir.to_str().unwrap(),
-                "--out",
-                art.to_str().unwrap(),
-                "--quantize",
-                form,
-                "--json",
-            ]);
+            let m = last_json(&export_ok(&run_dir, &art, &["--quantize", form, "--json"]));
             let q = &m["quantization"];
             let acc = q["accuracy"].as_f64().unwrap();
             eprintln!(

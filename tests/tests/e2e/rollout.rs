@@ -11,13 +11,9 @@ use kestrel_shared::protocol::Target;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, fixture, free_port, start_agent_with, wait_status,
 };
-use kestrel_tests::{bin, run, stderr, stdout};
+use kestrel_tests::{bin, run, s, stderr, stdout};
 use kestrel_trainer::fleet::{Conn, statuses};
 use serde_json::Value;
-
-fn s(p: &Path) -> String {
-    p.display().to_string()
-}
 
 fn write_plan(dir: &Path, name: &str, body: &str) -> String {
     std::fs::create_dir_all(dir).unwrap();
@@ -411,8 +407,19 @@ fn tls_credentials_and_acl_on_mosquitto() {
     let dir = f.dir.join("secure");
     let sb = secure_broker(&dir.join("broker"));
     let trainer = sb.config(Some("kestrel-trainer"), "ca.pem");
+    let _agent = a_device_with_tls_and_credentials_installs_a_model(&sb, &trainer, &dir);
+    connections_without_credentials_or_trust_are_refused(&sb);
+    the_acl_keeps_devices_apart(&sb, &trainer);
+    drop(sb.proc);
+}
 
-    // A device with TLS (CA pinned) and its credentials installs a model.
+/// A device with TLS (CA pinned) and its credentials installs a model; returns its agent.
+fn a_device_with_tls_and_credentials_installs_a_model(
+    sb: &SecureBroker,
+    trainer: &BrokerConfig,
+    dir: &Path,
+) -> Proc {
+    let f = fixture();
     let conf = dir.join("pi-a/agent.toml");
     std::fs::create_dir_all(conf.parent().unwrap()).unwrap();
     std::fs::write(
@@ -449,7 +456,7 @@ fn tls_credentials_and_acl_on_mosquitto() {
         ],
     );
     assert!(o.status.success(), "{}", stderr(&o));
-    wait_status(&trainer, "pi-a", 120, "v1 active over TLS", |s| {
+    wait_status(trainer, "pi-a", 120, "v1 active over TLS", |s| {
         s.active == Some(1) && s.state == "idle"
     });
     assert!(
@@ -457,9 +464,12 @@ fn tls_credentials_and_acl_on_mosquitto() {
         "{}",
         agent.output()
     );
+    agent
+}
 
-    // Refused: no credentials, a wrong password, a CA the broker's certificate does not chain to,
-    // and plain MQTT on the TLS port.
+/// Refused: no credentials, a wrong password, a CA the broker's certificate does not chain to,
+/// and plain MQTT on the TLS port.
+fn connections_without_credentials_or_trust_are_refused(sb: &SecureBroker) {
     let refused = |c: &BrokerConfig, what: &str| {
         let e = match Conn::connect(c, "probe") {
             Ok(_) => panic!("{what}: connected"),
@@ -486,10 +496,12 @@ fn tls_credentials_and_acl_on_mosquitto() {
     let mut plain = sb.config(Some("pi-a"), "ca.pem");
     plain.url = format!("mqtt://127.0.0.1:{}", sb.port);
     refused(&plain, "plain MQTT on the TLS port");
+}
 
-    // ACL: pi-a reads its own desired state but not pi-b's, and cannot write pi-b's status.
-    let mut t = Conn::connect(&trainer, "acl").unwrap();
-    let key = f.signing();
+/// ACL: pi-a reads its own desired state but not pi-b's, and cannot write pi-b's status.
+fn the_acl_keeps_devices_apart(sb: &SecureBroker, trainer: &BrokerConfig) {
+    let mut t = Conn::connect(trainer, "acl").unwrap();
+    let key = fixture().signing();
     let d = |dev: &str| kestrel_shared::protocol::Desired {
         target: Target::Device(dev.into()),
         name: "lfw".into(),
@@ -533,5 +545,4 @@ fn tls_credentials_and_acl_on_mosquitto() {
         .retained("kestrel/devices/pi-b/status", Duration::from_millis(700))
         .unwrap();
     assert!(st.is_empty(), "pi-a wrote pi-b's status: {st:?}");
-    drop(sb.proc);
 }

@@ -1,0 +1,19 @@
+//! Kestrel's end-to-end tests, one test binary with a module per area (as ripgrep's
+//! `tests/tests.rs`): one link per build instead of eleven. They run the real binaries on real
+//! weights and photos; run them through `scripts/test.sh`, which fetches and builds what they need.
+//! Tests run as threads of this one process: every test uses its own temporary directories and
+//! free ports, and sets no process-global state (environment, current directory).
+
+mod backbone;
+mod cross;
+mod distributed;
+mod edge;
+mod export;
+mod inputs;
+// Needs the trainer built with `--features kestrel-trainer/mpi` and Open MPI's `mpirun`.
+#[cfg(feature = "mpi")]
+mod mpi;
+mod mqtt;
+mod rollout;
+mod training;
+mod tune;
