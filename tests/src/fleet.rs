@@ -238,7 +238,7 @@ pub fn fixture() -> &'static Fixture {
                 form,
                 "--model-version",
                 version,
-                "--name",
+                "--model-name",
                 "lfw",
             ];
             crate::export_ok(&run_dir, out, &args);

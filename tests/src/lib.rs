@@ -14,12 +14,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 /// `$KESTREL_HOME` (default `~/.cache/kestrel`), as in scripts/env.sh.
-pub fn kestrel_home() -> PathBuf {
-    match std::env::var_os("KESTREL_HOME") {
-        Some(p) => PathBuf::from(p),
-        None => PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/kestrel"),
-    }
-}
+pub use kestrel_shared::fsutil::kestrel_home;
 
 /// A file fetched by scripts/setup.sh; panics with the remedy when absent.
 pub fn fetched(rel: &str) -> PathBuf {

@@ -148,9 +148,9 @@ fn too_few_samples_or_batch_for_the_workers_fail_clearly() {
 /// `trainer prepare --json` with its own cache; returns the JSON.
 fn prepare(workers: &str, threads: &str, data: &str, cache: &Path) -> serde_json::Value {
     trainer_json(&[
+        "prepare",
         "--threads",
         threads,
-        "prepare",
         "--json",
         "--engine",
         "ort",
@@ -372,18 +372,18 @@ fn a_killed_two_worker_run_resumes_to_identical_weights() {
     }
 }
 
-/// `--device cuda` asks ONNX Runtime for its CUDA execution provider (loaded at run time). The
+/// `--execution-provider cuda` asks ONNX Runtime for its CUDA execution provider (loaded at run time). The
 /// CPU-only library set up here lacks it: the run must fail saying what is missing (with an
 /// onnxruntime-gpu library and a GPU it would run).
 #[test]
-fn device_cuda_uses_or_clearly_misses_the_cuda_provider() {
+fn execution_provider_cuda_uses_or_clearly_misses_the_cuda_provider() {
     let tmp = tempfile::tempdir().unwrap();
     let o = run(
         "trainer",
         &[
-            "--device",
-            "cuda",
             "prepare",
+            "--execution-provider",
+            "cuda",
             "--engine",
             "ort",
             "--data",
@@ -395,7 +395,7 @@ fn device_cuda_uses_or_clearly_misses_the_cuda_provider() {
     if !o.status.success() {
         let e = stderr(&o);
         assert!(
-            e.contains("--device cuda: the CUDA execution provider is unavailable"),
+            e.contains("--execution-provider cuda: the CUDA execution provider is unavailable"),
             "{e}"
         );
     }

@@ -5,6 +5,7 @@
 //! free ports, and sets no process-global state (environment, current directory).
 
 mod backbone;
+mod cli;
 mod cross;
 mod distributed;
 mod edge;

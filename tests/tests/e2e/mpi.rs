@@ -30,9 +30,9 @@ fn mpirun(apps: &[(usize, PathBuf, Vec<String>)]) -> Command {
 
 fn fit_args(out: &Path, cache: &Path, extra: &[&str]) -> Vec<String> {
     let mut a = owned(&[
+        "fit",
         "--threads",
         "1",
-        "fit",
         "--data",
         &lfw(),
         "--engine",
@@ -242,9 +242,9 @@ fn tune_and_predict_spread_over_mpi_ranks() {
     let data = lfw();
     let tune_args = |out: &Path, extra: &[&str]| -> Vec<String> {
         let mut a = owned(&[
+            "tune",
             "--threads",
             "1",
-            "tune",
             "--data",
             &data,
             "--engine",
@@ -300,9 +300,9 @@ fn tune_and_predict_spread_over_mpi_ranks() {
     export_ok(&final_run, &art, &["--cache", &c]);
     let predict = |out: &Path| -> Vec<String> {
         owned(&[
+            "predict",
             "--threads",
             "1",
-            "predict",
             "--model",
             art.to_str().unwrap(),
             "--data",
@@ -331,9 +331,9 @@ fn mpi_ranks_extract_the_features_one_worker_extracts() {
     let tmp = tempfile::tempdir().unwrap();
     let prepare = |cache: &Path| -> Vec<String> {
         owned(&[
+            "prepare",
             "--threads",
             "1",
-            "prepare",
             "--json",
             "--engine",
             "ort",
