@@ -4,10 +4,10 @@
 //! golden images — verified in tract and ONNX Runtime before it is written.
 //!
 //! [`export`] runs as stages, each a function from one value to the next:
-//! [`trained`] (the run as the trainer sees it) → [`calibrate`] (quantized forms) → [`lower`]
-//! (the ONNX graph) → [`verify`] (every runtime against the trainer, with the gates) → [`golden`]
-//! (sample images and their expected outputs) → [`write`] (files and manifest, atomically).
-//! [`evaluate`] runs exported artifacts (`trainer evaluate --model`, `trainer latency`).
+//! `trained` (the run as the trainer sees it) → `calibrate` (quantized forms) → `lower`
+//! (the ONNX graph) → `verify` (every runtime against the trainer, with the gates) → `golden`
+//! (sample images and their expected outputs) → `write` (files and manifest, atomically).
+//! `evaluate` runs exported artifacts (`trainer evaluate --model`, `trainer latency`).
 
 use std::path::Path;
 
