@@ -297,7 +297,7 @@ mod ort_engine {
                         .error_on_failure()])
                     .map_err(|e| {
                         EngineError::Ort(format!(
-                            "--device cuda: the CUDA execution provider is unavailable ({e}); it needs \
+                            "--execution-provider cuda: the CUDA execution provider is unavailable ({e}); it needs \
                              an ONNX Runtime library with CUDA (the onnxruntime-gpu wheel, via \
                              ORT_DYLIB_PATH), the CUDA and cuDNN libraries and a GPU"
                         ))

@@ -467,7 +467,7 @@ fn a_killed_two_worker_run_resumes_to_identical_weights() {
     }
 }
 
-/// `--device cuda` asks ONNX Runtime for its CUDA execution provider (loaded at run time). The
+/// `--execution-provider cuda` asks ONNX Runtime for its CUDA execution provider (loaded at run time). The
 /// CPU-only library set up here lacks it: the run must fail saying what is missing (with an
 /// onnxruntime-gpu library and a GPU it would run).
 #[test]
@@ -476,7 +476,7 @@ fn device_cuda_uses_or_clearly_misses_the_cuda_provider() {
     let o = run(
         "trainer",
         &[
-            "--device",
+            "--execution-provider",
             "cuda",
             "prepare",
             "--engine",
@@ -490,7 +490,7 @@ fn device_cuda_uses_or_clearly_misses_the_cuda_provider() {
     if !o.status.success() {
         let e = stderr(&o);
         assert!(
-            e.contains("--device cuda: the CUDA execution provider is unavailable"),
+            e.contains("--execution-provider cuda: the CUDA execution provider is unavailable"),
             "{e}"
         );
     }

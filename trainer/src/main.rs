@@ -1,6 +1,6 @@
 //! `trainer`: the cloud side of Kestrel. Thin CLI over the `kestrel_trainer` library.
 
-mod fleet_cli;
+mod cli;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -28,10 +28,10 @@ struct Cli {
     /// Worker threads for every engine (tract: concurrent sub-batches; ONNX Runtime: intra-op; candle: rayon).
     #[arg(long, global = true, default_value_t = default_threads())]
     threads: usize,
-    /// Device of the ONNX Runtime engine (`--engine ort`): cpu, or cuda (CUDA execution provider,
-    /// loaded at run time; needs an ONNX Runtime build with CUDA, e.g. the onnxruntime-gpu wheel).
+    /// Execution provider of the ONNX Runtime engine (`--engine ort`): cpu, or cuda (loaded at run
+    /// time; needs an ONNX Runtime build with CUDA, e.g. the onnxruntime-gpu wheel).
     #[arg(long, global = true, default_value = "cpu", value_parser = ["cpu", "cuda"])]
-    device: String,
+    execution_provider: String,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -476,13 +476,13 @@ enum Cmd {
         images: Vec<PathBuf>,
     },
     #[command(flatten)]
-    Fleet(fleet_cli::FleetCmd),
+    Fleet(cli::fleet::FleetCmd),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     set_candle_threads(cli.threads);
-    if cli.device == "cuda" {
+    if cli.execution_provider == "cuda" {
         kestrel_models::engine::set_ort_device(kestrel_models::engine::OrtDevice::Cuda);
     }
     match run(cli) {
@@ -552,7 +552,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         );
     }
     match cli.cmd {
-        Cmd::Fleet(cmd) => return fleet_cli::run(cmd),
+        Cmd::Fleet(cmd) => return cli::fleet::run(cmd),
         Cmd::Prepare { data, fit, json } => {
             let p = fit.params(&data)?;
             let pp = match mpi_job(fit.collective_timeout()?)? {
@@ -1089,7 +1089,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             );
         }
         Cmd::Sign { artifact, key } => {
-            let sk = fleet_cli::secret_key(&key)?;
+            let sk = cli::fleet::secret_key(&key)?;
             let mpath = artifact.join(kestrel_shared::manifest::MANIFEST_FILE);
             let manifest =
                 std::fs::read(&mpath).with_context(|| format!("reading {}", mpath.display()))?;
