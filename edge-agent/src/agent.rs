@@ -8,13 +8,14 @@ use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use ed25519_dalek::VerifyingKey;
 use kestrel_models::artifact::{self, LoadedModel};
 use kestrel_shared::fsutil::write_atomic;
 use kestrel_shared::manifest::Manifest;
+use kestrel_shared::now_rfc3339;
 use kestrel_shared::protocol::{
     ArtifactOffer, Desired, DeviceEvent, InferReply, LatencyStats, SignedDesired, Status, Target,
     Topics, parse, sha256_hex,
@@ -74,16 +75,6 @@ pub struct Agent {
     /// Test hook (`KESTREL_AGENT_PAUSE=download|activate`): stop at that point, still connected,
     /// so a test can kill the process there.
     pause: Option<String>,
-}
-
-fn now_unix() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
-fn now_rfc3339() -> String {
-    kestrel_shared::manifest::rfc3339(now_unix())
 }
 
 impl Agent {

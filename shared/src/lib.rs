@@ -4,6 +4,7 @@
 //!   and the one implementation of it, used by both binaries.
 //! - [`manifest`], [`signing`]: the artifact manifest and its ed25519 signatures.
 //! - [`protocol`]: the MQTT topics and messages between trainer and devices.
+//! - [`time`]: wall-clock helpers ([`now_unix`]).
 
 pub mod fsutil;
 pub mod manifest;
@@ -12,5 +13,7 @@ pub mod mqtt;
 pub mod preprocess;
 pub mod protocol;
 pub mod signing;
+pub mod time;
 
 pub use preprocess::{ImageLimits, PreprocessError, PreprocessSpec, Preprocessed};
+pub use time::{now_rfc3339, now_unix};

@@ -342,6 +342,6 @@ pub fn wait_status(
     what: &str,
     done: impl Fn(&Status) -> bool,
 ) -> Status {
-    kestrel_trainer::fleet::wait_status(broker, device, Duration::from_secs(secs), done)
+    kestrel_fleet::wait_status(broker, device, Duration::from_secs(secs), done)
         .unwrap_or_else(|e| panic!("waiting for {device}: {what}: {e}"))
 }

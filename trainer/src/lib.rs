@@ -7,18 +7,16 @@
 //! - [`export`]: artifacts (ONNX f32/int8, manifest, safetensors, golden samples);
 //! - [`predict`], [`classify`], [`report`].
 //!
-//! Fleet operations (publish, status, rollouts) live in the `kestrel-fleet` crate.
+//! The fleet commands (publish, status, infer, rollout) are in the `kestrel-fleet` crate, the
+//! embedded broker in `kestrel-broker`.
 
-pub mod broker;
 pub mod classify;
 pub mod data;
 pub mod distributed;
 pub mod export;
-pub mod fleet;
 pub mod images;
 pub mod predict;
 pub mod report;
-pub mod rollout;
 pub mod train;
 pub mod tune;
 

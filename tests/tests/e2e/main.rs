@@ -10,6 +10,7 @@ mod cross;
 mod distributed;
 mod edge;
 mod export;
+mod fleet_status;
 mod inputs;
 // Needs the trainer built with `--features kestrel-trainer/mpi` and Open MPI's `mpirun`.
 #[cfg(feature = "mpi")]

@@ -4,13 +4,14 @@
 use std::path::Path;
 use std::process::Output;
 
+use kestrel_fleet::{Bundle, Conn};
+use kestrel_shared::now_unix;
 use kestrel_shared::protocol::{ArtifactOffer, Desired, SignedDesired, Target, Topics, sha256_hex};
 use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, fixture, start_agent, start_agent_with, trainer_ok,
     wait_status,
 };
 use kestrel_tests::{fetched, json_lines, run, s, stderr, stdout};
-use kestrel_trainer::fleet::{Bundle, Conn, now_unix};
 use serde_json::Value;
 
 fn publish(b: &Broker, art: &Path, key: &Path, target: &str, extra: &[&str]) -> Output {
@@ -426,7 +427,7 @@ fn mosquitto_late_device_update_and_broker_restart() {
         |s| s.active == Some(2) && s.state == "idle",
     );
     // The first device's status survived the restart too (retained, persisted).
-    let all = kestrel_trainer::fleet::statuses(&cfg, Some("pi-m")).unwrap();
+    let all = kestrel_fleet::statuses(&cfg, Some("pi-m")).unwrap();
     assert_eq!(all.first().and_then(|s| s.active), Some(2));
 
     // A broker outage: the agent reconnects by itself and publishes its status again.

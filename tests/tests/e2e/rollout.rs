@@ -6,13 +6,13 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use kestrel_fleet::{Conn, statuses};
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::Target;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, fixture, free_port, start_agent_with, wait_status,
 };
 use kestrel_tests::{bin, run, s, stderr, stdout};
-use kestrel_trainer::fleet::{Conn, statuses};
 use serde_json::Value;
 
 fn write_plan(dir: &Path, name: &str, body: &str) -> String {

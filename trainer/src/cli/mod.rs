@@ -13,7 +13,6 @@ mod bench;
 mod classify;
 mod evaluate;
 mod export;
-#[path = "../fleet_cli.rs"]
 pub mod fleet;
 mod fit;
 mod import_weights;

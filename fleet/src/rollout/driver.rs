@@ -6,10 +6,11 @@ use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
 use kestrel_shared::mqtt::BrokerConfig;
+use kestrel_shared::now_unix;
 use kestrel_shared::protocol::{Desired, SignedDesired, Status, Target, check_name, parse};
 
 use super::{Controller, DeviceState, Output, Plan, RolloutState};
-use crate::fleet::{Bundle, Conn, FleetError, now_unix};
+use crate::{Bundle, Conn, FleetError};
 
 pub fn state_topic(conn: &Conn, name: &str) -> String {
     format!("{}/rollouts/{name}/state", conn.topics.prefix())
@@ -114,32 +115,7 @@ pub fn run(
             ));
             c
         }
-        None => {
-            let mut fleet: Vec<Status> = conn
-                .retained(&conn.topics.status_filter(), Duration::from_millis(500))?
-                .iter()
-                .filter(|(_, p)| !p.is_empty())
-                .map(|(t, p)| parse(t, p))
-                .collect::<Result<_, _>>()?;
-            if let Some(list) = &plan.devices {
-                if let Some(missing) = list.iter().find(|d| !fleet.iter().any(|s| &s.device == *d))
-                {
-                    return Err(FleetError::Refused(format!(
-                        "device {missing} of the plan has never reported a status"
-                    )));
-                }
-                fleet.retain(|s| list.contains(&s.device));
-            }
-            let c = Controller::new(&name, &model, version, plan, &fleet)
-                .map_err(|e| FleetError::Refused(e.to_string()))?;
-            log(format!(
-                "rollout {name}: {model} v{version} to {} devices in {} phases",
-                fleet.len(),
-                c.plan.phases.len()
-            ));
-            conn.publish_all(bundle.messages(&conn.topics), None)?;
-            c
-        }
+        None => begin(&mut conn, &name, bundle, plan, log)?,
     };
     let outputs = c.start(now_unix());
     execute(&mut conn, &c, key, outputs, log)?;
@@ -164,6 +140,37 @@ pub fn run(
         wait_rolled_back(&mut conn, &c, log)?;
     }
     conn.disconnect();
+    Ok(c)
+}
+
+/// A new rollout `name`: the fleet (the plan's devices, else every device with a retained
+/// status) split into phases, and the artifact published.
+fn begin(
+    conn: &mut Conn,
+    name: &str,
+    bundle: &Bundle,
+    plan: Plan,
+    log: &mut dyn FnMut(String),
+) -> Result<Controller, FleetError> {
+    let (model, version) = (&bundle.offer.name, bundle.offer.version);
+    let filter = conn.topics.status_filter();
+    let mut fleet = crate::status::retained(conn, &filter, Duration::from_millis(500))?;
+    if let Some(list) = &plan.devices {
+        if let Some(missing) = list.iter().find(|d| !fleet.iter().any(|s| &s.device == *d)) {
+            return Err(FleetError::Refused(format!(
+                "device {missing} of the plan has never reported a status"
+            )));
+        }
+        fleet.retain(|s| list.contains(&s.device));
+    }
+    let c = Controller::new(name, model, version, plan, &fleet)
+        .map_err(|e| FleetError::Refused(e.to_string()))?;
+    log(format!(
+        "rollout {name}: {model} v{version} to {} devices in {} phases",
+        fleet.len(),
+        c.plan.phases.len()
+    ));
+    conn.publish_all(bundle.messages(&conn.topics), None)?;
     Ok(c)
 }
 
@@ -205,6 +212,40 @@ fn wait_rolled_back(
             left.len()
         ))),
     }
+}
+
+/// `trainer rollout status`: the retained controller of rollout `name` is shown once, and with
+/// `follow` again on every change until the rollout ends. `None` when there is no such rollout.
+pub fn watch(
+    cfg: &BrokerConfig,
+    name: &str,
+    follow: bool,
+    show: &mut dyn FnMut(&Controller),
+) -> Result<Option<Controller>, FleetError> {
+    let mut conn = Conn::connect(cfg, "rollout-status")?;
+    let Some(mut c) = load(&mut conn, name)? else {
+        conn.disconnect();
+        return Ok(None);
+    };
+    show(&c);
+    if follow {
+        let topic = state_topic(&conn, name);
+        conn.subscribe(&topic)?;
+        while c.state == RolloutState::Running {
+            if let Some((t, p)) = conn.recv(Duration::from_secs(1))?
+                && t == topic
+                && !p.is_empty()
+            {
+                let next: Controller = parse(&t, &p)?;
+                if next != c {
+                    c = next;
+                    show(&c);
+                }
+            }
+        }
+    }
+    conn.disconnect();
+    Ok(Some(c))
 }
 
 /// One line per phase: devices per state.

@@ -1,0 +1,92 @@
+//! `kestrel-broker` (run as `trainer broker`): rumqttd in-process, the one-machine default
+//! broker. Packet limits are set for the artifact chunks. It keeps nothing on disk: retained
+//! models and sessions vanish when it stops (Mosquitto with `persistence true` is the production
+//! broker).
+//!
+//! It is a binary of its own, which `trainer broker` executes in place of itself (same PID), so
+//! that rumqttd and its dependencies are not part of the trainer's build.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use clap::Parser;
+
+/// The flags are those of `trainer broker`, which passes them on unchanged.
+#[derive(Parser)]
+#[command(
+    name = "kestrel-broker",
+    version,
+    about = "Run an MQTT broker in-process (rumqttd; nothing kept on disk): the one-machine default"
+)]
+struct Cli {
+    /// Address to listen on (MQTT 3.1.1, plain TCP).
+    #[arg(long, default_value = "127.0.0.1:1883")]
+    listen: SocketAddr,
+    /// Largest message payload accepted (must exceed the publisher's chunk size).
+    #[arg(long, default_value_t = 1 << 20)]
+    max_payload_bytes: usize,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    eprintln!(
+        "kestrel broker (rumqttd) listening on mqtt://{}, payloads up to {} bytes",
+        cli.listen, cli.max_payload_bytes
+    );
+    match run(cli.listen, cli.max_payload_bytes) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum BrokerError {
+    #[error("embedded broker: {0}")]
+    Config(String),
+    #[error("embedded broker on {listen}: {reason}")]
+    Start { listen: SocketAddr, reason: String },
+}
+
+/// The rumqttd configuration: one MQTT 3.1.1 listener, payloads up to `max_payload` bytes.
+fn config(listen: SocketAddr, max_payload: usize) -> Result<rumqttd::Config, BrokerError> {
+    let toml = format!(
+        r#"
+id = 0
+[router]
+id = 0
+max_connections = 10010
+max_outgoing_packet_count = 200
+max_segment_size = 104857600
+max_segment_count = 10
+
+[v4.1]
+name = "v4-1"
+listen = "{listen}"
+next_connection_delay_ms = 1
+  [v4.1.connections]
+  connection_timeout_ms = 60000
+  max_payload_size = {max_payload}
+  max_inflight_count = 200
+  dynamic_filters = true
+"#
+    );
+    toml::from_str(&toml).map_err(|e| BrokerError::Config(e.to_string()))
+}
+
+/// Runs the broker until the process ends. The listener is bound before this returns an error
+/// for a busy port, so callers see a clear message.
+fn run(listen: SocketAddr, max_payload: usize) -> Result<(), BrokerError> {
+    // rumqttd logs a bind failure and keeps running; check the port first.
+    std::net::TcpListener::bind(listen).map_err(|e| BrokerError::Start {
+        listen,
+        reason: e.to_string(),
+    })?;
+    let mut broker = rumqttd::Broker::new(config(listen, max_payload)?);
+    broker.start().map_err(|e| BrokerError::Start {
+        listen,
+        reason: e.to_string(),
+    })
+}

@@ -1,0 +1,201 @@
+//! A small blocking MQTT client ([`Conn`]) around rumqttc's sync API: every publish is QoS 1
+//! and waits for the broker's acknowledgement before the command reports success.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use kestrel_shared::mqtt::BrokerConfig;
+use kestrel_shared::now_unix;
+use kestrel_shared::protocol::Topics;
+use rumqttc::{Client, Event, Outgoing, Packet, QoS};
+
+use crate::FleetError;
+
+/// A connected blocking MQTT client. Its connection is driven by a thread of its own that
+/// forwards every event: polling is never cut short by a timeout (a cancelled poll can lose an
+/// acknowledgement, and rumqttd drops clients whose acknowledgements arrive out of order).
+pub struct Conn {
+    client: Client,
+    events: Receiver<Result<Event, rumqttc::ConnectionError>>,
+    url: String,
+    pub topics: Topics,
+    /// Publishes received while waiting for something else.
+    backlog: VecDeque<(String, Vec<u8>)>,
+}
+
+impl Conn {
+    /// Connects with a clean session; fails with the broker's URL when it cannot be reached.
+    pub fn connect(cfg: &BrokerConfig, role: &str) -> Result<Self, FleetError> {
+        // Unique per connection: a broker drops the older of two sessions with one client id.
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = format!(
+            "kestrel-{role}-{}-{}-{n}",
+            std::process::id(),
+            now_unix() % 100_000
+        );
+        let opts = cfg.options(&id, true)?;
+        let (client, mut conn) = Client::new(opts, 512);
+        let (tx, events) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for ev in conn.iter() {
+                let failed = ev.is_err();
+                if tx.send(ev).is_err() || failed {
+                    break; // the Conn is gone, or the connection failed (reported, not retried)
+                }
+            }
+        });
+        let c = Self {
+            client,
+            events,
+            url: cfg.url.clone(),
+            topics: Topics::new(&cfg.prefix),
+            backlog: VecDeque::new(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match c
+                .events
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            {
+                Ok(Ok(Event::Incoming(Packet::ConnAck(_)))) => return Ok(c),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(c.err(e.to_string())),
+                Err(_) => return Err(c.err("no answer within 10 s".into())),
+            }
+        }
+    }
+
+    fn err(&self, reason: String) -> FleetError {
+        FleetError::Broker {
+            url: self.url.clone(),
+            reason,
+        }
+    }
+
+    fn client_err(&self, e: rumqttc::ClientError) -> FleetError {
+        self.err(e.to_string())
+    }
+
+    /// Queues one QoS 1 publish (not retained) without waiting for its acknowledgement.
+    pub fn send(&self, topic: String, payload: Vec<u8>) -> Result<(), FleetError> {
+        self.client
+            .publish(topic, QoS::AtLeastOnce, false, payload)
+            .map_err(|e| self.client_err(e))
+    }
+
+    /// Next event within `timeout` (None on timeout); connection errors end the command.
+    fn next(&mut self, timeout: Duration) -> Result<Option<Event>, FleetError> {
+        match self.events.recv_timeout(timeout) {
+            Ok(Ok(ev)) => {
+                // Publishes are kept for `recv`, whatever the caller is waiting for.
+                if let Event::Incoming(Packet::Publish(p)) = &ev {
+                    self.backlog
+                        .push_back((p.topic.clone(), p.payload.to_vec()));
+                }
+                Ok(Some(ev))
+            }
+            Ok(Err(e)) => Err(self.err(format!("connection lost: {e}"))),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => Err(self.err("client stopped".into())),
+        }
+    }
+
+    /// Publishes every message at QoS 1 (up to 32 in flight) and waits for all acknowledgements.
+    pub fn publish_all(
+        &mut self,
+        msgs: Vec<(String, Vec<u8>, bool)>,
+        progress: Option<&indicatif::ProgressBar>,
+    ) -> Result<(), FleetError> {
+        let total = msgs.len();
+        let mut queue: VecDeque<_> = msgs.into();
+        let (mut in_flight, mut acked) = (0usize, 0usize);
+        while acked < total {
+            while in_flight < 32
+                && let Some((topic, payload, retain)) = queue.pop_front()
+            {
+                self.client
+                    .publish(topic, QoS::AtLeastOnce, retain, payload)
+                    .map_err(|e| self.client_err(e))?;
+                in_flight += 1;
+            }
+            match self.next(Duration::from_secs(30))? {
+                Some(Event::Incoming(Packet::PubAck(_))) => {
+                    in_flight -= 1;
+                    acked += 1;
+                    if let Some(p) = progress {
+                        p.inc(1);
+                    }
+                }
+                Some(_) => {}
+                None => {
+                    return Err(self.err(format!(
+                        "{} of {total} publishes unacknowledged after 30 s",
+                        total - acked
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn subscribe(&mut self, filter: &str) -> Result<(), FleetError> {
+        self.client
+            .subscribe(filter, QoS::AtLeastOnce)
+            .map_err(|e| self.client_err(e))?;
+        // Wait for the SubAck: retained messages follow it.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some(Event::Incoming(Packet::SubAck(_))) =
+                self.next(Duration::from_millis(200))?
+            {
+                return Ok(());
+            }
+        }
+        Err(self.err(format!("no SubAck for {filter}")))
+    }
+
+    /// The next publish received within `timeout`.
+    pub fn recv(&mut self, timeout: Duration) -> Result<Option<(String, Vec<u8>)>, FleetError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(m) = self.backlog.pop_front() {
+                return Ok(Some(m));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            self.next(left.min(Duration::from_millis(200)))?;
+        }
+    }
+
+    /// Retained messages under `filter`: everything that arrives until `quiet` passes without one.
+    pub fn retained(
+        &mut self,
+        filter: &str,
+        quiet: Duration,
+    ) -> Result<BTreeMap<String, Vec<u8>>, FleetError> {
+        self.subscribe(filter)?;
+        let mut out = BTreeMap::new();
+        while let Some((t, p)) = self.recv(quiet)? {
+            out.insert(t, p);
+        }
+        self.client
+            .unsubscribe(filter)
+            .map_err(|e| self.client_err(e))?;
+        Ok(out)
+    }
+
+    pub fn disconnect(self) {
+        let _ = self.client.disconnect();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < deadline {
+            match self.events.recv_timeout(Duration::from_millis(200)) {
+                Ok(Ok(Event::Outgoing(Outgoing::Disconnect))) | Ok(Err(_)) | Err(_) => break,
+                _ => {}
+            }
+        }
+    }
+}

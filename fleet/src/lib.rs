@@ -1,0 +1,60 @@
+//! Kestrel fleet operations: the cloud side of the MQTT protocol ([`kestrel_shared::protocol`]).
+//!
+//! - [`conn`]: a blocking MQTT client ([`Conn`]) whose publishes wait for the broker's
+//!   acknowledgement.
+//! - [`bundle`]: an exported artifact checked, signed and cut into chunks ([`Bundle`]).
+//! - [`publish`]: publishing an artifact and a signed desired state (`trainer publish`).
+//! - [`status`]: the fleet's retained statuses, or waiting for a device (`trainer status`).
+//! - [`infer`]: inference requests to a device and their replies (`trainer infer`).
+//! - [`rollout`]: staged rollouts: a sans-IO controller and its MQTT driver (`trainer rollout`).
+//!
+//! The embedded broker is the separate `kestrel-broker` package (`fleet/broker/`), so that
+//! rumqttd is built only into that binary. This crate needs no ML: it depends on
+//! `kestrel-models` without its candle and ONNX Runtime features (for artifact checks only).
+
+pub mod bundle;
+pub mod conn;
+pub mod infer;
+pub mod publish;
+pub mod rollout;
+pub mod status;
+
+pub use bundle::Bundle;
+pub use conn::Conn;
+pub use infer::infer;
+pub use publish::{Published, current_desired, publish};
+pub use status::{statuses, wait_status};
+
+use kestrel_models::artifact;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    /// The broker could not be reached, or the connection failed.
+    #[error("broker {url}: {reason}")]
+    Broker { url: String, reason: String },
+    /// The operation was refused (versions, names, plans) or its condition was not met.
+    #[error("{0}")]
+    Refused(String),
+    #[error(transparent)]
+    Artifact(#[from] artifact::ArtifactError),
+    #[error(transparent)]
+    Protocol(#[from] kestrel_shared::protocol::ProtocolError),
+    #[error(transparent)]
+    Config(#[from] kestrel_shared::mqtt::BrokerError),
+    #[error("{path}: {reason}")]
+    Io { path: String, reason: String },
+}
+
+/// A progress bar on stderr (hidden when stderr is not a terminal).
+pub fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
+    let pb = indicatif::ProgressBar::new(len);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg:>12} [{bar:30}] {pos}/{len} {per_sec} eta {eta}",
+        )
+        .expect("template")
+        .progress_chars("=> "),
+    );
+    pb.set_message(what.to_string());
+    pb
+}

@@ -1,0 +1,100 @@
+//! `trainer publish`: an artifact's retained chunks and signed offer, then a signed desired state.
+
+use std::time::{Duration, Instant};
+
+use ed25519_dalek::SigningKey;
+use kestrel_shared::mqtt::BrokerConfig;
+use kestrel_shared::now_unix;
+use kestrel_shared::protocol::{ArtifactOffer, Desired, SignedDesired, Target, parse};
+use serde::Serialize;
+
+use crate::{Bundle, Conn, FleetError};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Published {
+    pub name: String,
+    pub version: u64,
+    pub target: String,
+    pub chunks: usize,
+    pub bytes: u64,
+    /// The target's desired version before this publish, if any.
+    pub replaced: Option<u64>,
+    pub seconds: f64,
+}
+
+/// The desired state currently retained for `target`, if any (signature not checked: this is
+/// the publisher's own record).
+pub fn current_desired(conn: &mut Conn, target: &Target) -> Result<Option<Desired>, FleetError> {
+    let topic = conn.topics.desired(target);
+    let retained = conn.retained(&topic, Duration::from_millis(400))?;
+    Ok(match retained.get(&topic) {
+        Some(p) if !p.is_empty() => {
+            let s: SignedDesired = parse(&topic, p)?;
+            Some(parse(&topic, s.body.as_bytes())?)
+        }
+        _ => None,
+    })
+}
+
+/// `trainer publish`: the artifact's chunks and signed offer (retained), then the signed desired
+/// state of `target`. Versions only go up unless `rollback`; a version, once published, cannot
+/// be published again with other content.
+pub fn publish(
+    cfg: &BrokerConfig,
+    bundle: &Bundle,
+    key: &SigningKey,
+    target: &Target,
+    rollback: bool,
+    rollout: Option<String>,
+) -> Result<Published, FleetError> {
+    let start = Instant::now();
+    let mut conn = Conn::connect(cfg, "publish")?;
+    let (name, version) = (bundle.offer.name.clone(), bundle.offer.version);
+    let current = current_desired(&mut conn, target)?;
+    if let Some(c) = &current
+        && version < c.version
+        && !rollback
+    {
+        return Err(FleetError::Refused(format!(
+            "{target} is at v{} ({}); publishing the older v{version} needs --rollback",
+            c.version, c.name
+        )));
+    }
+    let offer_topic = conn.topics.artifact_manifest(&name, version);
+    if let Some(p) = conn
+        .retained(&offer_topic, Duration::from_millis(300))?
+        .get(&offer_topic)
+        && !p.is_empty()
+    {
+        let old: ArtifactOffer = parse(&offer_topic, p)?;
+        if old.manifest != bundle.offer.manifest {
+            return Err(FleetError::Refused(format!(
+                "{name} v{version} is already published with other content; versions are immutable (export with a new --model-version)"
+            )));
+        }
+    }
+    let msgs = bundle.messages(&conn.topics);
+    let pb = crate::progress(msgs.len() as u64 + 1, "publish");
+    conn.publish_all(msgs, Some(&pb))?;
+    let desired = Desired {
+        target: target.clone(),
+        name: name.clone(),
+        version,
+        rollback,
+        issued: now_unix(),
+        rollout,
+    };
+    let d = serde_json::to_vec(&SignedDesired::new(key, &desired)).expect("serializable");
+    conn.publish_all(vec![(conn.topics.desired(target), d, true)], Some(&pb))?;
+    pb.finish_and_clear();
+    conn.disconnect();
+    Ok(Published {
+        name,
+        version,
+        target: target.to_string(),
+        chunks: bundle.chunks.len(),
+        bytes: bundle.offer.total_bytes,
+        replaced: current.map(|c| c.version),
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}

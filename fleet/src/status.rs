@@ -1,0 +1,87 @@
+//! Device status: the retained statuses of the fleet, or waiting for one device to reach a state.
+
+use std::time::{Duration, Instant};
+
+use kestrel_shared::mqtt::BrokerConfig;
+use kestrel_shared::protocol::{Status, parse};
+
+use crate::{Conn, FleetError};
+
+/// Retained status of every device (or of one).
+pub fn statuses(cfg: &BrokerConfig, device: Option<&str>) -> Result<Vec<Status>, FleetError> {
+    let mut conn = Conn::connect(cfg, "status")?;
+    let filter = match device {
+        Some(d) => conn.topics.status(d),
+        None => conn.topics.status_filter(),
+    };
+    let out = retained(&mut conn, &filter, Duration::from_millis(400))?;
+    conn.disconnect();
+    Ok(out)
+}
+
+/// The retained statuses under `filter` (see [`Conn::retained`]); cleared ones are skipped.
+pub(crate) fn retained(
+    conn: &mut Conn,
+    filter: &str,
+    quiet: Duration,
+) -> Result<Vec<Status>, FleetError> {
+    conn.retained(filter, quiet)?
+        .iter()
+        .filter(|(_, p)| !p.is_empty())
+        .map(|(t, p)| Ok(parse(t, p)?))
+        .collect()
+}
+
+/// Waits until `device`'s status satisfies `done` (or `timeout`); returns the last status seen.
+pub fn wait_status(
+    cfg: &BrokerConfig,
+    device: &str,
+    timeout: Duration,
+    done: impl Fn(&Status) -> bool,
+) -> Result<Status, FleetError> {
+    let deadline = Instant::now() + timeout;
+    let mut last: Option<Status> = None;
+    // A dropped connection is re-established: the retained status is delivered again on
+    // subscribing.
+    let mut first = true;
+    while Instant::now() < deadline {
+        let mut conn = match Conn::connect(cfg, "wait") {
+            Ok(c) => c,
+            Err(e) if first => return Err(e),
+            Err(_) => {
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            }
+        };
+        first = false;
+        let topic = conn.topics.status(device);
+        if let Err(e) = conn.subscribe(&topic) {
+            eprintln!("{e}; reconnecting");
+            continue;
+        }
+        loop {
+            match conn.recv(deadline.saturating_duration_since(Instant::now())) {
+                Ok(Some((t, p))) if t == topic && !p.is_empty() => {
+                    let s: Status = parse(&t, &p)?;
+                    if done(&s) {
+                        conn.disconnect();
+                        return Ok(s);
+                    }
+                    last = Some(s);
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(FleetError::Broker { reason, .. }) => {
+                    eprintln!("{}: {reason}; reconnecting", cfg.url);
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Err(FleetError::Refused(format!(
+        "device {device}: condition not met within {timeout:?}; last status: {}",
+        last.map_or("none".into(), |s| serde_json::to_string(&s)
+            .unwrap_or_default())
+    )))
+}

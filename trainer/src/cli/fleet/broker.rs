@@ -1,0 +1,69 @@
+//! `trainer broker`: the embedded MQTT broker.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Command, ExitCode};
+
+use anyhow::{Context, Result, bail};
+
+/// The executable that runs the broker, in the trainer executable's directory.
+pub const BROKER_EXE: &str = "kestrel-broker";
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Address to listen on (MQTT 3.1.1, plain TCP).
+    #[arg(long, default_value = "127.0.0.1:1883")]
+    listen: SocketAddr,
+    /// Largest message payload accepted (must exceed the publisher's chunk size).
+    #[arg(long, default_value_t = 1 << 20)]
+    max_payload_bytes: usize,
+}
+
+/// Runs the `kestrel-broker` binary found next to this executable, with the same flags.
+///
+/// The broker (rumqttd) is a binary of its own so that rumqttd and its dependencies stay out of
+/// the trainer's build; the workspace build (`cargo build --release --workspace --bins`) puts both
+/// in one directory. On Unix it replaces this process (exec), so the PID stays the broker's:
+/// scripts and tests that start `trainer broker` and later kill that PID stop the broker.
+pub fn run(args: Args) -> Result<ExitCode> {
+    let exe = broker_exe()?;
+    let mut cmd = Command::new(&exe);
+    cmd.arg("--listen")
+        .arg(args.listen.to_string())
+        .arg("--max-payload-bytes")
+        .arg(args.max_payload_bytes.to_string());
+    exec(cmd).with_context(|| format!("running {}", exe.display()))
+}
+
+fn broker_exe() -> Result<PathBuf> {
+    let me = std::env::current_exe().context("locating the trainer executable")?;
+    let exe = me
+        .parent()
+        .context("the trainer executable has no directory")?
+        .join(format!("{BROKER_EXE}{}", std::env::consts::EXE_SUFFIX));
+    if !exe.is_file() {
+        bail!(
+            "the embedded broker is the separate binary {BROKER_EXE}, expected at {} (beside the \
+             trainer): build it with `cargo build --release --workspace --bins` (or `-p kestrel-broker`)",
+            exe.display()
+        );
+    }
+    Ok(exe)
+}
+
+#[cfg(unix)]
+fn exec(mut cmd: Command) -> Result<ExitCode> {
+    use std::os::unix::process::CommandExt;
+    // Only returns on failure.
+    Err(cmd.exec().into())
+}
+
+#[cfg(not(unix))]
+fn exec(mut cmd: Command) -> Result<ExitCode> {
+    let status = cmd.status()?;
+    Ok(if status.success() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

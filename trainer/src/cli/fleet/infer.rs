@@ -1,0 +1,165 @@
+//! `trainer infer`: images classified on a device over MQTT; for a labelled table (`--data`,
+//! optionally only the images a run held out) also accuracy and a confusion matrix.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use kestrel_fleet::infer::{Image, Outcome};
+use kestrel_shared::protocol::InferReply;
+use kestrel_trainer::data::Split;
+use kestrel_trainer::train::{SPLIT_FILE, SplitRecord};
+
+use super::BrokerArgs;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    broker: BrokerArgs,
+    /// The device to send the images to.
+    #[arg(long)]
+    device: String,
+    /// Image table (ImageFolder dir, CSV or Parquet); its labels are compared with the replies.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Only the images of --data that a run held out for testing (its split.json).
+    #[arg(long, requires = "data")]
+    held_out: Option<PathBuf>,
+    /// Requests outstanding at once.
+    #[arg(long, default_value_t = 8)]
+    window: usize,
+    /// Seconds without any reply before giving up on the rest.
+    #[arg(long, default_value_t = 60)]
+    timeout: u64,
+    /// One JSON line per reply, then one summary line.
+    #[arg(long)]
+    json: bool,
+    /// Image files to classify (after those of --data).
+    images: Vec<PathBuf>,
+}
+
+pub fn run(args: Args) -> Result<ExitCode> {
+    let mut images = match &args.data {
+        Some(path) => table_images(path, args.held_out.as_deref())?,
+        None => Vec::new(),
+    };
+    for p in &args.images {
+        let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
+        images.push(Image {
+            name: p.display().to_string(),
+            bytes,
+            label: None,
+        });
+    }
+    if images.is_empty() {
+        bail!("no images: pass image files or --data TABLE");
+    }
+    let timeout = Duration::from_secs(args.timeout);
+    let out = kestrel_fleet::infer::classify(
+        &args.broker.config(),
+        &args.device,
+        &images,
+        args.window,
+        timeout,
+    )?;
+    for (img, r) in images.iter().zip(&out.replies) {
+        print_reply(&img.name, r, args.json);
+    }
+    print_summary(&out, args.json)?;
+    Ok(if out.summary.errors > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// A table's images with their labels, or only those the run in `held_out` kept for testing.
+fn table_images(path: &Path, held_out: Option<&Path>) -> Result<Vec<Image>> {
+    let ds = kestrel_trainer::data::load(path, &Default::default())?;
+    let keep = held_out.map(test_split).transpose()?;
+    let out: Vec<Image> = ds
+        .samples
+        .into_iter()
+        .filter(|s| {
+            keep.as_ref()
+                .is_none_or(|k| k.contains(&kestrel_shared::protocol::sha256_hex(&s.bytes)))
+        })
+        .map(|s| Image {
+            name: s.id,
+            bytes: s.bytes,
+            label: Some(ds.labels[s.label].clone()),
+        })
+        .collect();
+    if out.is_empty() {
+        let what = if held_out.is_some() {
+            " held out by that run"
+        } else {
+            ""
+        };
+        bail!("{}: no images{what}", path.display());
+    }
+    Ok(out)
+}
+
+/// The sha256 of every image a run held out for testing (its split file).
+fn test_split(run: &Path) -> Result<HashSet<String>> {
+    let p = run.join(SPLIT_FILE);
+    let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+    let recs: Vec<SplitRecord> =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
+    Ok(recs
+        .into_iter()
+        .filter(|r| r.split == Split::Test)
+        .map(|r| r.sha256)
+        .collect())
+}
+
+fn print_reply(name: &str, r: &InferReply, json: bool) {
+    match (&r.prediction, &r.error, json) {
+        (Some(p), _, true) => println!(
+            "{}",
+            serde_json::json!({"image": name, "request": r.request, "prediction": p})
+        ),
+        (Some(p), _, false) => {
+            let top = p
+                .top
+                .first()
+                .map_or("-".into(), |c| format!("{} ({:.3})", c.label, c.score));
+            println!("{name}: {top}  [v{} {:.1} ms]", p.version, p.latency_ms);
+        }
+        (None, e, true) => println!(
+            "{}",
+            serde_json::json!({"image": name, "request": r.request, "error": e.clone().unwrap_or_default()})
+        ),
+        (None, e, false) => eprintln!("error: {name}: {}", e.as_deref().unwrap_or_default()),
+    }
+}
+
+/// The evaluation (labelled tables) and the summary line.
+fn print_summary(out: &Outcome, json: bool) -> Result<()> {
+    let s = &out.summary;
+    let mut summary = serde_json::to_value(s)?;
+    if let Some(l) = &out.labelled {
+        let e = kestrel_trainer::report::evaluate(&l.predicted, &l.truth, &l.labels, None);
+        if !json {
+            println!("{}", e.to_table());
+        }
+        summary["evaluation"] = serde_json::to_value(&e)?;
+    }
+    if json {
+        println!("{summary}");
+    } else {
+        println!(
+            "{} requests to {} in {:.1} s: {} errors, device latency p50 {:.1} ms, p95 {:.1} ms",
+            s.requests,
+            s.device,
+            s.seconds,
+            s.errors,
+            s.device_latency_p50_ms,
+            s.device_latency_p95_ms
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,86 @@
+//! The trainer binary's fleet commands, one file per command: `broker`, `publish`, `status`,
+//! `rollout`, `infer`. Each has its `Args`, one `run` and its output formatting; the operations
+//! themselves are in the `kestrel_fleet` crate (the broker in the `kestrel-broker` binary).
+
+pub mod broker;
+pub mod infer;
+pub mod publish;
+pub mod rollout;
+pub mod status;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::Subcommand;
+use kestrel_shared::mqtt::BrokerConfig;
+use kestrel_shared::protocol::DEFAULT_PREFIX;
+
+/// How to reach the broker: the flags every MQTT command shares.
+#[derive(clap::Args, Clone)]
+pub struct BrokerArgs {
+    /// Broker: mqtt://HOST:PORT, or mqtts://HOST:PORT with --ca-file.
+    #[arg(long, env = "KESTREL_BROKER", default_value = "mqtt://127.0.0.1:1883")]
+    broker: String,
+    /// Topic prefix.
+    #[arg(long, default_value = DEFAULT_PREFIX)]
+    prefix: String,
+    /// User name to log in to the broker with (with --password-file).
+    #[arg(long)]
+    username: Option<String>,
+    /// File holding the broker password (first line); needs --username.
+    #[arg(long, requires = "username")]
+    password_file: Option<PathBuf>,
+    /// CA certificate(s) (PEM) the broker's TLS certificate must chain to.
+    #[arg(long)]
+    ca_file: Option<PathBuf>,
+}
+
+impl BrokerArgs {
+    pub fn config(&self) -> BrokerConfig {
+        let mut c = BrokerConfig::new(&self.broker);
+        c.prefix = self.prefix.clone();
+        c.username = self.username.clone();
+        c.password_file = self.password_file.clone();
+        c.ca_file = self.ca_file.clone();
+        c
+    }
+}
+
+#[derive(Subcommand)]
+pub enum FleetCmd {
+    /// Run an MQTT broker in-process (rumqttd; nothing kept on disk): the one-machine default.
+    Broker(broker::Args),
+    /// Publish a signed artifact (retained chunks + offer) and make it the desired model of a
+    /// device or group. Versions only go up unless --rollback.
+    Publish(publish::Args),
+    /// Show devices' retained status, or wait for a device to reach a state.
+    Status(status::Args),
+    /// Staged rollout of a signed artifact across the fleet (phases, thresholds, abort and roll
+    /// back); `trainer rollout status` shows one. A restarted rollout resumes from the broker.
+    #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+    Rollout(rollout::Args),
+    /// Classify images on a device over MQTT: files, or a whole labelled table (--data) with
+    /// accuracy and a confusion matrix.
+    Infer(infer::Args),
+}
+
+pub fn run(cmd: FleetCmd) -> Result<ExitCode> {
+    match cmd {
+        FleetCmd::Broker(args) => broker::run(args),
+        FleetCmd::Publish(args) => publish::run(args),
+        FleetCmd::Status(args) => status::run(args),
+        FleetCmd::Rollout(args) => rollout::run(args),
+        FleetCmd::Infer(args) => infer::run(args),
+    }
+}
+
+/// The signing key in a `trainer keygen` secret key file.
+pub fn secret_key(path: &Path) -> Result<ed25519_dalek::SigningKey> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(kestrel_shared::signing::secret_key(
+        &text,
+        &path.display().to_string(),
+    )?)
+}

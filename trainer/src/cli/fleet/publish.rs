@@ -1,0 +1,69 @@
+//! `trainer publish`: a signed artifact made the desired model of a device or group.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use kestrel_fleet::{Bundle, Published};
+use kestrel_shared::protocol::{DEFAULT_CHUNK_BYTES, Target};
+
+use super::{BrokerArgs, secret_key};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    broker: BrokerArgs,
+    /// Exported artifact directory.
+    #[arg(long)]
+    artifact: PathBuf,
+    /// Secret key from `trainer keygen`; signs the manifest and the desired state.
+    #[arg(long)]
+    key: PathBuf,
+    /// device/<id> or group/<name>.
+    #[arg(long)]
+    target: Target,
+    /// Allow a version older than the target's current desired one.
+    #[arg(long)]
+    rollback: bool,
+    /// Chunk size of the delivery, in bytes.
+    #[arg(long, default_value_t = DEFAULT_CHUNK_BYTES)]
+    chunk_bytes: usize,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: Args) -> Result<ExitCode> {
+    let sk = secret_key(&args.key)?;
+    let bundle = Bundle::from_dir(&args.artifact, &sk, args.chunk_bytes)
+        .with_context(|| format!("artifact {}", args.artifact.display()))?;
+    let p = kestrel_fleet::publish(
+        &args.broker.config(),
+        &bundle,
+        &sk,
+        &args.target,
+        args.rollback,
+        None,
+    )?;
+    if args.json {
+        println!("{}", serde_json::to_string(&p)?);
+    } else {
+        println!("{}", line(&p));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn line(p: &Published) -> String {
+    format!(
+        "published {} v{} to {} ({} chunks, {:.1} MB{}) in {:.1} s",
+        p.name,
+        p.version,
+        p.target,
+        p.chunks,
+        p.bytes as f64 / 1e6,
+        p.replaced
+            .map(|v| format!(", was v{v}"))
+            .unwrap_or_default(),
+        p.seconds
+    )
+}

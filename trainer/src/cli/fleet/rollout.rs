@@ -1,0 +1,108 @@
+//! `trainer rollout`: a staged rollout across the fleet; `trainer rollout status`: one's state.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Subcommand;
+use kestrel_fleet::Bundle;
+use kestrel_fleet::rollout::{Controller, Plan, RolloutState, driver};
+use kestrel_shared::protocol::DEFAULT_CHUNK_BYTES;
+
+use super::{BrokerArgs, secret_key};
+
+/// The flags of a rollout (required unless the `status` subcommand is given).
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    status: Option<RolloutCmd>,
+    #[command(flatten)]
+    broker: BrokerArgs,
+    /// Exported artifact directory.
+    #[arg(long, required = true)]
+    artifact: Option<PathBuf>,
+    /// Secret key from `trainer keygen`.
+    #[arg(long, required = true)]
+    key: Option<PathBuf>,
+    /// Rollout plan (TOML): [[phases]] with group or percent, success, failure or
+    /// max_failures, timeout_s, soak_s; optional name and devices.
+    #[arg(long, required = true)]
+    fleet: Option<PathBuf>,
+    /// Chunk size of the delivery, in bytes.
+    #[arg(long, default_value_t = DEFAULT_CHUNK_BYTES)]
+    chunk_bytes: usize,
+    /// Print the final state as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+pub enum RolloutCmd {
+    /// A rollout's state: devices per phase and state (from the broker).
+    Status(StatusArgs),
+}
+
+#[derive(clap::Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    broker: BrokerArgs,
+    /// Rollout name (fleet.toml's name, default <model>-v<version>).
+    #[arg(long)]
+    name: String,
+    /// Keep printing the table as it changes, until the rollout ends.
+    #[arg(long)]
+    follow: bool,
+    /// Print the state as JSON (one object per change with --follow).
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: Args) -> Result<ExitCode> {
+    if let Some(RolloutCmd::Status(s)) = args.status {
+        return status(s);
+    }
+    let (Some(artifact), Some(key), Some(plan_path)) = (args.artifact, args.key, args.fleet) else {
+        unreachable!("clap requires --artifact, --key and --fleet without a subcommand")
+    };
+    let text = std::fs::read_to_string(&plan_path)
+        .with_context(|| format!("reading {}", plan_path.display()))?;
+    let plan = Plan::parse(&text, &plan_path.display().to_string())?;
+    let sk = secret_key(&key)?;
+    let bundle = Bundle::from_dir(&artifact, &sk, args.chunk_bytes)
+        .with_context(|| format!("artifact {}", artifact.display()))?;
+    let start = Instant::now();
+    let c = driver::run(&args.broker.config(), &bundle, &sk, plan, &mut |l| {
+        eprintln!("{l}")
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string(&c)?);
+    } else {
+        print!("{}", driver::table(&c));
+    }
+    eprintln!(
+        "rollout {} ended after {:.1} s",
+        c.name,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(if c.state == RolloutState::Completed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn status(args: StatusArgs) -> Result<ExitCode> {
+    let cfg = args.broker.config();
+    let mut show = |c: &Controller| {
+        if args.json {
+            println!("{}", serde_json::to_string(c).expect("serializable"));
+        } else {
+            println!("{}", driver::table(c));
+        }
+    };
+    if driver::watch(&cfg, &args.name, args.follow, &mut show)?.is_none() {
+        bail!("no rollout named {} on {}", args.name, cfg.url);
+    }
+    Ok(ExitCode::SUCCESS)
+}
