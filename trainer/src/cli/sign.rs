@@ -13,7 +13,7 @@ pub struct Args {
     /// Exported artifact directory.
     #[arg(long, value_name = "ART_DIR")]
     artifact: PathBuf,
-    /// Secret key file written by `trainer keygen`.
+    /// Secret key file written by `trainer keygen` (signs manifests and desired states).
     #[arg(long)]
     key: PathBuf,
 }

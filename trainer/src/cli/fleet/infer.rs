@@ -9,28 +9,29 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use kestrel_fleet::infer::{Image, Outcome};
 use kestrel_shared::protocol::InferReply;
-use kestrel_trainer::data::Split;
+use kestrel_trainer::data::{SourceOpts, Split};
 use kestrel_trainer::train::{SPLIT_FILE, SplitRecord};
 
 use super::BrokerArgs;
+use crate::cli::args::TableArgs;
 
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
     broker: BrokerArgs,
-    /// The device to send the images to.
+    /// Device id (as in its agent.toml).
     #[arg(long)]
     device: String,
-    /// Image table (ImageFolder dir, CSV or Parquet); its labels are compared with the replies.
-    #[arg(long)]
-    data: Option<PathBuf>,
+    /// A labelled table whose images are sent; its labels are compared with the replies.
+    #[command(flatten)]
+    table: TableArgs,
     /// Only the images of --data that a run held out for testing (its split.json).
     #[arg(long, requires = "data")]
     held_out: Option<PathBuf>,
     /// Requests outstanding at once.
     #[arg(long, default_value_t = 8)]
     window: usize,
-    /// Seconds without any reply before giving up on the rest.
+    /// Seconds to wait for the device before giving up.
     #[arg(long, default_value_t = 60)]
     timeout: u64,
     /// One JSON line per reply, then one summary line.
@@ -41,8 +42,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    let mut images = match &args.data {
-        Some(path) => table_images(path, args.held_out.as_deref())?,
+    let mut images = match &args.table.data {
+        Some(path) => table_images(path, &args.table.source(), args.held_out.as_deref())?,
         None => Vec::new(),
     };
     for p in &args.images {
@@ -76,8 +77,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
 }
 
 /// A table's images with their labels, or only those the run in `held_out` kept for testing.
-fn table_images(path: &Path, held_out: Option<&Path>) -> Result<Vec<Image>> {
-    let ds = kestrel_trainer::data::load(path, &Default::default())?;
+fn table_images(path: &Path, source: &SourceOpts, held_out: Option<&Path>) -> Result<Vec<Image>> {
+    let ds = kestrel_trainer::data::load(path, source)?;
     let keep = held_out.map(test_split).transpose()?;
     let out: Vec<Image> = ds
         .samples

@@ -16,7 +16,7 @@ pub struct Args {
     /// Exported artifact directory.
     #[arg(long)]
     artifact: PathBuf,
-    /// Secret key from `trainer keygen`; signs the manifest and the desired state.
+    /// Secret key file written by `trainer keygen` (signs manifests and desired states).
     #[arg(long)]
     key: PathBuf,
     /// device/<id> or group/<name>.

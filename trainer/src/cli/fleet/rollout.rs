@@ -22,7 +22,7 @@ pub struct Args {
     /// Exported artifact directory.
     #[arg(long, required = true)]
     artifact: Option<PathBuf>,
-    /// Secret key from `trainer keygen`.
+    /// Secret key file written by `trainer keygen` (signs manifests and desired states).
     #[arg(long, required = true)]
     key: Option<PathBuf>,
     /// Rollout plan (TOML): [[phases]] with group or percent, success, failure or

@@ -12,7 +12,7 @@ use super::BrokerArgs;
 pub struct Args {
     #[command(flatten)]
     broker: BrokerArgs,
-    /// One device [default: all].
+    /// Device id (as in its agent.toml) [default: every device].
     #[arg(long)]
     device: Option<String>,
     /// Wait until --device reports this version active and idle (exit 1 on timeout).
@@ -21,7 +21,7 @@ pub struct Args {
     /// Wait until --device reports this error text in last_error (exit 1 on timeout).
     #[arg(long, requires = "device", conflicts_with = "wait_active")]
     wait_error: Option<String>,
-    /// Seconds to wait.
+    /// Seconds to wait for the device before giving up.
     #[arg(long, default_value_t = 120)]
     timeout: u64,
     /// One JSON object per device.
