@@ -97,6 +97,29 @@ done
 echo "(tract runs the static int8 QDQ graph in float with extra Q/DQ work: slower than f32 here, as measured above.)"
 
 echo
+echo "# Edge agent, batch 1 (one image per request, as on the device): tract with 1 and 2 threads"
+echo "# (matrix products on a tract multithread-mm pool), p50 over the 200 LFW images of edge-agent predict's"
+echo "# latency_ms (decode + preprocess + inference); ONNX Runtime's batch-1 latency (inference only) beside it"
+printf '%-14s%14s%14s%10s%12s%12s\n' form "tract 1t p50" "tract 2t p50" speedup "ort 1t ms" "ort 2t ms"
+lfw_all=("$KESTREL_HOME"/datasets/lfw/imagefolder/*/*.png)
+for form in none int8-weights; do
+  for t in 1 2; do
+    "$KESTREL_BIN/edge-agent" --threads "$t" predict --model "$work/art-$form" --json --top-k 1 "${lfw_all[@]}" \
+      > "$work/edge-$form-$t.jsonl"
+    "$trainer" --threads "$t" latency --model "$work/art-$form/model.onnx" --engine ort --json \
+      "$KESTREL_HOME/photos/coffee.png" > "$work/ort-$form-$t.json"
+  done
+  python3 - "$form" "$work" <<'PY'
+import json, statistics, sys
+form, w = sys.argv[1:]
+p50 = lambda t: statistics.median(json.loads(l)["latency_ms"] for l in open(f"{w}/edge-{form}-{t}.jsonl"))
+ort = lambda t: json.load(open(f"{w}/ort-{form}-{t}.json"))["ms"]
+a, b = p50(1), p50(2)
+print(f"{form:<14}{a:>12.1f}ms{b:>12.1f}ms{a / b:>9.2f}x{ort(1):>10.1f}ms{ort(2):>10.1f}ms")
+PY
+done
+
+echo
 echo "# Edge over MQTT: embedded rumqttd, one agent (tract, 1 thread), the int8-weights LFW artifact above"
 pids=()
 trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"' EXIT

@@ -1,33 +1,201 @@
 #!/usr/bin/env bash
-# Cross-builds edge-agent for the Raspberry Pi targets with `cross` (Docker or Podman required).
-# Before building, checks each target's dependency tree for crates that break cross builds or
-# drag in C/C++ (OpenSSL, aws-lc, native-tls, cxx, other -sys crates).
-#   scripts/build-edge.sh [TARGET...]   default: aarch64-unknown-linux-gnu armv7-unknown-linux-gnueabihf
+# Builds the edge agent for the Raspberry Pi and packages it:
+#   dist/edge-agent-aarch64   aarch64-unknown-linux-gnu      (Pi 3/4/5, 64-bit OS)
+#   dist/edge-agent-armv7     armv7-unknown-linux-gnueabihf  (Pi 2/3/4, 32-bit OS)
+#   dist/kestrel-agent_<version>_{arm64,armhf}.deb, dist/SHA256SUMS
+#
+#   scripts/build-edge.sh [--no-deb] [TARGET...]     default: both targets
+#
+# Before building, checks each target's dependency tree for crates that break cross builds or drag in
+# C/C++ (OpenSSL, aws-lc, native-tls, cxx, other -sys crates). The binaries use `--profile edge`
+# (root Cargo.toml: fat LTO, one codegen unit, panic=abort, opt-level s except tract) and are stripped.
+#
+# Toolchain, per target (KESTREL_EDGE_TOOLCHAIN=auto|cross|debian|rustup, default auto = the first that works):
+#   cross   `cross` with Docker or Podman answering (Cross.toml; the documented path for users)
+#   debian  Debian 12's rustc-web (pinned below) with libstd-rust-web-dev:<arch>, the cross gcc as linker;
+#           installed by this script (apt, needs root or sudo), selected per command with RUSTC=/usr/bin/rustc
+#   rustup  rustup's toolchain with `rustup target add`, the same cross gcc as linker: used when apt cannot
+#           provide the pinned standard library (another point release replaced it, or the mirror's index for
+#           that architecture is broken, as bookworm-security's armhf index was on 2026-11-30)
+# Each target builds in its own $KESTREL_HOME/target-<arch> (outside the clone, so CI reuses it; another
+# compiler would invalidate the host build's artifacts).
+# KESTREL_EDGE_MAX_BYTES: size budget of the stripped aarch64 binary (default 12000000), checked.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
 cd "$here/.."
-targets=("$@")
+
+# Debian 12 (bookworm-security) Rust for Firefox builds: rustc and the target standard libraries must be
+# the very same version.
+RUSTC_WEB_VERSION="${RUSTC_WEB_VERSION:-1.96.0+dfsg1-1~deb12u2}"
+max_bytes="${KESTREL_EDGE_MAX_BYTES:-12000000}"
+toolchain="${KESTREL_EDGE_TOOLCHAIN:-auto}"
+
+deb=1
+targets=()
+for a in "$@"; do
+  case "$a" in
+    --no-deb) deb=0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    *) targets+=("$a") ;;
+  esac
+done
 [ ${#targets[@]} -eq 0 ] && targets=(aarch64-unknown-linux-gnu armv7-unknown-linux-gnueabihf)
+
+# target -> short name, Debian architecture, GNU triple of the cross gcc
+short_of() { case "$1" in aarch64-*) echo aarch64 ;; armv7-*) echo armv7 ;; *) echo "unsupported target $1" >&2; return 1 ;; esac; }
+debarch_of() { case "$1" in aarch64-*) echo arm64 ;; armv7-*) echo armhf ;; esac; }
+gnu_of() { case "$1" in aarch64-*) echo aarch64-linux-gnu ;; armv7-*) echo arm-linux-gnueabihf ;; esac; }
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo -n "$@"; fi; }
+apt_updated=0
+apt_update() {
+  # An index that fails to download (e.g. a mirror mid-sync) is reported by apt but is not fatal here:
+  # whether the packages needed are available is checked afterwards.
+  [ $apt_updated -eq 1 ] && return 0
+  as_root apt-get update -qq >&2 || log "apt-get update reported errors (continuing; availability is checked per package)"
+  apt_updated=1
+}
+# Installs the packages (name or name=version) that are not installed yet.
+apt_ensure() {
+  local need=() p name ver
+  for p in "$@"; do
+    name="${p%%=*}"; ver=""; [ "$name" != "$p" ] && ver="${p#*=}"
+    if [ -n "$ver" ]; then
+      [ "$(dpkg-query -W -f='${Version}' "$name" 2>/dev/null || true)" = "$ver" ] || need+=("$p")
+    else
+      dpkg-query -W -f='${Status}' "$name" 2>/dev/null | grep -q 'ok installed' || need+=("$p")
+    fi
+  done
+  [ ${#need[@]} -eq 0 ] && return 0
+  log "installing ${need[*]}"
+  apt_update
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2
+}
+
+container_engine() {
+  command -v docker >/dev/null 2>&1 && timeout 10 docker info >/dev/null 2>&1 && return 0
+  command -v podman >/dev/null 2>&1 && timeout 10 podman info >/dev/null 2>&1 && return 0
+  return 1
+}
+
+# Makes the Debian toolchain for target $1 available; fails (status 1) when apt cannot provide it.
+debian_ready() {
+  local t="$1" arch gnu
+  arch=$(debarch_of "$t"); gnu=$(gnu_of "$t")
+  command -v apt-get >/dev/null 2>&1 || return 1
+  if [ "$(dpkg-query -W -f='${Version}' "libstd-rust-web-dev:$arch" 2>/dev/null || true)" != "$RUSTC_WEB_VERSION" ]; then
+    local added=0
+    if ! dpkg --print-foreign-architectures | grep -qx "$arch"; then
+      as_root dpkg --add-architecture "$arch" && added=1
+      apt_updated=0
+    fi
+    apt_update
+    if ! apt-cache policy "libstd-rust-web-dev:$arch" 2>/dev/null | grep -qF "$RUSTC_WEB_VERSION"; then
+      log "$t: apt has no libstd-rust-web-dev:$arch $RUSTC_WEB_VERSION"
+      # Leave no foreign architecture behind whose index breaks everyone's `apt-get update`.
+      [ $added -eq 1 ] && as_root dpkg --remove-architecture "$arch" 2>/dev/null || true
+      return 1
+    fi
+  fi
+  apt_ensure "rustc-web=$RUSTC_WEB_VERSION" "libstd-rust-web-dev:$arch=$RUSTC_WEB_VERSION" \
+    "gcc-$gnu" "libc6-dev-$arch-cross" "binutils-$gnu" || return 1
+}
+
+rustup_ready() {
+  local t="$1" gnu
+  gnu=$(gnu_of "$t")
+  command -v rustup >/dev/null 2>&1 || return 1
+  rustup target list --installed 2>/dev/null | grep -qx "$t" || rustup target add "$t" >&2 || return 1
+  apt_ensure "gcc-$gnu" "libc6-dev-$(debarch_of "$t")-cross" "binutils-$gnu"
+}
+
+# Builds target $1 with toolchain $2; prints the path of the unstripped binary.
+build() {
+  local t="$1" how="$2" short gnu T dir
+  short=$(short_of "$t"); gnu=$(gnu_of "$t")
+  T=$(echo "$t" | tr 'a-z-' 'A-Z_')
+  dir="$KESTREL_HOME/target-$short"
+  local start=$SECONDS
+  case "$how" in
+    cross)
+      CARGO_TARGET_DIR="$dir" cross build --locked --profile edge -p edge-agent --target "$t" >&2 ;;
+    debian|rustup)
+      local rustc=/usr/bin/rustc
+      [ "$how" = rustup ] && rustc=$(rustup which rustc)
+      env RUSTC="$rustc" CARGO_TARGET_DIR="$dir" \
+        "CARGO_TARGET_${T}_LINKER=$gnu-gcc" "CC_${t//-/_}=$gnu-gcc" "AR_${t//-/_}=$gnu-ar" \
+        nice -n "${KESTREL_EDGE_NICE:-10}" cargo build --locked --profile edge -p edge-agent --target "$t" >&2 ;;
+  esac
+  log "$t: built with $how in $((SECONDS - start)) s"
+  echo "$dir/$t/edge/edge-agent"
+}
+
+strip_tool() {
+  local gnu="$1"
+  for s in "$gnu-strip" llvm-strip; do command -v "$s" >/dev/null 2>&1 && { echo "$s"; return; }; done
+  return 1
+}
+
+mkdir -p dist
 status=0
 for t in "${targets[@]}"; do
+  short=$(short_of "$t") || { status=1; continue; }
   bad=$(cargo tree --locked -p edge-agent --target "$t" -e normal,build --prefix none 2>/dev/null \
-        | awk '{print $1}' | sort -u | grep -E 'openssl|aws-lc|native-tls|^cxx|-sys$' | grep -vx 'linux-raw-sys' || true)
+        | awk '{print $1}' | sort -u | grep -E 'openssl|aws-lc|native-tls|^cxx|-sys$' | grep -vxE 'linux-raw-sys|openssl-probe' || true)
+  # (openssl-probe, from rustls-native-certs, only looks up certificate paths: no OpenSSL.)
   if [ -n "$bad" ]; then
     echo "edge-agent for $t depends on: $bad" >&2
     status=1
     continue
   fi
   log "$t: dependency tree is pure Rust"
-  if command -v cross >/dev/null 2>&1; then
-    cross build --release -p edge-agent --target "$t"
-    log "built target/$t/release/edge-agent"
-  elif rustup target list --installed 2>/dev/null | grep -qx "$t"; then
-    echo "cross is not installed; the $t standard library is, but a cross linker is also needed: install cross (cargo install cross) and Docker or Podman" >&2
+
+  how=""
+  for c in $([ "$toolchain" = auto ] && echo cross debian rustup || echo "$toolchain"); do
+    case "$c" in
+      cross) command -v cross >/dev/null 2>&1 && container_engine && how=cross ;;
+      debian) debian_ready "$t" && how=debian ;;
+      rustup) rustup_ready "$t" && how=rustup ;;
+      *) echo "KESTREL_EDGE_TOOLCHAIN=$c: expected auto, cross, debian or rustup" >&2; exit 2 ;;
+    esac
+    [ -n "$how" ] && break
+  done
+  if [ -z "$how" ]; then
+    echo "$t: no toolchain (tried: $toolchain): install cross with Docker or Podman, or run as root on Debian 12 for the Debian cross toolchain, or install rustup" >&2
     status=1
+    continue
+  fi
+
+  bin=$(build "$t" "$how") || { status=1; continue; }
+  out="dist/edge-agent-$short"
+  cp "$bin" "$out.tmp"
+  if s=$(strip_tool "$(gnu_of "$t")"); then
+    "$s" --strip-all "$out.tmp"
   else
-    echo "cross is not installed and the $t standard library is not either: nothing built for $t (install cross and Docker or Podman)" >&2
+    log "$t: no strip tool for $(gnu_of "$t") on the PATH: $out keeps its symbol table"
+  fi
+  chmod 0755 "$out.tmp"
+  mv "$out.tmp" "$out"
+  bytes=$(stat -c %s "$out")
+  log "$out: $bytes bytes ($(file -b "$out" | cut -d, -f1-2))"
+  if [ "$short" = aarch64 ] && [ "$bytes" -gt "$max_bytes" ]; then
+    echo "$out is $bytes bytes, over the budget of $max_bytes (KESTREL_EDGE_MAX_BYTES)" >&2
     status=1
   fi
+  if [ $deb -eq 1 ]; then
+    version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+    if command -v dpkg-deb >/dev/null 2>&1; then
+      edge-agent/deploy/build-deb.sh "$out" "$(debarch_of "$t")" "$version" dist >&2 || status=1
+    else
+      log "dpkg-deb is not installed: no .deb for $t"
+      status=1
+    fi
+  fi
 done
+
+# Checksums of everything in dist/ (binaries and packages).
+(cd dist && ls edge-agent-* kestrel-agent_*.deb 2>/dev/null | grep -v '\.tmp$' | xargs -r sha256sum > SHA256SUMS)
+log "dist/:"
+(cd dist && for f in $(awk '{print $2}' SHA256SUMS); do printf '  %-40s %10s bytes  sha256 %s\n' "$f" "$(stat -c %s "$f")" "$(grep " $f\$" SHA256SUMS | cut -c1-16)…"; done) >&2
 exit $status

@@ -3,7 +3,9 @@
 //!
 //! Every engine takes an NCHW (or boundary-shaped) f32 batch and returns the graph output, and
 //! every engine honours a thread count:
-//! - tract: the batch is split into `threads` chunks run concurrently on one shared plan;
+//! - tract: the batch is split into `threads` chunks run concurrently on one shared plan; a batch
+//!   smaller than `threads` (the edge agent's one image per request) instead runs its matrix
+//!   products on a `threads`-thread pool (tract's `multithread-mm`, cargo feature `tract-threads`);
 //! - ONNX Runtime: `intra_op_num_threads`;
 //! - candle: its CPU kernels use rayon, sized by `RAYON_NUM_THREADS` (see [`set_candle_threads`]).
 
@@ -99,6 +101,9 @@ pub struct TractEngine {
     plan: Arc<TypedRunnableModel>,
     input_shape: Vec<usize>,
     threads: usize,
+    /// With `threads > 1`: the pool a batch smaller than `threads` runs its matrix products on.
+    #[cfg(feature = "tract-threads")]
+    pool: Option<tract_onnx::prelude::multithread::Executor>,
 }
 
 fn tract_err(e: tract_onnx::prelude::TractError) -> EngineError {
@@ -126,7 +131,20 @@ impl TractEngine {
             plan,
             input_shape,
             threads: threads.max(1),
+            #[cfg(feature = "tract-threads")]
+            pool: (threads > 1)
+                .then(|| tract_onnx::prelude::multithread::Executor::multithread(threads)),
         })
+    }
+
+    /// Runs `f` with tract's matrix products on the pool when there is one (the calling thread
+    /// takes part), else single-threaded.
+    fn on_pool<R>(&self, f: impl FnOnce() -> R) -> R {
+        #[cfg(feature = "tract-threads")]
+        if let Some(pool) = &self.pool {
+            return tract_onnx::prelude::multithread::multithread_tract_scope(pool.clone(), f);
+        }
+        f()
     }
 
     /// Runs one sample (`[1, ..input_shape]`) and returns every graph output (calibration probes).
@@ -175,6 +193,13 @@ impl Engine for TractEngine {
         check_input(&self.input_shape, input)?;
         let n = input.shape[0];
         let per = input.numel() / n.max(1);
+        if n < self.threads && cfg!(feature = "tract-threads") {
+            // Fewer images than threads: one image at a time, each using every thread.
+            let (s, data) = self.on_pool(|| self.run_samples(&input.data, per))?;
+            let mut shape = vec![n];
+            shape.extend(s);
+            return Ok(Tensor::new(shape, data));
+        }
         let chunk = n.div_ceil(self.threads.min(n).max(1)).max(1);
         let parts: Vec<Result<(Vec<usize>, Vec<f32>), EngineError>> = std::thread::scope(|s| {
             let handles: Vec<_> = input

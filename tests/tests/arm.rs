@@ -1,0 +1,448 @@
+//! The edge agent as built for the Raspberry Pi (`scripts/build-edge.sh`: dist/edge-agent-aarch64,
+//! dist/edge-agent-armv7 and the two .deb files) run under qemu user-mode emulation against the x86
+//! trainer and a real broker. Emulation shows correctness (same answers as x86, every update path);
+//! its speed says nothing about a Pi's.
+//!
+//! Skipped, with the reason printed, only when the ARM binaries (or qemu, or dpkg-deb) are absent:
+//! scripts/test.sh runs build-edge.sh first, so they are there in CI.
+//!
+//! qemu runs the guest with the cross sysroot's dynamic loader (`-L /usr/aarch64-linux-gnu`) *and* its
+//! libc (`-E LD_LIBRARY_PATH=/usr/aarch64-linux-gnu/lib`): with `-L` alone the loader searches the
+//! host's /lib/aarch64-linux-gnu first, where Debian's multiarch libc6:arm64 (pulled in by
+//! libstd-rust-web-dev:arm64) lives, and a loader and libc from two different glibc builds made the
+//! first `pthread_create` walk a garbage stack-cache list forever: the "predict never finishes" stall.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use kestrel_shared::protocol::{Desired, SignedDesired, Target, sha256_hex};
+use kestrel_tests::fleet::{Broker, BrokerKind, Proc, agent_config, fixture, wait_status};
+use kestrel_tests::{fetched, run, stderr, stdout};
+use kestrel_trainer::fleet::{Bundle, Conn, now_unix};
+use serde_json::Value;
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+fn dist() -> PathBuf {
+    match std::env::var_os("KESTREL_DIST") {
+        Some(p) => PathBuf::from(p),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../dist"),
+    }
+}
+
+/// An ARM edge-agent binary and how to run it under qemu.
+struct Arm {
+    bin: PathBuf,
+    qemu: &'static str,
+    cpu: &'static str,
+    sysroot: &'static str,
+}
+
+impl Arm {
+    /// The binary from dist/, or None (with the reason printed) when it or qemu is absent.
+    fn find(short: &str) -> Option<Arm> {
+        let (qemu, cpu, sysroot) = match short {
+            // Raspberry Pi 4 (Cortex-A72); the default `max` CPU has extensions no Pi has.
+            "aarch64" => ("qemu-aarch64-static", "cortex-a72", "/usr/aarch64-linux-gnu"),
+            // Raspberry Pi 2 (Cortex-A7), the oldest 32-bit target.
+            _ => ("qemu-arm-static", "cortex-a7", "/usr/arm-linux-gnueabihf"),
+        };
+        let bin = dist().join(format!("edge-agent-{short}"));
+        let skip = |why: String| {
+            eprintln!("skipped: {why} (scripts/build-edge.sh builds and installs what is needed)");
+            None
+        };
+        if !bin.exists() {
+            return skip(format!("{} is not built", bin.display()));
+        }
+        if Command::new(qemu).arg("--version").output().is_err() {
+            return skip(format!("{qemu} is not installed (Debian: qemu-user-static)"));
+        }
+        if !Path::new(sysroot).join("lib").exists() {
+            return skip(format!("no {sysroot}/lib (Debian: the cross libc6 package)"));
+        }
+        Some(Arm {
+            bin,
+            qemu,
+            cpu,
+            sysroot,
+        })
+    }
+
+    fn command(&self) -> Command {
+        let mut c = Command::new(self.qemu);
+        c.args(["-cpu", self.cpu, "-L", self.sysroot, "-E"])
+            .arg(format!("LD_LIBRARY_PATH={}/lib", self.sysroot))
+            .arg(&self.bin);
+        c
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.command().args(args).output().expect("spawn qemu")
+    }
+
+    fn start_agent(&self, config: &Path, env: &[(&str, &str)]) -> Proc {
+        let dir = config.parent().unwrap();
+        let n = std::fs::read_dir(dir).unwrap().count();
+        let mut cmd = self.command();
+        cmd.arg("run").arg("--config").arg(config);
+        for (k, v) in env {
+            // qemu passes its own environment on to the guest.
+            cmd.env(k, v);
+        }
+        Proc::spawn(&mut cmd, &dir.join(format!("agent-{n}.log")))
+    }
+}
+
+/// The ELF machine of a file: 183 = AArch64, 40 = ARM.
+fn elf_machine(p: &Path) -> u16 {
+    let b = std::fs::read(p).unwrap();
+    assert_eq!(&b[..4], b"\x7fELF", "{} is not an ELF file", p.display());
+    u16::from_le_bytes([b[18], b[19]])
+}
+
+/// The LFW images the fixture's run held out for testing (split.json), by content hash.
+fn held_out() -> Vec<PathBuf> {
+    let f = fixture();
+    let recs: Vec<kestrel_trainer::train::SplitRecord> =
+        serde_json::from_slice(&std::fs::read(f.dir.join("run/split.json")).unwrap()).unwrap();
+    let test: std::collections::HashSet<String> = recs
+        .into_iter()
+        .filter(|r| r.split == kestrel_trainer::split::Split::Test)
+        .map(|r| r.sha256)
+        .collect();
+    let root = fetched("datasets/lfw/imagefolder");
+    let mut out = Vec::new();
+    for class in ["face", "nonface"] {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(root.join(class))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        files.sort();
+        out.extend(
+            files
+                .into_iter()
+                .filter(|p| test.contains(&sha256_hex(&std::fs::read(p).unwrap()))),
+        );
+    }
+    assert!(!out.is_empty(), "no held-out images found");
+    out
+}
+
+/// `edge-agent predict --json --top-k 2` output lines, by image path.
+fn predictions(o: &Output) -> Vec<Value> {
+    assert!(o.status.success(), "predict: {}{}", stdout(o), stderr(o));
+    stdout(o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
+/// Same top-1, every class's probability within 1e-3 and the logit difference (the log-odds, all
+/// the logits a 2-class softmax determines) within 1e-3.
+fn assert_same(what: &str, arm: &Value, x86: &Value) {
+    let (a, b) = (&arm["top"], &x86["top"]);
+    assert_eq!(a[0]["class"], b[0]["class"], "{what}: top-1 {a} vs {b}");
+    let score = |t: &Value, class: u64| {
+        t.as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["class"] == class)
+            .unwrap_or_else(|| panic!("{what}: class {class} missing from {t}"))["score"]
+            .as_f64()
+            .unwrap()
+    };
+    for class in [0, 1] {
+        let (pa, pb) = (score(a, class), score(b, class));
+        assert!((pa - pb).abs() < 1e-3, "{what}: class {class}: {pa} vs {pb}");
+    }
+    let logodds = |t: &Value| (score(t, 0) / score(t, 1)).ln();
+    let (la, lb) = (logodds(a), logodds(b));
+    assert!(
+        (la - lb).abs() < 1e-3 || (la.abs() > 10.0 && lb.abs() > 10.0 && la.signum() == lb.signum()),
+        "{what}: log-odds {la} vs {lb}"
+    );
+}
+
+fn publish_ok(b: &Broker, art: &Path, key: &Path, target: &str) {
+    let url = b.url();
+    let o = run(
+        "trainer",
+        &[
+            "publish", "--broker", &url, "--artifact", &s(art), "--key", &s(key), "--target", target,
+        ],
+    );
+    assert!(o.status.success(), "publish {}: {}", art.display(), stderr(&o));
+}
+
+fn publish_raw(b: &Broker, msgs: Vec<(String, Vec<u8>, bool)>, version: u64, device: &str) {
+    let key = fixture().signing();
+    let d = Desired {
+        target: Target::Device(device.into()),
+        name: "lfw".into(),
+        version,
+        rollback: false,
+        issued: now_unix(),
+        rollout: None,
+    };
+    let mut c = Conn::connect(&b.config(), "test").unwrap();
+    c.publish_all(msgs, None).unwrap();
+    let payload = serde_json::to_vec(&SignedDesired::new(&key, &d)).unwrap();
+    c.publish_all(vec![(c.topics.desired(&d.target), payload, true)], None)
+        .unwrap();
+    c.disconnect();
+}
+
+#[test]
+fn dist_binaries_and_debian_packages() {
+    let dist = dist();
+    let mut checked = 0;
+    for (short, machine, arch) in [("aarch64", 183u16, "arm64"), ("armv7", 40, "armhf")] {
+        let bin = dist.join(format!("edge-agent-{short}"));
+        if !bin.exists() {
+            eprintln!("skipped {short}: {} is not built (scripts/build-edge.sh)", bin.display());
+            continue;
+        }
+        assert_eq!(elf_machine(&bin), machine, "{}", bin.display());
+        let size = std::fs::metadata(&bin).unwrap().len();
+        if short == "aarch64" {
+            assert!(size <= 12_000_000, "{} is {size} bytes, over 12 MB", bin.display());
+        }
+        let sums = std::fs::read_to_string(dist.join("SHA256SUMS")).unwrap();
+        let want = sha256_hex(&std::fs::read(&bin).unwrap());
+        assert!(
+            sums.lines().any(|l| l == format!("{want}  edge-agent-{short}")),
+            "SHA256SUMS does not match edge-agent-{short}:\n{sums}"
+        );
+
+        let Some(deb) = std::fs::read_dir(&dist).unwrap().map(|e| e.unwrap().path()).find(|p| {
+            let n = p.file_name().unwrap().to_string_lossy().into_owned();
+            n.starts_with("kestrel-agent_") && n.ends_with(&format!("_{arch}.deb"))
+        }) else {
+            panic!("no kestrel-agent_*_{arch}.deb beside {}", bin.display());
+        };
+        let dpkg = |args: &[&str]| {
+            let o = Command::new("dpkg-deb").args(args).arg(&deb).output();
+            match o {
+                Ok(o) if o.status.success() => stdout(&o),
+                Ok(o) => panic!("dpkg-deb {args:?} {}: {}", deb.display(), stderr(&o)),
+                Err(e) => panic!("dpkg-deb is needed to check the packages: {e}"),
+            }
+        };
+        let field = |f: &str| dpkg(&["--field"]).lines().find_map(|l| {
+            l.strip_prefix(&format!("{f}: ")).map(str::to_string)
+        });
+        assert_eq!(field("Package").as_deref(), Some("kestrel-agent"));
+        assert_eq!(field("Architecture").as_deref(), Some(arch), "{}", deb.display());
+        assert!(field("Depends").unwrap_or_default().contains("libc6 (>= 2."));
+        let info = dpkg(&["--info"]);
+        for script in ["postinst", "prerm", "postrm", "conffiles"] {
+            assert!(info.contains(script), "{}: no {script}:\n{info}", deb.display());
+        }
+        // Files and modes.
+        let contents = dpkg(&["--contents"]);
+        let entry = |path: &str| {
+            contents
+                .lines()
+                .find(|l| l.ends_with(&format!(" .{path}")))
+                .unwrap_or_else(|| panic!("{}: no {path}:\n{contents}", deb.display()))
+                .to_string()
+        };
+        for (path, mode) in [
+            ("/usr/bin/edge-agent", "-rwxr-xr-x root/root"),
+            ("/etc/kestrel/agent.toml", "-rw-r--r-- root/root"),
+            ("/lib/systemd/system/kestrel-agent.service", "-rw-r--r-- root/root"),
+            ("/usr/share/doc/kestrel-agent/copyright", "-rw-r--r-- root/root"),
+        ] {
+            let e = entry(path);
+            assert!(e.starts_with(mode), "{path}: {e}");
+        }
+        // The packaged binary is the dist/ one; agent.toml is a conffile; the unit is hardened.
+        let tmp = tempfile::tempdir().unwrap();
+        let o = Command::new("dpkg-deb").arg("-R").arg(&deb).arg(tmp.path()).output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        let x = tmp.path();
+        assert_eq!(
+            std::fs::read(x.join("usr/bin/edge-agent")).unwrap(),
+            std::fs::read(&bin).unwrap()
+        );
+        assert_eq!(
+            std::fs::read_to_string(x.join("DEBIAN/conffiles")).unwrap().trim(),
+            "/etc/kestrel/agent.toml"
+        );
+        let unit = std::fs::read_to_string(x.join("lib/systemd/system/kestrel-agent.service")).unwrap();
+        for line in [
+            "ExecStart=/usr/bin/edge-agent run --config /etc/kestrel/agent.toml",
+            "User=kestrel",
+            "Restart=always",
+            "StateDirectory=kestrel",
+            "ProtectSystem=strict",
+            "ReadWritePaths=/var/lib/kestrel",
+            "NoNewPrivileges=true",
+        ] {
+            assert!(unit.lines().any(|l| l == line), "unit lacks {line}:\n{unit}");
+        }
+        let postinst = std::fs::read_to_string(x.join("DEBIAN/postinst")).unwrap();
+        assert!(postinst.contains("adduser --system") && postinst.contains("/var/lib/kestrel"));
+        let toml = std::fs::read_to_string(x.join("etc/kestrel/agent.toml")).unwrap();
+        assert!(toml.contains("store = \"/var/lib/kestrel\""), "{toml}");
+        checked += 1;
+    }
+    if checked == 0 {
+        eprintln!("skipped: no ARM binaries in {}", dist.display());
+    }
+}
+
+#[test]
+fn aarch64_agent_under_qemu_installs_serves_rejects_rolls_back_and_resumes() {
+    let Some(arm) = Arm::find("aarch64") else {
+        return;
+    };
+    let f = fixture();
+    let dir = f.dir.join("arm64");
+    let b = Broker::start(BrokerKind::Rumqttd, &dir.join("broker"));
+    let cfg = b.config();
+    let conf = agent_config(&dir.join("pi-a"), "pi-a", &b.url(), &f.keys, "");
+
+    // v1 over MQTT, the agent killed (SIGKILL) mid-download, then resuming to v1 active.
+    let agent = arm.start_agent(&conf, &[("KESTREL_AGENT_PAUSE", "download")]);
+    publish_ok(&b, &f.v1, &f.key(), "device/pi-a");
+    let st = wait_status(&cfg, "pi-a", 300, "downloading under qemu", |s| {
+        s.state == "downloading" && s.progress.is_some_and(|(have, _)| have >= 2)
+    });
+    assert_eq!(st.active, None);
+    agent.kill();
+    let journal: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("pi-a/store/state.json")).unwrap()).unwrap();
+    assert!(journal["updater"]["phase"]["Downloading"].is_object(), "{journal}");
+    let mut agent = arm.start_agent(&conf, &[]);
+    let st = wait_status(&cfg, "pi-a", 300, "v1 active after resume", |s| {
+        s.active == Some(1) && s.state == "idle"
+    });
+    assert_eq!(st.last_error, None, "{}", agent.output());
+
+    // Inference over MQTT on the held-out images: the x86 answers.
+    let images = held_out();
+    let paths: Vec<String> = images.iter().map(|p| s(p)).collect();
+    let url = b.url();
+    let mut args = vec!["infer", "--broker", &url, "--device", "pi-a", "--json", "--timeout", "300"];
+    args.extend(paths.iter().map(String::as_str));
+    let o = run("trainer", &args);
+    assert!(o.status.success(), "{}{}", stderr(&o), agent.output());
+    let mut remote: Vec<Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let summary = remote.pop().unwrap();
+    assert_eq!(summary["errors"].as_u64(), Some(0), "{summary}");
+    let mut x86_args = vec!["predict", "--model", &s(&f.v1), "--json", "--top-k", "2"]
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
+    x86_args.extend(paths.iter().cloned());
+    let refs: Vec<&str> = x86_args.iter().map(String::as_str).collect();
+    let local = predictions(&run("edge-agent", &refs));
+    assert_eq!((remote.len(), local.len()), (images.len(), images.len()));
+    for l in &local {
+        let r = remote
+            .iter()
+            .find(|r| r["image"] == l["image"])
+            .unwrap_or_else(|| panic!("no reply for {}", l["image"]));
+        assert_eq!(r["prediction"]["version"], 1);
+        // The agent answers with its configured top_k (3): both classes.
+        assert_same(l["image"].as_str().unwrap(), &r["prediction"], l);
+    }
+
+    // A chunk altered in the broker is refused (3 tries), and v1 keeps serving.
+    let topics = Conn::connect(&cfg, "t").unwrap().topics.clone();
+    let v4 = Bundle::from_dir(&f.variant(&f.v2, 4, |_| {}), &f.signing(), 128 * 1024).unwrap();
+    let mut msgs = v4.messages(&topics);
+    msgs.push((topics.chunk("lfw", 4, 3), b"tampered".to_vec(), true));
+    publish_raw(&b, msgs, 4, "pi-a");
+    let st = wait_status(&cfg, "pi-a", 300, "tampered chunk refused", |s| {
+        s.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("chunk 3 failed its sha256 check 3 times"))
+            && s.state == "idle"
+    });
+    assert_eq!(st.active, Some(1));
+
+    // A model whose golden samples fail its health check is rolled back; v1 stays.
+    let v8 = f.variant(&f.v2, 8, |m| {
+        for g in m["golden"].as_array_mut().unwrap() {
+            let top = g["expected_top1"].as_u64().unwrap();
+            g["expected_top1"] = (1 - top).into();
+        }
+    });
+    publish_ok(&b, &v8, &f.key(), "device/pi-a");
+    let st = wait_status(&cfg, "pi-a", 300, "health check failed, rolled back", |s| {
+        s.last_error.as_deref().is_some_and(|e| e.contains("health check failed"))
+            && s.state == "idle"
+    });
+    assert_eq!(st.active, Some(1));
+    let store = dir.join("pi-a/store");
+    assert!(!store.join("versions/8").exists(), "the failed model is discarded");
+    assert_eq!(
+        std::fs::read_link(store.join("active")).unwrap(),
+        Path::new("versions/1")
+    );
+    let o = run(
+        "trainer",
+        &["infer", "--broker", &url, "--device", "pi-a", "--json", &paths[0]],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let line: Value = serde_json::from_str(stdout(&o).lines().next().unwrap()).unwrap();
+    assert_eq!(line["prediction"]["version"], 1);
+    assert!(agent.is_running(), "{}", agent.output());
+    assert!(agent.terminate().success());
+}
+
+#[test]
+fn armv7_agent_under_qemu_checks_and_predicts() {
+    let Some(arm) = Arm::find("armv7") else {
+        return;
+    };
+    let f = fixture();
+    let key = f.keys.join("kestrel.pub");
+    for model in [&f.v1, &f.f32_v6] {
+        let o = arm.run(&["check", "--model", &s(model), "--trusted-key", &s(&key)]);
+        assert!(o.status.success(), "check {}: {}{}", model.display(), stdout(&o), stderr(&o));
+        assert!(stdout(&o).contains("golden samples pass"), "{}", stdout(&o));
+    }
+    let images: Vec<String> = held_out().iter().take(6).map(|p| s(p)).collect();
+    let mut args = vec!["predict", "--model", &s(&f.v1), "--json", "--top-k", "2"]
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
+    args.extend(images.iter().cloned());
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let armv7 = predictions(&arm.run(&refs));
+    let x86 = predictions(&run("edge-agent", &refs));
+    assert_eq!(armv7.len(), images.len());
+    for (a, x) in armv7.iter().zip(&x86) {
+        assert_same(a["image"].as_str().unwrap(), a, x);
+    }
+}
+
+#[test]
+fn aarch64_predict_matches_x86_on_the_f32_artifact() {
+    let Some(arm) = Arm::find("aarch64") else {
+        return;
+    };
+    let f = fixture();
+    let images: Vec<String> = held_out().iter().take(4).map(|p| s(p)).collect();
+    let mut args = vec!["predict", "--model", &s(&f.f32_v6), "--json", "--top-k", "2"]
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
+    args.extend(images.iter().cloned());
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let a = predictions(&arm.run(&refs));
+    let x = predictions(&run("edge-agent", &refs));
+    assert_eq!(a.len(), images.len());
+    for (a, x) in a.iter().zip(&x) {
+        assert_same(a["image"].as_str().unwrap(), a, x);
+    }
+}
