@@ -4,6 +4,7 @@
 //! Tests run as threads of this one process: every test uses its own temporary directories and
 //! free ports, and sets no process-global state (environment, current directory).
 
+mod arm;
 mod backbone;
 mod cli;
 mod cross;

@@ -18,7 +18,8 @@ use std::process::{Command, Output};
 use kestrel_shared::protocol::{Desired, SignedDesired, Target, sha256_hex};
 use kestrel_tests::fleet::{Broker, BrokerKind, Proc, agent_config, fixture, wait_status};
 use kestrel_tests::{fetched, run, stderr, stdout};
-use kestrel_trainer::fleet::{Bundle, Conn, now_unix};
+use kestrel_fleet::{Bundle, Conn};
+use kestrel_shared::now_unix;
 use serde_json::Value;
 
 fn s(p: &Path) -> String {
@@ -106,12 +107,12 @@ fn elf_machine(p: &Path) -> u16 {
 /// The LFW images the fixture's run held out for testing (split.json), by content hash.
 fn held_out() -> Vec<PathBuf> {
     let f = fixture();
-    let recs: Vec<kestrel_trainer::train::SplitRecord> =
+    let recs: Vec<Value> =
         serde_json::from_slice(&std::fs::read(f.dir.join("run/split.json")).unwrap()).unwrap();
     let test: std::collections::HashSet<String> = recs
-        .into_iter()
-        .filter(|r| r.split == kestrel_trainer::split::Split::Test)
-        .map(|r| r.sha256)
+        .iter()
+        .filter(|r| r["split"] == "test")
+        .map(|r| r["sha256"].as_str().unwrap().to_string())
         .collect();
     let root = fetched("datasets/lfw/imagefolder");
     let mut out = Vec::new();
