@@ -21,6 +21,8 @@ if [ "${KESTREL_SKIP_EDGE_BUILD:-0}" != 1 ]; then
     exit "$rc"
   fi
 fi
+log "function length: no function over 120 lines without a written reason"
+python3 "$here/long-functions.py" --max 120 --top 5
 log "cargo test (release) ${KESTREL_FEATURES:-without MPI}"
 # shellcheck disable=SC2086
 cargo test --release --locked --workspace --no-fail-fast $KESTREL_FEATURES
