@@ -6,7 +6,7 @@ source "$here/env.sh"
 "$here/setup.sh"
 source "$here/env.sh" # again: the set-up may have installed Open MPI
 cd "$here/.."
-# The ARM agent binaries and .deb files (dist/) that tests/tests/arm.rs runs under qemu. Bounded, so a
+# The ARM agent binaries and .deb files (dist/) that tests/tests/e2e/arm.rs runs under qemu. Bounded, so a
 # cold cross build cannot hold the test command indefinitely (warm: seconds; cold: ~20-40 min on 2 cores).
 # KESTREL_SKIP_EDGE_BUILD=1 skips it (the ARM tests then skip, or test what dist/ already holds).
 if [ "${KESTREL_SKIP_EDGE_BUILD:-0}" != 1 ]; then
