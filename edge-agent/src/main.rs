@@ -82,6 +82,7 @@ enum Cmd {
     Predict {
         #[command(flatten)]
         model: ModelArgs,
+        /// Number of classes to report per image.
         #[arg(long, default_value_t = 3)]
         top_k: usize,
         /// One JSON object per line: {"image", "top": [{"class", "label", "score"}], "model", "version", "latency_ms"}.
