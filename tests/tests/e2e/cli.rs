@@ -111,7 +111,11 @@ fn no_flag_means_two_things() {
         for path in &cmds {
             let p: Vec<&str> = path.iter().map(String::as_str).collect();
             for (flag, help) in flags(bin, &p) {
-                assert!(!help.is_empty(), "{bin} {}: {flag} has no help text", path.join(" "));
+                assert!(
+                    !help.is_empty(),
+                    "{bin} {}: {flag} has no help text",
+                    path.join(" ")
+                );
                 seen.entry(flag)
                     .or_default()
                     .entry(help)
@@ -123,13 +127,17 @@ fn no_flag_means_two_things() {
             .iter()
             .filter(|(flag, helps)| helps.len() > 1 && !PER_COMMAND.contains(&flag.as_str()))
             .collect();
-        assert!(two.is_empty(), "{bin}: flags that mean different things: {two:#?}");
+        assert!(
+            two.is_empty(),
+            "{bin}: flags that mean different things: {two:#?}"
+        );
         // The defect this guards against: the fleet listing's --device filter is a device id.
         if bin == "trainer" {
             let device = seen.get("--device").expect("trainer status has --device");
             assert!(
-                device.keys().all(|h| h.to_lowercase().contains("device")
-                    && !h.contains("cuda")),
+                device
+                    .keys()
+                    .all(|h| h.to_lowercase().contains("device") && !h.contains("cuda")),
                 "--device must be a device id everywhere: {device:#?}"
             );
         }
@@ -147,7 +155,13 @@ fn readme_flags(bin: &str) -> BTreeMap<String, BTreeSet<String>> {
     let flag_words = |s: &str| -> Vec<String> {
         s.split(|c: char| c.is_whitespace() || "[]|()".contains(c))
             .filter(|w| w.starts_with("--") && w.len() > 2)
-            .map(|w| w.trim_end_matches([',', '.', ':']).split('=').next().unwrap().to_string())
+            .map(|w| {
+                w.trim_end_matches([',', '.', ':'])
+                    .split('=')
+                    .next()
+                    .unwrap()
+                    .to_string()
+            })
             .collect()
     };
     for line in readme.lines() {
@@ -168,11 +182,16 @@ fn readme_flags(bin: &str) -> BTreeMap<String, BTreeSet<String>> {
         } else if let Some(rest) = line.strip_prefix(&format!("{bin} ")) {
             let words: Vec<&str> = rest.split_whitespace().collect();
             let mut name = vec![words[0].to_string()];
-            if words.len() > 1 && !words[1].starts_with('-') && words[1].chars().all(|c| c.is_ascii_lowercase()) {
+            if words.len() > 1
+                && !words[1].starts_with('-')
+                && words[1].chars().all(|c| c.is_ascii_lowercase())
+            {
                 name.push(words[1].to_string());
             }
             current = vec![name.join(" ")];
-            out.entry(current[0].clone()).or_default().extend(flag_words(rest));
+            out.entry(current[0].clone())
+                .or_default()
+                .extend(flag_words(rest));
         } else if line.starts_with(' ') && !current.is_empty() {
             for c in &current {
                 out.entry(c.clone()).or_default().extend(flag_words(line));
@@ -210,7 +229,9 @@ fn readme_cli_sections_match_help() {
         for name in documented.keys() {
             let p: Vec<&str> = name.split(' ').collect();
             assert!(
-                run(bin, &[p.as_slice(), &["--help"]].concat()).status.success(),
+                run(bin, &[p.as_slice(), &["--help"]].concat())
+                    .status
+                    .success(),
                 "README documents `{bin} {name}`, which does not exist"
             );
         }

@@ -35,7 +35,14 @@ pub fn job_opts(a: &Args) -> Result<JobOpts> {
 
 pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
     let b = a.backbone.load()?;
-    let t = throughput(&b, a.engine.engine, &a.images, a.batch, job.threads(), a.rounds)?;
+    let t = throughput(
+        &b,
+        a.engine.engine,
+        &a.images,
+        a.batch,
+        job.threads(),
+        a.rounds,
+    )?;
     if a.json {
         println!("{}", serde_json::to_string(&t)?);
     } else {

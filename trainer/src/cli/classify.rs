@@ -51,7 +51,10 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         }
     }
     if failed > 0 {
-        eprintln!("{failed} of {} images could not be classified", a.images.len());
+        eprintln!(
+            "{failed} of {} images could not be classified",
+            a.images.len()
+        );
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)

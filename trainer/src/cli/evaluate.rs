@@ -16,7 +16,12 @@ use super::args::{DataArgs, EngineArgs};
 #[derive(clap::Args)]
 pub struct Args {
     /// Run directory written by `trainer fit`.
-    #[arg(long, value_name = "RUN_DIR", required_unless_present = "model", conflicts_with = "model")]
+    #[arg(
+        long,
+        value_name = "RUN_DIR",
+        required_unless_present = "model",
+        conflicts_with = "model"
+    )]
     run: Option<PathBuf>,
     /// Exported artifact: the directory `trainer export` wrote (or the model.onnx in it, with its
     /// manifest.json beside it).

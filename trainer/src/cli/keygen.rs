@@ -20,7 +20,10 @@ pub struct Args {
 pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
     let (secret, public) = (a.out.join("kestrel.key"), a.out.join("kestrel.pub"));
     if secret.exists() {
-        bail!("{} exists: refusing to overwrite a signing key", secret.display());
+        bail!(
+            "{} exists: refusing to overwrite a signing key",
+            secret.display()
+        );
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let mut seed = [0u8; 32];
@@ -37,6 +40,10 @@ pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
     fsutil::write_atomic(&public, format!("{pk}\n").as_bytes())
         .with_context(|| format!("writing {}", public.display()))?;
     let id = signing::key_id(&signing::public_key(&pk, "new key")?);
-    println!("key {id}: {} (secret), {} (public)", secret.display(), public.display());
+    println!(
+        "key {id}: {} (secret), {} (public)",
+        secret.display(),
+        public.display()
+    );
     Ok(ExitCode::SUCCESS)
 }

@@ -41,7 +41,10 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
             serde_json::json!({"model": a.model.model, "engine": engine, "threads": job.threads(), "ms": ms})
         );
     } else {
-        println!("{model} on {engine}, {} threads: {ms:.2} ms per image", job.threads());
+        println!(
+            "{model} on {engine}, {} threads: {ms:.2} ms per image",
+            job.threads()
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -59,7 +59,10 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         });
         println!("{v}");
     } else {
-        print!("{}", split::count_table(pp.labels(), &pp.splits, &pp.dataset_labels));
+        print!(
+            "{}",
+            split::count_table(pp.labels(), &pp.splits, &pp.dataset_labels)
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -88,7 +88,8 @@ impl SpaceArgs {
         };
         sp.lr = pair(self.lr_range, "--lr-range")?.unwrap_or(sp.lr);
         sp.momentum = pair(self.momentum_range, "--momentum-range")?.unwrap_or(sp.momentum);
-        sp.weight_decay = pair(self.weight_decay_range, "--weight-decay-range")?.unwrap_or(sp.weight_decay);
+        sp.weight_decay =
+            pair(self.weight_decay_range, "--weight-decay-range")?.unwrap_or(sp.weight_decay);
         sp.epochs = pair(self.epochs_range, "--epochs-range")?.unwrap_or(sp.epochs);
         sp.batch_size = self.batch_sizes.unwrap_or(sp.batch_size);
         sp.optimizer = self.optimizers.unwrap_or(sp.optimizer);

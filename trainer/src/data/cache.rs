@@ -99,4 +99,3 @@ pub(super) fn write_json<T: Serialize>(path: &Path, v: &T) -> Result<(), CacheEr
 pub fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))
 }
-

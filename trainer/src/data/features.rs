@@ -259,4 +259,3 @@ pub fn extract_rank(
     }
     Ok(data)
 }
-

@@ -233,7 +233,6 @@ impl Prepared {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,4 +245,3 @@ mod tests {
         assert_eq!(shard_count(10_000, 2), 4);
     }
 }
-

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use indicatif::ProgressBar;
 
-use super::{Collective, CollectiveError, DEFAULT_TIMEOUT, RankError, launched_by_mpi, run_workers};
+use super::{
+    Collective, CollectiveError, DEFAULT_TIMEOUT, RankError, launched_by_mpi, run_workers,
+};
 
 /// Where log lines go (rank 0 only).
 type Sink = Arc<dyn Fn(&str) + Send + Sync>;
@@ -137,7 +139,9 @@ impl Job {
 
     /// Ranks of the job: local workers, or the MPI world.
     pub fn world(&self) -> usize {
-        self.mpi.as_ref().map_or(self.opts.workers.max(1), |c| c.world())
+        self.mpi
+            .as_ref()
+            .map_or(self.opts.workers.max(1), |c| c.world())
     }
 
     /// This process's MPI rank (0 when local).

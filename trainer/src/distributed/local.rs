@@ -383,4 +383,3 @@ mod tests {
         assert_eq!(parts, vec![0..3, 3..6, 6..10]);
     }
 }
-

@@ -24,8 +24,8 @@ mod write;
 pub use evaluate::{evaluate_model, latency_ms, read_manifest};
 
 use crate::data::DataError;
-use crate::distributed::Job;
 use crate::data::cache::CacheError;
+use crate::distributed::Job;
 use crate::train::TrainError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -149,7 +149,12 @@ impl ExportError {
 
 /// Exports `run_dir` into `out` (replaced if it exists), with the job's caches and threads.
 /// Returns the manifest written.
-pub fn export(run_dir: &Path, out: &Path, o: &ExportOpts, job: &Job) -> Result<Manifest, ExportError> {
+pub fn export(
+    run_dir: &Path,
+    out: &Path,
+    o: &ExportOpts,
+    job: &Job,
+) -> Result<Manifest, ExportError> {
     let log = &mut |line: String| job.log(line);
     let run = trained::Trained::load(run_dir, job)?;
     let quantized = calibrate::quantize(&run, o, log)?;

@@ -9,8 +9,8 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use serde::de::DeserializeOwned;
 use indicatif::{ProgressBar, ProgressStyle};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 mod plot;

@@ -65,7 +65,12 @@ pub fn load_latest(
 
 /// Writes `params.json` and `split.json`, and rewrites `metrics.jsonl` from the state's history
 /// (dropping the lines of an epoch lost with its checkpoint).
-pub fn begin(run: &Path, p: &FitParams, pp: &Prepped, state: &TrainState) -> Result<(), TrainError> {
+pub fn begin(
+    run: &Path,
+    p: &FitParams,
+    pp: &Prepped,
+    state: &TrainState,
+) -> Result<(), TrainError> {
     report::write_json_atomic(&run.join("params.json"), p)?;
     report::write_json_atomic(&run.join(SPLIT_FILE), &split_records(pp))?;
     let metrics = run.join("metrics.jsonl");

@@ -104,7 +104,6 @@ pub struct Summary {
     pub train_seconds: f64,
 }
 
-
 impl Default for TrainState {
     fn default() -> Self {
         TrainState {
@@ -265,4 +264,3 @@ fn load_labels(run_dir: &Path) -> Result<Vec<String>, TrainError> {
     })?;
     Ok(s.labels)
 }
-

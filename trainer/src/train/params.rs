@@ -106,7 +106,6 @@ impl FitParams {
     }
 }
 
-
 impl FitParams {
     /// These parameters on a job of `world` ranks: `workers` must be 1 or `world` (the ranks are
     /// the workers; it is recorded as `world`).

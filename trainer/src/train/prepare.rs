@@ -125,4 +125,3 @@ pub fn prepare(p: &FitParams, job: &Job) -> Result<Prepped, TrainError> {
         boundary,
     })
 }
-

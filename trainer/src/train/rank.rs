@@ -63,7 +63,13 @@ pub fn train_rank(
             "the validation split is empty: raise --val-fraction".into(),
         ));
     }
-    let model = Trainable::new(&pp.backbone, pp.boundary, pp.dataset_labels.len(), None, p.seed)?;
+    let model = Trainable::new(
+        &pp.backbone,
+        pp.boundary,
+        pp.dataset_labels.len(),
+        None,
+        p.seed,
+    )?;
     let mut opt = Opt::new(p, &model.vars)?;
     let mut state = start_state(p, out.filter(|_| resume), &model, &mut opt, r)?;
     if let Some(dir) = out {
@@ -86,7 +92,18 @@ pub fn train_rank(
             break;
         }
         let lr = p.lr_at(state.epoch) * lr_factor;
-        let m = run_epoch(p, pp, &model, &mut opt, &sets, state.epoch + 1, lr, aug.as_ref(), r, out.is_some())?;
+        let m = run_epoch(
+            p,
+            pp,
+            &model,
+            &mut opt,
+            &sets,
+            state.epoch + 1,
+            lr,
+            aug.as_ref(),
+            r,
+            out.is_some(),
+        )?;
         r.log(format!(
             "epoch {:>3}/{}: lr {lr:.2e} train loss {:.4} acc {:.3} | val loss {:.4} acc {:.3} | {:.0} samples/s",
             m.epoch, p.epochs, m.train_loss, m.train_accuracy, m.val_loss, m.val_accuracy, m.samples_per_s
@@ -100,7 +117,16 @@ pub fn train_rank(
     if !r.is_lead() {
         return Ok(None);
     }
-    let summary = finish(pp, &model, &state, best, out, &sets, feature_seconds, train_seconds)?;
+    let summary = finish(
+        pp,
+        &model,
+        &state,
+        best,
+        out,
+        &sets,
+        feature_seconds,
+        train_seconds,
+    )?;
     Ok(Some(FitOutcome {
         run_dir: run_dir.map(Path::to_path_buf).unwrap_or_default(),
         summary,
@@ -108,7 +134,11 @@ pub fn train_rank(
 }
 
 /// Same parameters and data on every rank (the table path may differ between hosts).
-fn check_same_everywhere(p: &FitParams, pp: &Prepped, comm: &dyn Collective) -> Result<(), TrainError> {
+fn check_same_everywhere(
+    p: &FitParams,
+    pp: &Prepped,
+    comm: &dyn Collective,
+) -> Result<(), TrainError> {
     let same = FitParams {
         data: PathBuf::new(),
         ..p.clone()
@@ -266,7 +296,13 @@ fn run_epoch(
         .zip(val_part)
         .filter(|(a, i)| **a == pp.labels()[**i])
         .count();
-    let mut sums = [loss_sum, correct as f64, seen as f64, val_loss_sum, val_correct as f64];
+    let mut sums = [
+        loss_sum,
+        correct as f64,
+        seen as f64,
+        val_loss_sum,
+        val_correct as f64,
+    ];
     comm.allreduce_sum_f64(&mut sums)?;
     let [loss_sum, correct, seen, val_loss_sum, val_correct] = sums;
     Ok(EpochMetrics {
@@ -341,7 +377,12 @@ fn finish(
     let eval = |idx: &[usize]| -> Result<Evaluation, TrainError> {
         let (loss, pred) = predict(pp, model, idx)?;
         let truth: Vec<usize> = idx.iter().map(|&i| pp.labels()[i]).collect();
-        Ok(report::evaluate(&pred, &truth, &pp.dataset_labels, Some(loss)))
+        Ok(report::evaluate(
+            &pred,
+            &truth,
+            &pp.dataset_labels,
+            Some(loss),
+        ))
     };
     let validation = eval(&sets.val)?;
     let test = if sets.test.is_empty() {

@@ -15,7 +15,6 @@
 //!   seeded from (seed, trial number), so the sequence of trials does not depend on timing.
 //! - The features are computed (or found in the cache) once, before any trial.
 
-
 use std::path::Path;
 use std::time::Instant;
 
@@ -107,7 +106,9 @@ impl TrialResult {
             "trial {:>3} ({:<6}) val loss {:<8} acc {:.3} | lr {:.2e} momentum {:.3} wd {:.1e} batch {} {:?} epochs {} | {:.2}s",
             self.trial,
             self.source,
-            self.val_loss.map(|l| format!("{l:.4}")).unwrap_or("diverged".into()),
+            self.val_loss
+                .map(|l| format!("{l:.4}"))
+                .unwrap_or("diverged".into()),
             self.val_accuracy,
             self.params.lr,
             self.params.momentum,
@@ -217,7 +218,12 @@ pub fn run_trial(pp: &Prepped, p: &FitParams, job: &Job) -> Result<train::Summar
 /// proposals (made identically on every rank) is split in contiguous chunks of `parallel` trials
 /// per rank and the results are gathered in trial order; only rank 0 logs and writes `out`. With
 /// the same seed and rank count the trials are the same.
-pub fn tune(base: &FitParams, opts: &TuneOpts, out: &Path, job: &Job) -> Result<TuneOutcome, TuneError> {
+pub fn tune(
+    base: &FitParams,
+    opts: &TuneOpts,
+    out: &Path,
+    job: &Job,
+) -> Result<TuneOutcome, TuneError> {
     opts.space.validate()?;
     if opts.trials == 0 || opts.parallel == 0 {
         return Err(TuneError::NoTrials);
@@ -236,13 +242,23 @@ pub fn tune(base: &FitParams, opts: &TuneOpts, out: &Path, job: &Job) -> Result<
         seed: opts.seed,
         ..base.clone()
     };
-    let pp = train::prepare(&FitParams { workers: job.world(), ..base.clone() }, job)?;
+    let pp = train::prepare(
+        &FitParams {
+            workers: job.world(),
+            ..base.clone()
+        },
+        job,
+    )?;
     let (rank, ranks) = job.mpi().map_or((0, 1), |c| (c.rank(), c.world()));
     job.log(format!(
         "tune: {} trials, {} in parallel{}, {} random warm-up, seed {}; {} training samples",
         opts.trials,
         opts.parallel,
-        if ranks > 1 { format!(" on each of {ranks} ranks") } else { String::new() },
+        if ranks > 1 {
+            format!(" on each of {ranks} ranks")
+        } else {
+            String::new()
+        },
         opts.startup,
         opts.seed,
         pp.indices(crate::data::Split::Train).len()
@@ -257,12 +273,18 @@ pub fn tune(base: &FitParams, opts: &TuneOpts, out: &Path, job: &Job) -> Result<
         let round: Vec<Proposal> = (first..(first + opts.parallel * ranks).min(opts.trials))
             .map(|t| {
                 let (x, by_tpe) = tpe.propose(t, &history, opts.seed);
-                Proposal { trial: t, x, by_tpe }
+                Proposal {
+                    trial: t,
+                    x,
+                    by_tpe,
+                }
             })
             .collect();
         let mine = &round[distributed::share(round.len(), rank, ranks)];
         let results = gather(job, run_round(&pp, &base, opts, mine, job))?;
-        if results.len() != round.len() || results.iter().zip(&round).any(|(r, b)| r.trial != b.trial) {
+        if results.len() != round.len()
+            || results.iter().zip(&round).any(|(r, b)| r.trial != b.trial)
+        {
             return Err(TuneError::Incomplete {
                 first,
                 end: first + round.len(),
@@ -286,7 +308,9 @@ pub fn tune(base: &FitParams, opts: &TuneOpts, out: &Path, job: &Job) -> Result<
         done.len(),
         started.elapsed().as_secs_f64(),
         best.trial,
-        best.val_loss.map(|l| format!("{l:.4}")).unwrap_or("-".into()),
+        best.val_loss
+            .map(|l| format!("{l:.4}"))
+            .unwrap_or("-".into()),
         best.val_accuracy
     ));
     Ok(TuneOutcome { trials: done, best })
@@ -318,7 +342,13 @@ fn run_round(
                 s.spawn(move || {
                     let t0 = Instant::now();
                     let r = run_trial(pp, &p, &Job::local(trial).quiet());
-                    TrialResult::new(prop.trial, prop.by_tpe, params, r, t0.elapsed().as_secs_f64())
+                    TrialResult::new(
+                        prop.trial,
+                        prop.by_tpe,
+                        params,
+                        r,
+                        t0.elapsed().as_secs_f64(),
+                    )
                 })
             })
             .collect();

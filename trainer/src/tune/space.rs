@@ -148,7 +148,6 @@ impl TrialParams {
     }
 }
 
-
 /// One searched dimension, in TPE's internal coordinates.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Dim {
@@ -177,7 +176,6 @@ impl Dim {
     }
 }
 
-
 /// Reads a `--space` TOML file.
 pub fn read_space(path: &Path) -> Result<Space, TuneError> {
     let err = |reason: String| TuneError::File {
@@ -189,4 +187,3 @@ pub fn read_space(path: &Path) -> Result<Space, TuneError> {
     space.validate().map_err(|e| err(e.to_string()))?;
     Ok(space)
 }
-

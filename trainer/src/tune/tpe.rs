@@ -210,7 +210,6 @@ fn phi(z: f64) -> f64 {
     0.5 * (1.0 + erf)
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -311,4 +310,3 @@ mod tests {
         );
     }
 }
-
