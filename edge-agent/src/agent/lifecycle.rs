@@ -1,0 +1,290 @@
+//! From a configuration to a running agent and back: open the store, journal and MQTT client,
+//! resume a journaled update, serve until a signal, stop cleanly; and the inference worker thread.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use kestrel_models::artifact::LoadedModel;
+use kestrel_shared::manifest::Manifest;
+use kestrel_shared::protocol::{ArtifactOffer, Desired, InferReply, Topics};
+use rumqttc::{AsyncClient, Event as MqttEvent, LastWill, QoS};
+use tokio::sync::mpsc;
+
+use super::{Agent, Done, Job, Journal};
+use crate::config::Config;
+use crate::outbox::{Message, Outbox};
+use crate::serve::{ModelCache, Shared};
+use crate::store::Store;
+use crate::update::Updater;
+
+/// The inference worker: takes jobs from the bounded queue, answers through `done`.
+fn inference_worker(
+    rx: std::sync::mpsc::Receiver<Job>,
+    model: Shared<LoadedModel>,
+    done: mpsc::UnboundedSender<Done>,
+    device: String,
+    top_k: usize,
+) {
+    for job in rx {
+        let current = model.read().expect("lock").clone();
+        let (prediction, error) = match current {
+            None => (None, Some("no active model".to_string())),
+            Some(m) => match m.predict(&job.bytes, &format!("request {}", job.request), top_k) {
+                Ok(p) => (Some(p), None),
+                Err(e) => (None, Some(e.to_string())),
+            },
+        };
+        let latency = prediction.as_ref().map(|p| p.latency_ms);
+        let reply = InferReply {
+            request: job.request,
+            device: device.clone(),
+            prediction,
+            error,
+        };
+        if done.send(Done::Reply(reply, latency)).is_err() {
+            return;
+        }
+    }
+}
+
+/// `edge-agent run`: connects, resumes any journaled update and serves until SIGINT/SIGTERM.
+/// With `simulate = Some(n)`, runs `n` virtual devices `<device_id>-000`... in this process
+/// (each with its own connection, store `<store>/<id>` and update machine; one model cache).
+pub fn run(cfg: Config, watch: Option<PathBuf>, simulate: Option<usize>) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let models = Arc::new(ModelCache::new(
+        cfg.limits.max_artifact_bytes,
+        cfg.inference.threads,
+    ));
+    rt.block_on(async move {
+        let Some(n) = simulate else {
+            return run_device(cfg, watch, models).await;
+        };
+        let mut tasks = Vec::new();
+        for i in 0..n {
+            let mut c = cfg.clone();
+            c.device_id = format!("{}-{i:03}", cfg.device_id);
+            kestrel_shared::protocol::check_name(&c.device_id)?;
+            c.store = cfg.store.join(&c.device_id);
+            tasks.push(tokio::spawn(run_device(c, None, models.clone())));
+        }
+        for t in tasks {
+            t.await??;
+        }
+        Ok(())
+    })
+}
+
+/// MQTT events (or connection errors) as the event loop's task reports them.
+type MqttRx = mpsc::UnboundedReceiver<Result<MqttEvent, rumqttc::ConnectionError>>;
+
+async fn run_device(cfg: Config, watch: Option<PathBuf>, models: Arc<ModelCache>) -> Result<()> {
+    let (mut agent, eventloop, mut done_rx) = Agent::open(cfg, watch, models)?;
+    agent.resume().await?;
+    let mut mqtt_rx = spawn_event_loop(eventloop);
+    agent.serve(&mut mqtt_rx, &mut done_rx).await?;
+    agent.stop(&mut mqtt_rx).await
+}
+
+/// The journaled update machine (reconciled with the store and the configured limit) and the
+/// desired state it pursued.
+fn journaled(cfg: &Config, store: &Store) -> Result<(Updater, Option<Desired>)> {
+    let journal: Journal = match std::fs::read(cfg.store.join("state.json")) {
+        Ok(b) => serde_json::from_slice(&b)
+            .with_context(|| format!("{}", cfg.store.join("state.json").display()))?,
+        Err(_) => Journal::default(),
+    };
+    let mut updater = journal
+        .updater
+        .unwrap_or_else(|| Updater::new(cfg.limits.max_artifact_bytes));
+    updater.max_bytes = cfg.limits.max_artifact_bytes;
+    // The store's links are the truth about what is installed.
+    updater.active = store.active();
+    updater.previous = store.previous();
+    Ok((updater, journal.wanted))
+}
+
+/// The accepted offer of the update in progress, as saved beside its download.
+fn saved_offer(store: &Store, updater: &Updater) -> Option<(ArtifactOffer, Manifest)> {
+    updater.phase.target().and_then(|v| {
+        let p = store.download_dir(v).join("offer.json");
+        let o: ArtifactOffer = serde_json::from_slice(&std::fs::read(p).ok()?).ok()?;
+        let m = serde_json::from_str(&o.manifest).ok()?;
+        Some((o, m))
+    })
+}
+
+/// The event loop runs in a task of its own and is never cancelled mid-poll (a cancelled poll
+/// can lose an acknowledgement; brokers drop clients whose acknowledgements come out of order).
+fn spawn_event_loop(mut eventloop: rumqttc::EventLoop) -> MqttRx {
+    let (mqtt_tx, mqtt_rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            let ev = eventloop.poll().await;
+            let failed = ev.is_err();
+            if mqtt_tx.send(ev).is_err() {
+                return;
+            }
+            if failed {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            } else {
+                backoff = Duration::from_millis(200);
+            }
+        }
+    });
+    mqtt_rx
+}
+
+impl Agent {
+    /// Opens the store, the journal and the outbox, sets up the MQTT client (its event loop is
+    /// returned, not yet polled) and starts the inference worker and the watched directory.
+    fn open(
+        cfg: Config,
+        watch: Option<PathBuf>,
+        models: Arc<ModelCache>,
+    ) -> Result<(Self, rumqttc::EventLoop, mpsc::UnboundedReceiver<Done>)> {
+        let keys = cfg.keys()?;
+        let store =
+            Store::open(&cfg.store).with_context(|| format!("store {}", cfg.store.display()))?;
+        let topics = Topics::new(&cfg.broker.prefix);
+        let (updater, wanted) = journaled(&cfg, &store)?;
+        let mut opts = cfg
+            .broker
+            .options(&format!("kestrel-agent-{}", cfg.device_id), false)?;
+        opts.set_last_will(LastWill::new(
+            topics.online(&cfg.device_id),
+            "0",
+            QoS::AtLeastOnce,
+            true,
+        ));
+        let (client, eventloop) = AsyncClient::new(opts, 256);
+        let (done_tx, done_rx) = mpsc::unbounded_channel();
+        let (jobs, jobs_rx) = std::sync::mpsc::sync_channel(cfg.limits.queue.max(1));
+        let model: Shared<LoadedModel> = Arc::new(RwLock::new(None));
+        {
+            let (model, done, device, k) = (
+                model.clone(),
+                done_tx.clone(),
+                cfg.device_id.clone(),
+                cfg.inference.top_k,
+            );
+            std::thread::spawn(move || inference_worker(jobs_rx, model, done, device, k));
+        }
+        if let Some(dir) = watch {
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("watch dir {}", dir.display()))?;
+            let (model, k) = (model.clone(), cfg.inference.top_k);
+            std::thread::spawn(move || crate::serve::watch_dir(dir, model, k));
+        }
+        let outbox = Outbox::open(&cfg.store.join("outbox"))?;
+        let offer = saved_offer(&store, &updater);
+        let agent = Agent {
+            topics,
+            keys,
+            store,
+            updater,
+            wanted,
+            desired: BTreeMap::new(),
+            offer,
+            model,
+            candidate: None,
+            models,
+            outbox,
+            client,
+            done_tx,
+            jobs,
+            latencies: VecDeque::new(),
+            served: 0,
+            status_dirty: true,
+            connected: false,
+            last_progress: Instant::now(),
+            pause: std::env::var("KESTREL_AGENT_PAUSE").ok(),
+            cfg,
+        };
+        Ok((agent, eventloop, done_rx))
+    }
+
+    /// Loads the active model and continues a journaled update (re-fetch missing chunks,
+    /// re-verify, redo activation).
+    async fn resume(&mut self) -> Result<()> {
+        if let Some(v) = self.updater.active {
+            self.load_active(v);
+        }
+        let resumed = self.updater.resume();
+        self.save_journal()?;
+        for a in resumed {
+            if let Some(ev) = self.act(a).await? {
+                self.feed(ev).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Handles MQTT events, finished work and the clock until SIGINT/SIGTERM.
+    async fn serve(
+        &mut self,
+        mqtt_rx: &mut MqttRx,
+        done_rx: &mut mpsc::UnboundedReceiver<Done>,
+    ) -> Result<()> {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let mut quiet = false;
+        loop {
+            self.flush().await;
+            tokio::select! {
+                Some(ev) = mqtt_rx.recv() => match ev {
+                    Ok(ev) => {
+                        quiet = false;
+                        self.on_mqtt(ev).await?;
+                    }
+                    Err(e) => {
+                        if !quiet {
+                            // The first failure after a success (or at start); retries stay quiet.
+                            eprintln!(
+                                "{}: broker {}: {e}; retrying (up to every 5 s), serving and journaling meanwhile",
+                                self.cfg.device_id, self.cfg.broker.url
+                            );
+                            quiet = true;
+                        }
+                        self.connected = false;
+                    }
+                },
+                Some(d) = done_rx.recv() => self.on_done(d).await?,
+                _ = tick.tick() => self.on_tick().await?,
+                _ = tokio::signal::ctrl_c() => break,
+                _ = term.recv() => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks the device offline (retained), delivers the outbox for up to 3 s and disconnects.
+    async fn stop(&mut self, mqtt_rx: &mut MqttRx) -> Result<()> {
+        eprintln!("{}: stopping", self.cfg.device_id);
+        let deadline = Instant::now() + Duration::from_secs(3);
+        self.outbox.push_latest(Message {
+            topic: self.topics.online(&self.cfg.device_id),
+            retain: true,
+            payload: "0".into(),
+        });
+        while self.connected && !self.outbox.is_idle() && Instant::now() < deadline {
+            self.flush().await;
+            match tokio::time::timeout(Duration::from_millis(200), mqtt_rx.recv()).await {
+                Ok(Some(Ok(ev))) => self.on_mqtt(ev).await?,
+                Ok(Some(Err(_)) | None) => break,
+                Err(_) => {}
+            }
+        }
+        let _ = self.client.disconnect().await;
+        let _ = tokio::time::timeout(Duration::from_millis(500), mqtt_rx.recv()).await;
+        Ok(())
+    }
+}
