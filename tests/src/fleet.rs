@@ -4,17 +4,19 @@
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use kestrel_fleet::Conn;
 use kestrel_shared::mqtt::BrokerConfig;
-use kestrel_shared::protocol::Status;
+use kestrel_shared::now_unix;
+use kestrel_shared::protocol::{Desired, SignedDesired, Status, Target};
 use serde_json::Value;
 
 pub use crate::trainer_ok;
-use crate::{bin, lfw, s};
+use crate::{bin, lfw, run, s, stderr, stdout};
 
 /// A child process killed (SIGKILL) and reaped on drop; its output goes to `log`.
 pub struct Proc {
@@ -344,4 +346,97 @@ pub fn wait_status(
 ) -> Status {
     kestrel_fleet::wait_status(broker, device, Duration::from_secs(secs), done)
         .unwrap_or_else(|e| panic!("waiting for {device}: {what}: {e}"))
+}
+
+/// `trainer publish --json` as a user types it.
+pub fn publish(b: &Broker, art: &Path, key: &Path, target: &str, extra: &[&str]) -> Output {
+    let url = b.url();
+    let mut args = vec![
+        "publish",
+        "--broker",
+        &url,
+        "--artifact",
+        &s(art),
+        "--key",
+        &s(key),
+        "--target",
+        target,
+        "--json",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect::<Vec<_>>();
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    run("trainer", &refs)
+}
+
+/// [`publish`], which must succeed; its JSON.
+pub fn publish_ok(b: &Broker, art: &Path, key: &Path, target: &str) -> Value {
+    let o = publish(b, art, key, target, &[]);
+    assert!(
+        o.status.success(),
+        "publish {}: {}",
+        art.display(),
+        stderr(&o)
+    );
+    serde_json::from_str(stdout(&o).trim()).unwrap()
+}
+
+/// Publishes artifact messages (possibly tampered) and a desired state straight to the broker,
+/// as a publisher that skips the CLI's checks (or an attacker with broker access) would.
+pub fn publish_raw(b: &Broker, msgs: Vec<(String, Vec<u8>, bool)>, d: Desired) {
+    let key = fixture().signing();
+    let mut c = Conn::connect(&b.config(), "test").unwrap();
+    c.publish_all(msgs, None).unwrap();
+    let payload = serde_json::to_vec(&SignedDesired::new(&key, &d)).unwrap();
+    c.publish_all(vec![(c.topics.desired(&d.target), payload, true)], None)
+        .unwrap();
+    c.disconnect();
+}
+
+/// A desired state for `device`, issued now.
+pub fn desired(device: &str, version: u64, rollback: bool) -> Desired {
+    Desired {
+        target: Target::Device(device.into()),
+        name: "lfw".into(),
+        version,
+        rollback,
+        issued: now_unix(),
+        rollout: None,
+    }
+}
+
+/// Starts an agent (by `start`, given its environment) that stops taking chunks after two
+/// (`KESTREL_AGENT_PAUSE=download`), publishes `art` to it, waits for the download to begin and
+/// SIGKILLs it; its journal (`<agent_dir>/store/state.json`) must say it was downloading. The
+/// device id is `agent_dir`'s name.
+pub fn killed_mid_download(
+    b: &Broker,
+    art: &Path,
+    agent_dir: &Path,
+    secs: u64,
+    what: &str,
+    start: impl Fn(&[(&str, &str)]) -> Proc,
+) {
+    let device = agent_dir
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let f = fixture();
+    let agent = start(&[("KESTREL_AGENT_PAUSE", "download")]);
+    publish_ok(b, art, &f.key(), &format!("device/{device}"));
+    let st = wait_status(&b.config(), &device, secs, what, |s| {
+        s.state == "downloading" && s.progress.is_some_and(|(have, _)| have >= 2)
+    });
+    assert_eq!(st.active, None);
+    agent.kill();
+    let journal: Value =
+        serde_json::from_slice(&std::fs::read(agent_dir.join("store/state.json")).unwrap())
+            .unwrap();
+    assert!(
+        journal["updater"]["phase"]["Downloading"].is_object(),
+        "{journal}"
+    );
 }

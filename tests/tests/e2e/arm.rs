@@ -16,9 +16,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use kestrel_fleet::{Bundle, Conn};
-use kestrel_shared::now_unix;
-use kestrel_shared::protocol::{Desired, SignedDesired, Target, sha256_hex};
-use kestrel_tests::fleet::{Broker, BrokerKind, Proc, agent_config, fixture, wait_status};
+use kestrel_shared::protocol::sha256_hex;
+use kestrel_tests::fleet::{
+    Broker, BrokerKind, Proc, agent_config, desired, fixture, killed_mid_download, publish_ok,
+    publish_raw, wait_status,
+};
 use kestrel_tests::{fetched, run, stderr, stdout};
 use serde_json::Value;
 
@@ -177,48 +179,6 @@ fn assert_same(what: &str, arm: &Value, x86: &Value) {
             || (la.abs() > 10.0 && lb.abs() > 10.0 && la.signum() == lb.signum()),
         "{what}: log-odds {la} vs {lb}"
     );
-}
-
-fn publish_ok(b: &Broker, art: &Path, key: &Path, target: &str) {
-    let url = b.url();
-    let o = run(
-        "trainer",
-        &[
-            "publish",
-            "--broker",
-            &url,
-            "--artifact",
-            &s(art),
-            "--key",
-            &s(key),
-            "--target",
-            target,
-        ],
-    );
-    assert!(
-        o.status.success(),
-        "publish {}: {}",
-        art.display(),
-        stderr(&o)
-    );
-}
-
-fn publish_raw(b: &Broker, msgs: Vec<(String, Vec<u8>, bool)>, version: u64, device: &str) {
-    let key = fixture().signing();
-    let d = Desired {
-        target: Target::Device(device.into()),
-        name: "lfw".into(),
-        version,
-        rollback: false,
-        issued: now_unix(),
-        rollout: None,
-    };
-    let mut c = Conn::connect(&b.config(), "test").unwrap();
-    c.publish_all(msgs, None).unwrap();
-    let payload = serde_json::to_vec(&SignedDesired::new(&key, &d)).unwrap();
-    c.publish_all(vec![(c.topics.desired(&d.target), payload, true)], None)
-        .unwrap();
-    c.disconnect();
 }
 
 #[test]
@@ -392,18 +352,13 @@ fn aarch64_agent_under_qemu_installs_serves_rejects_rolls_back_and_resumes() {
     let conf = agent_config(&dir.join("pi-a"), "pi-a", &b.url(), &f.keys, "");
 
     // v1 over MQTT, the agent killed (SIGKILL) mid-download, then resuming to v1 active.
-    let agent = arm.start_agent(&conf, &[("KESTREL_AGENT_PAUSE", "download")]);
-    publish_ok(&b, &f.v1, &f.key(), "device/pi-a");
-    let st = wait_status(&cfg, "pi-a", 300, "downloading under qemu", |s| {
-        s.state == "downloading" && s.progress.is_some_and(|(have, _)| have >= 2)
-    });
-    assert_eq!(st.active, None);
-    agent.kill();
-    let journal: Value =
-        serde_json::from_slice(&std::fs::read(dir.join("pi-a/store/state.json")).unwrap()).unwrap();
-    assert!(
-        journal["updater"]["phase"]["Downloading"].is_object(),
-        "{journal}"
+    killed_mid_download(
+        &b,
+        &f.v1,
+        &dir.join("pi-a"),
+        300,
+        "downloading under qemu",
+        |env| arm.start_agent(&conf, env),
     );
     let mut agent = arm.start_agent(&conf, &[]);
     let st = wait_status(&cfg, "pi-a", 300, "v1 active after resume", |s| {
@@ -420,7 +375,7 @@ fn aarch64_agent_under_qemu_installs_serves_rejects_rolls_back_and_resumes() {
     let v4 = Bundle::from_dir(&f.variant(&f.v2, 4, |_| {}), &f.signing(), 128 * 1024).unwrap();
     let mut msgs = v4.messages(&topics);
     msgs.push((topics.chunk("lfw", 4, 3), b"tampered".to_vec(), true));
-    publish_raw(&b, msgs, 4, "pi-a");
+    publish_raw(&b, msgs, desired("pi-a", 4, false));
     let st = wait_status(&cfg, "pi-a", 300, "tampered chunk refused", |s| {
         s.last_error
             .as_deref()

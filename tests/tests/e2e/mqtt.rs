@@ -5,70 +5,13 @@ use std::path::Path;
 use std::process::Output;
 
 use kestrel_fleet::{Bundle, Conn};
-use kestrel_shared::now_unix;
-use kestrel_shared::protocol::{ArtifactOffer, Desired, SignedDesired, Target, Topics, sha256_hex};
+use kestrel_shared::protocol::{ArtifactOffer, Topics, sha256_hex};
 use kestrel_tests::fleet::{
-    Broker, BrokerKind, Proc, agent_config, fixture, start_agent, start_agent_with, trainer_ok,
-    wait_status,
+    Broker, BrokerKind, Proc, agent_config, desired, fixture, killed_mid_download, publish,
+    publish_ok, publish_raw, start_agent, start_agent_with, trainer_ok, wait_status,
 };
 use kestrel_tests::{fetched, json_lines, run, s, stderr, stdout};
 use serde_json::Value;
-
-fn publish(b: &Broker, art: &Path, key: &Path, target: &str, extra: &[&str]) -> Output {
-    let url = b.url();
-    let mut args = vec![
-        "publish",
-        "--broker",
-        &url,
-        "--artifact",
-        &s(art),
-        "--key",
-        &s(key),
-        "--target",
-        target,
-        "--json",
-    ]
-    .into_iter()
-    .map(String::from)
-    .collect::<Vec<_>>();
-    args.extend(extra.iter().map(|a| a.to_string()));
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    run("trainer", &refs)
-}
-
-fn publish_ok(b: &Broker, art: &Path, key: &Path, target: &str) -> Value {
-    let o = publish(b, art, key, target, &[]);
-    assert!(
-        o.status.success(),
-        "publish {}: {}",
-        art.display(),
-        stderr(&o)
-    );
-    serde_json::from_str(stdout(&o).trim()).unwrap()
-}
-
-/// Publishes artifact messages (possibly tampered) and a desired state straight to the broker,
-/// as a publisher that skips the CLI's checks (or an attacker with broker access) would.
-fn publish_raw(b: &Broker, msgs: Vec<(String, Vec<u8>, bool)>, d: Desired) {
-    let key = fixture().signing();
-    let mut c = Conn::connect(&b.config(), "test").unwrap();
-    c.publish_all(msgs, None).unwrap();
-    let payload = serde_json::to_vec(&SignedDesired::new(&key, &d)).unwrap();
-    c.publish_all(vec![(c.topics.desired(&d.target), payload, true)], None)
-        .unwrap();
-    c.disconnect();
-}
-
-fn desired(device: &str, version: u64, rollback: bool) -> Desired {
-    Desired {
-        target: Target::Device(device.into()),
-        name: "lfw".into(),
-        version,
-        rollback,
-        issued: now_unix(),
-        rollout: None,
-    }
-}
 
 /// `trainer infer --json`: the per-image lines and the summary line.
 fn infer(b: &Broker, device: &str, args: &[&str]) -> (Vec<Value>, Value, Output) {
@@ -344,19 +287,9 @@ fn sigkill_during_download_and_during_activation_then_resume() {
     let conf = agent_config(&dir.join("pi-k"), "pi-k", &b.url(), &f.keys, "");
 
     // Killed mid-download (the test hook stops taking chunks after two).
-    let agent = start_agent(&conf, &[("KESTREL_AGENT_PAUSE", "download")]);
-    publish_ok(&b, &f.v1, &f.key(), "device/pi-k");
-    let st = wait_status(&cfg, "pi-k", 120, "downloading", |s| {
-        s.state == "downloading" && s.progress.is_some_and(|(have, _)| have >= 2)
+    killed_mid_download(&b, &f.v1, &dir.join("pi-k"), 120, "downloading", |env| {
+        start_agent(&conf, env)
     });
-    assert_eq!(st.active, None);
-    agent.kill();
-    let journal: Value =
-        serde_json::from_slice(&std::fs::read(dir.join("pi-k/store/state.json")).unwrap()).unwrap();
-    assert!(
-        journal["updater"]["phase"]["Downloading"].is_object(),
-        "{journal}"
-    );
     let agent = start_agent(&conf, &[]);
     wait_status(&cfg, "pi-k", 120, "v1 active after resume", |s| {
         s.active == Some(1) && s.state == "idle"
