@@ -5,7 +5,6 @@
 //! the same on 1 worker, N local workers or N MPI ranks.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use indicatif::ProgressBar;
@@ -13,9 +12,6 @@ use indicatif::ProgressBar;
 use super::{
     Collective, CollectiveError, DEFAULT_TIMEOUT, RankError, launched_by_mpi, run_workers,
 };
-
-/// Where log lines go (rank 0 only).
-type Sink = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// How a job is set up: what the command line says.
 #[derive(Debug, Clone)]
@@ -59,7 +55,6 @@ pub struct Job {
     opts: JobOpts,
     /// This process's rank of an MPI job, when an MPI launcher started it.
     mpi: Option<Box<dyn Collective>>,
-    log: Sink,
     quiet: bool,
 }
 
@@ -68,8 +63,8 @@ pub struct Rank<'a> {
     pub comm: &'a dyn Collective,
     /// Engine threads of this rank.
     pub threads: usize,
-    /// The job's log, when this process logs (rank 0's process, not quiet).
-    log: Option<&'a (dyn Fn(&str) + Send + Sync)>,
+    /// Whether this process logs (rank 0's process, not quiet).
+    logs: bool,
 }
 
 impl Job {
@@ -78,7 +73,6 @@ impl Job {
         Job {
             opts,
             mpi: None,
-            log: Arc::new(|line| eprintln!("{line}")),
             quiet: false,
         }
     }
@@ -97,7 +91,6 @@ impl Job {
         Ok(Job {
             opts: JobOpts { workers: 1, ..opts },
             mpi: Some(comm),
-            log: Arc::new(|line| eprintln!("{line}")),
             quiet: false,
         })
     }
@@ -105,12 +98,6 @@ impl Job {
     /// The same job without log lines or progress bars (tuning trials, library callers).
     pub fn quiet(mut self) -> Job {
         self.quiet = true;
-        self
-    }
-
-    /// The same job with log lines sent to `sink` instead of stderr.
-    pub fn with_log(mut self, sink: impl Fn(&str) + Send + Sync + 'static) -> Job {
-        self.log = Arc::new(sink);
         self
     }
 
@@ -124,9 +111,9 @@ impl Job {
         }
     }
 
-    /// The log sink, when this process logs.
-    fn sink(&self) -> Option<&(dyn Fn(&str) + Send + Sync)> {
-        (self.is_lead() && !self.quiet).then_some(self.log.as_ref())
+    /// Whether this process logs: rank 0's, when not quiet.
+    fn logs(&self) -> bool {
+        self.is_lead() && !self.quiet
     }
 
     pub fn threads(&self) -> usize {
@@ -161,14 +148,14 @@ impl Job {
 
     /// Logs a line on rank 0 (not when quiet).
     pub fn log(&self, line: impl AsRef<str>) {
-        if let Some(log) = self.sink() {
-            log(line.as_ref());
+        if self.logs() {
+            eprintln!("{}", line.as_ref());
         }
     }
 
     /// A progress bar on stderr (hidden off rank 0 and when quiet).
     pub fn progress(&self, len: u64, what: &str) -> ProgressBar {
-        progress(self.sink().is_some(), len, what)
+        progress(self.logs(), len, what)
     }
 
     /// Runs `f` once per rank: on the job's local worker threads (the calling thread is rank 0;
@@ -178,18 +165,22 @@ impl Job {
         &self,
         f: impl Fn(&Rank<'_>) -> Result<T, E> + Sync,
     ) -> Result<T, E> {
-        let log = self.sink();
+        let logs = self.logs();
         if let Some(comm) = self.mpi() {
             return f(&Rank {
                 comm,
                 threads: self.opts.threads,
-                log,
+                logs,
             });
         }
         let world = self.world();
         let threads = (self.opts.threads / world).max(1);
         run_workers(world, self.opts.timeout, |comm| {
-            f(&Rank { comm, threads, log })
+            f(&Rank {
+                comm,
+                threads,
+                logs,
+            })
         })
     }
 
@@ -237,14 +228,14 @@ impl Rank<'_> {
 
     /// Logs a line on rank 0 only.
     pub fn log(&self, line: impl AsRef<str>) {
-        if let (true, Some(log)) = (self.is_lead(), self.log) {
-            log(line.as_ref());
+        if self.is_lead() && self.logs {
+            eprintln!("{}", line.as_ref());
         }
     }
 
     /// A progress bar shown on rank 0 only.
     pub fn progress(&self, len: u64, what: &str) -> ProgressBar {
-        progress(self.is_lead() && self.log.is_some(), len, what)
+        progress(self.is_lead() && self.logs, len, what)
     }
 }
 
