@@ -51,12 +51,13 @@ PY
   log "photos: $(ls "$KESTREL_HOME/photos" | wc -l) files in $KESTREL_HOME/photos"
 fi
 
-# Python venv for the ONNX Runtime peer (bench) and the ONNX checker (tests).
-if [ ! -x "$KESTREL_PY" ] || ! "$KESTREL_PY" -c 'import onnxruntime, numpy, PIL, onnx' 2>/dev/null; then
+# Python venv for the ONNX Runtime peer (bench), the ONNX checker and the scikit-learn reference
+# of the head's optimum (tests).
+if [ ! -x "$KESTREL_PY" ] || ! "$KESTREL_PY" -c 'import onnxruntime, numpy, PIL, onnx, sklearn' 2>/dev/null; then
   log "creating Python venv in $KESTREL_HOME/venv"
-  python3 -m venv "$KESTREL_HOME/venv"
+  [ -x "$KESTREL_PY" ] || python3 -m venv "$KESTREL_HOME/venv"
   "$KESTREL_PY" -m pip install --quiet --upgrade pip >&2
-  "$KESTREL_PY" -m pip install --quiet "onnxruntime==$ORT_VERSION" numpy pillow onnx >&2
+  "$KESTREL_PY" -m pip install --quiet "onnxruntime==$ORT_VERSION" numpy pillow onnx scikit-learn >&2
 fi
 
 # Open MPI (+ libclang for the mpi crate's bindings): `mpirun -np N trainer fit` and its tests.

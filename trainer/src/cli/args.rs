@@ -11,7 +11,7 @@ use kestrel_models::engine::{OrtDevice, set_candle_threads, set_ort_device};
 use kestrel_models::{Arch, EngineKind};
 use kestrel_trainer::data::SourceOpts;
 use kestrel_trainer::distributed::{JobOpts, default_cache_root, default_threads};
-use kestrel_trainer::train::{FitParams, LrScaling, Optimizer, Schedule};
+use kestrel_trainer::train::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule};
 
 /// `--arch` values.
 pub fn parse_arch(s: &str) -> Result<Arch, String> {
@@ -186,28 +186,44 @@ impl WorkerArgs {
 pub struct FitArgs {
     #[command(flatten)]
     pub backbone: BackboneArgs,
-    /// Training epochs.
-    #[arg(long, default_value_t = 10)]
-    pub epochs: usize,
-    /// Global batch size (split evenly over workers).
+    /// Epochs of sgd/adamw training (default 10; not used by lbfgs).
+    #[arg(long)]
+    pub epochs: Option<usize>,
+    /// Global batch size of sgd/adamw (split evenly over workers).
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
-    /// Learning rate.
-    #[arg(long, default_value_t = 0.01)]
-    pub lr: f64,
+    /// Learning rate of sgd/adamw (default: sgd 0.01, adamw 0.001, the --fine-tune stage 0.0001).
+    #[arg(long)]
+    pub lr: Option<f64>,
     /// SGD momentum.
     #[arg(long, default_value_t = 0.9)]
     pub momentum: f64,
-    /// L2 weight decay (decoupled for adamw).
+    /// L2 weight decay of sgd/adamw (decoupled for adamw).
     #[arg(long, default_value_t = 0.0)]
     pub weight_decay: f64,
-    /// Optimizer: sgd (with momentum) | adamw.
-    #[arg(long, value_enum, default_value = "sgd")]
-    pub optimizer: Optimizer,
-    /// Learning-rate schedule: step (x0.1 at 1/3 and 2/3) | cosine | none.
+    /// Optimizer: lbfgs (the head solved to convergence) | adamw | sgd (with momentum). Default:
+    /// lbfgs for a head-only run, adamw when blocks train; sgd (as before lbfgs) when an
+    /// epoch-based flag is given (--epochs, --lr, --schedule, --early-stopping).
+    #[arg(long, value_enum)]
+    pub optimizer: Option<Optimizer>,
+    /// L2 strength of the lbfgs head (mean loss + l2/2 |W|^2); default: chosen by 5-fold
+    /// cross-validation on the training split.
+    #[arg(long, value_name = "L2")]
+    pub l2: Option<f64>,
+    /// Two stages: the head to convergence (lbfgs), then the last N blocks and the head with
+    /// adamw at a lower learning rate, stopping early on validation loss.
+    #[arg(long, value_name = "N", conflicts_with = "unfreeze_last")]
+    pub fine_tune: Option<usize>,
+    /// Per-class loss weights: none | balanced (every class weighs the same in total).
+    #[arg(long, value_enum, default_value = "none")]
+    pub class_weights: ClassWeights,
+    /// Label smoothing: targets (1 - EPS) on the label + EPS spread over all classes.
+    #[arg(long, value_name = "EPS", default_value_t = 0.0)]
+    pub label_smoothing: f64,
+    /// Learning-rate schedule of sgd/adamw: step (x0.1 at 1/3 and 2/3) | cosine | none.
     #[arg(long, value_enum, default_value = "none")]
     pub schedule: Schedule,
-    /// Stop after PATIENCE epochs without a lower validation loss.
+    /// Stop after PATIENCE epochs without a lower validation loss (the --fine-tune stage: 3).
     #[arg(long, value_name = "PATIENCE")]
     pub early_stopping: Option<usize>,
     /// Seed of the split, the initialisation, the batch order (and of the search, in tune).
@@ -234,29 +250,55 @@ pub struct FitArgs {
 impl FitArgs {
     /// The run's parameters (`params.json`), for `workers` data-parallel workers.
     pub fn params(&self, data: &DataArgs, engine: EngineKind, workers: usize) -> Result<FitParams> {
+        let fine_tune = self.fine_tune.unwrap_or(0);
+        let unfreeze_last = fine_tune.max(self.unfreeze_last);
+        let epoch_flags = self.epochs.is_some()
+            || self.lr.is_some()
+            || self.early_stopping.is_some()
+            || self.schedule != Schedule::None;
+        let optimizer = self.optimizer.unwrap_or(if epoch_flags && fine_tune == 0 {
+            Optimizer::Sgd
+        } else if unfreeze_last == 0 {
+            Optimizer::Lbfgs
+        } else {
+            Optimizer::Adamw
+        });
+        let lr = self.lr.unwrap_or(match optimizer {
+            _ if fine_tune > 0 => 1e-4,
+            Optimizer::Sgd => 0.01,
+            Optimizer::Adamw | Optimizer::Lbfgs => 1e-3,
+        });
+        let early_stopping = match self.early_stopping {
+            None if fine_tune > 0 => Some(3),
+            e => e,
+        };
         Ok(FitParams {
             data: data.path()?,
             source: data.source(),
             backbone: self.backbone.backbone.clone(),
             arch: self.backbone.arch.map(|a| a.name().to_string()),
             engine,
-            epochs: self.epochs,
+            epochs: self.epochs.unwrap_or(10),
             batch_size: self.batch_size,
-            lr: self.lr,
+            lr,
             momentum: self.momentum,
             weight_decay: self.weight_decay,
-            optimizer: self.optimizer,
+            optimizer,
             schedule: self.schedule,
-            early_stopping: self.early_stopping,
+            early_stopping,
             seed: self.seed,
             val_fraction: self.val_fraction,
             test_fraction: self.test_fraction,
-            unfreeze_last: self.unfreeze_last,
+            unfreeze_last,
             augment_flip: self.augment.iter().any(|a| a == "flip"),
             augment_crop: self.augment.iter().any(|a| a == "crop"),
             workers,
             skip_invalid: data.skip_invalid,
             lr_scaling: self.lr_scaling,
+            l2: self.l2,
+            class_weights: self.class_weights,
+            label_smoothing: self.label_smoothing,
+            head_first: fine_tune > 0,
         })
     }
 }

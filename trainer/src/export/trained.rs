@@ -50,6 +50,7 @@ impl Trained {
             pp.dataset_labels.len(),
             Some(&weights),
             params.seed,
+            None,
         )?;
         let (folded, head) = trained_network(&pp, &weights)?;
         let pixels = pp.prepared.load_pixels()?;

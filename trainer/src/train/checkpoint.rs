@@ -58,7 +58,7 @@ pub fn load_latest(
     let state: TrainState = serde_json::from_str(&text)
         .map_err(|err| run_err(run, format!("checkpoint state: {err}")))?;
     let w = torch::read_safetensors(&ckpt_path(run, e, "safetensors"))?;
-    model.load(&w)?;
+    model.load_vars(&w)?;
     opt.load(&model.vars, &w, state.opt_step)?;
     Ok(Some((e, state)))
 }
@@ -91,7 +91,7 @@ pub fn save_epoch(
     m: &EpochMetrics,
 ) -> Result<(), TrainError> {
     let epoch = m.epoch;
-    let mut ck = model.weights()?;
+    let mut ck = model.var_weights()?;
     ck.extend(opt.state(&model.vars)?);
     torch::write_safetensors(&ckpt_path(run, epoch, "safetensors"), &ck, None)?;
     report::write_json_atomic(&ckpt_path(run, epoch, "json"), state)?;

@@ -20,6 +20,8 @@ use serde::{Deserialize, Serialize};
 
 pub mod augment;
 pub mod checkpoint;
+pub mod head;
+pub mod loss;
 pub mod model;
 pub mod optim;
 pub mod params;
@@ -27,7 +29,7 @@ pub mod prepare;
 pub mod rank;
 
 pub use model::{Trainable, model_summary};
-pub use params::{FitParams, LrScaling, Optimizer, Schedule};
+pub use params::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule};
 pub use prepare::{Prepped, SPLIT_FILE, SplitRecord, prepare};
 pub use rank::train_rank;
 
@@ -102,6 +104,12 @@ pub struct Summary {
     pub backbone_runs: usize,
     pub feature_seconds: f64,
     pub train_seconds: f64,
+    /// How the head was solved by L-BFGS (`--optimizer lbfgs`, or the first stage of `--fine-tune`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head: Option<head::HeadSolve>,
+    /// The first stage's validation accuracy (`--fine-tune`: the head alone, before the blocks train).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_val_accuracy: Option<f64>,
 }
 
 impl Default for TrainState {
@@ -241,6 +249,7 @@ pub fn evaluate_run(run_dir: &Path, data: &Path, job: &Job) -> Result<Evaluation
         pp.dataset_labels.len(),
         Some(&weights),
         p.seed,
+        None,
     )?;
     let idx: Vec<usize> = (0..pp.prepared.len()).collect();
     let (loss, pred) = predict(&pp, &model, &idx)?;

@@ -8,13 +8,19 @@ use kestrel_models::onnx::{Linear, LowerOpts};
 use kestrel_models::{Tensor, Weights};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
+use crate::train::head::Standardizer;
 use crate::train::{Prepped, TrainError};
 
 /// The trainable part: unfrozen blocks (if any) + pooled features → linear classifier.
+///
+/// A head-only model may train on standardized features: `standardize` is applied to its input,
+/// and [`Trainable::weights`] / [`Trainable::load`] fold it into / out of the classifier, so that
+/// saved weights always take raw features (what the exported graph computes).
 pub struct Trainable {
     pub net: CandleNet,
     pub vars: Vec<(String, Var)>,
     pub opts: LowerOpts,
+    standardize: Option<(Standardizer, CTensor, CTensor)>,
 }
 
 impl Trainable {
@@ -24,8 +30,14 @@ impl Trainable {
         classes: usize,
         init: Option<&Weights>,
         seed: u64,
+        standardize: Option<Standardizer>,
     ) -> Result<Self, TrainError> {
         let net = &backbone.net;
+        if standardize.is_some() && boundary < net.blocks.len() {
+            return Err(TrainError::Invalid(
+                "features are standardized only for a head-only model".into(),
+            ));
+        }
         let folded = backbone
             .folded()
             .map_err(|e| TrainError::Invalid(e.to_string()))?;
@@ -51,10 +63,19 @@ impl Trainable {
             probe: false,
         };
         let (cnet, vars) = CandleNet::trainable(net, &folded, &opts, &Device::Cpu)?;
+        let standardize = standardize
+            .map(|st| -> candle_core::Result<_> {
+                let d = st.mean.len();
+                let mean = CTensor::from_slice(&st.mean, (1, d), &Device::Cpu)?;
+                let inv_std = CTensor::from_slice(&st.inv_std, (1, d), &Device::Cpu)?;
+                Ok((st, mean, inv_std))
+            })
+            .transpose()?;
         let this = Self {
             net: cnet,
             vars,
             opts,
+            standardize,
         };
         if let Some(w) = init {
             this.load(w)?;
@@ -62,7 +83,13 @@ impl Trainable {
         Ok(this)
     }
 
+    /// Sets every variable from weights on raw features (as [`Trainable::weights`] writes them).
     pub fn load(&self, w: &Weights) -> Result<(), TrainError> {
+        self.load_vars(&self.unfold(w)?)
+    }
+
+    /// Sets every variable as it is (a checkpoint of [`Trainable::var_weights`]).
+    pub fn load_vars(&self, w: &Weights) -> Result<(), TrainError> {
         for (name, var) in &self.vars {
             let t = w
                 .get(name)
@@ -83,15 +110,64 @@ impl Trainable {
         Ok(())
     }
 
-    pub fn weights(&self) -> Result<Weights, TrainError> {
+    /// The variables as they are (on standardized features if the model standardizes):
+    /// checkpoints, which must resume bit for bit.
+    pub fn var_weights(&self) -> Result<Weights, TrainError> {
         self.vars
             .iter()
             .map(|(n, v)| Ok((n.clone(), to_plain(v.as_tensor())?)))
             .collect()
     }
 
+    /// The weights on raw features: what `best.safetensors` holds and the export lowers.
+    pub fn weights(&self) -> Result<Weights, TrainError> {
+        let mut w = self.var_weights()?;
+        if let Some((st, _, _)) = &self.standardize {
+            let (wt, b) = (&w["classifier.weight"], &w["classifier.bias"]);
+            let (fw, fb) = st.fold(&wt.data, &b.data);
+            let (ws, bs) = (wt.shape.clone(), b.shape.clone());
+            w.insert("classifier.weight".into(), Tensor::new(ws, fw));
+            w.insert("classifier.bias".into(), Tensor::new(bs, fb));
+        }
+        Ok(w)
+    }
+
+    fn unfold(&self, w: &Weights) -> Result<Weights, TrainError> {
+        let Some((st, _, _)) = &self.standardize else {
+            return Ok(w.clone());
+        };
+        let (Some(wt), Some(b)) = (w.get("classifier.weight"), w.get("classifier.bias")) else {
+            return Err(TrainError::Invalid("weights lack the classifier".into()));
+        };
+        let (uw, ub) = st.unfold(&wt.data, &b.data);
+        let mut out = w.clone();
+        out.insert(
+            "classifier.weight".into(),
+            Tensor::new(wt.shape.clone(), uw),
+        );
+        out.insert("classifier.bias".into(), Tensor::new(b.shape.clone(), ub));
+        Ok(out)
+    }
+
+    /// Sets the classifier from weights on raw features (`[classes, dim]`, `[classes]`).
+    pub fn set_classifier(&self, weight: &[f32], bias: &[f32]) -> Result<(), TrainError> {
+        let mut w = self.var_weights()?;
+        let (ws, bs) = (
+            w["classifier.weight"].shape.clone(),
+            w["classifier.bias"].shape.clone(),
+        );
+        w.insert("classifier.weight".into(), Tensor::new(ws, weight.to_vec()));
+        w.insert("classifier.bias".into(), Tensor::new(bs, bias.to_vec()));
+        self.load(&w)
+    }
+
     pub fn forward(&self, x: &CTensor) -> Result<CTensor, TrainError> {
-        Ok(self.net.forward(x)?)
+        match &self.standardize {
+            Some((_, mean, inv_std)) => Ok(self
+                .net
+                .forward(&x.broadcast_sub(mean)?.broadcast_mul(inv_std)?)?),
+            None => Ok(self.net.forward(x)?),
+        }
     }
 }
 

@@ -23,6 +23,11 @@ impl Opt {
         let n = match p.optimizer {
             Optimizer::Sgd => 1,
             Optimizer::Adamw => 2,
+            Optimizer::Lbfgs => {
+                return Err(TrainError::Invalid(
+                    "lbfgs solves the head in one piece (train::head), not per batch".into(),
+                ));
+            }
         };
         let slots = vars
             .iter()
@@ -93,8 +98,13 @@ impl Opt {
             let Some(g) = g else {
                 continue;
             };
-            let p = var.as_tensor();
+            // Detached: the variable's tensor is tracked, and an update computed from it would
+            // otherwise keep the previous step's graph alive in the slots (memory growing every
+            // step).
+            let p = &var.as_tensor().detach();
+            let g = &g.detach();
             match self.kind {
+                Optimizer::Lbfgs => unreachable!("Opt::new refuses lbfgs"),
                 Optimizer::Sgd => {
                     let g = if self.weight_decay != 0.0 {
                         (g + (p * self.weight_decay)?)?

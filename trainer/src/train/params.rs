@@ -11,8 +11,24 @@ use crate::data::SourceOpts;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Optimizer {
+    /// SGD with momentum.
     Sgd,
+    /// AdamW (decoupled weight decay).
     Adamw,
+    /// L-BFGS on the whole training split: the head as the convex problem it is (L2-regularized
+    /// multinomial logistic regression), solved to convergence. Head-only runs.
+    Lbfgs,
+}
+
+/// Per-class loss weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ClassWeights {
+    /// Every sample counts once.
+    #[default]
+    None,
+    /// n / (classes x n_c) for class c (scikit-learn's "balanced"): every class weighs the same in total.
+    Balanced,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -64,9 +80,27 @@ pub struct FitParams {
     /// Learning-rate scaling with the worker count (absent in older params.json: none).
     #[serde(default)]
     pub lr_scaling: LrScaling,
+    /// L2 strength of the L-BFGS head (mean loss + l2/2 |W|^2); `None`: chosen by cross-validation
+    /// on the training split.
+    #[serde(default)]
+    pub l2: Option<f64>,
+    #[serde(default)]
+    pub class_weights: ClassWeights,
+    /// Label smoothing epsilon: targets (1 - eps) one-hot + eps / classes.
+    #[serde(default)]
+    pub label_smoothing: f64,
+    /// Two stages (`--fine-tune N`): the head to convergence with L-BFGS on the pooled features,
+    /// then the last `unfreeze_last` blocks and the head with `optimizer` from there.
+    #[serde(default)]
+    pub head_first: bool,
 }
 
 impl FitParams {
+    /// Whether the frozen features are the pooled ones (no block trains).
+    pub fn head_only(&self) -> bool {
+        self.unfreeze_last == 0
+    }
+
     pub fn lr_at(&self, epoch: usize) -> f64 {
         match self.schedule {
             Schedule::None => self.lr,
@@ -95,6 +129,20 @@ impl FitParams {
             || self.val_fraction <= 0.0
         {
             return bad("--val-fraction must be > 0 and val + test fractions < 1".into());
+        }
+        if self.optimizer == Optimizer::Lbfgs && self.unfreeze_last > 0 {
+            return bad(
+                "--optimizer lbfgs trains a head only: with --unfreeze-last use sgd or adamw, or --fine-tune N (L-BFGS head, then the blocks)".into(),
+            );
+        }
+        if self.l2.is_some_and(|l| !(l >= 0.0)) {
+            return bad(format!("--l2 must be >= 0, got {:?}", self.l2));
+        }
+        if !(0.0..1.0).contains(&self.label_smoothing) {
+            return bad(format!(
+                "--label-smoothing must be in [0, 1), got {}",
+                self.label_smoothing
+            ));
         }
         if self.batch_size < self.workers.max(1) {
             return bad(format!(

@@ -3,6 +3,7 @@
 use kestrel_models::backbone::Backbone;
 use serde::{Deserialize, Serialize};
 
+use super::head::FeatureRows;
 use super::{FitParams, TrainError};
 use crate::data::split::{self, Split};
 use crate::data::{self, Dataset, Features, Prepared, features};
@@ -27,6 +28,15 @@ impl Prepped {
 
     pub fn labels(&self) -> &[usize] {
         &self.prepared.meta.sample_labels
+    }
+
+    /// The cached features as rows with their labels.
+    pub fn rows(&self) -> FeatureRows<'_> {
+        FeatureRows {
+            data: &self.features.data,
+            dim: self.features.per_sample(),
+            labels: self.labels(),
+        }
     }
 }
 

@@ -17,11 +17,13 @@ use kestrel_models::{Weights, torch};
 use rand::{SeedableRng, rngs::StdRng};
 
 use super::augment::Augmenter;
+use super::head::{self, HeadSolve, Standardizer};
+use super::loss::Loss;
 use super::model::{Trainable, model_summary};
 use super::optim::{self, Opt};
 use super::{
-    FitOutcome, FitParams, LrScaling, Prepped, Summary, TrainError, TrainState, batch_tensor,
-    checkpoint, predict, predict_sum,
+    FitOutcome, FitParams, LrScaling, Optimizer, Prepped, Summary, TrainError, TrainState,
+    batch_tensor, checkpoint, predict, predict_sum,
 };
 use crate::data::split::{self, Split};
 use crate::distributed::{self, Collective, Rank};
@@ -63,12 +65,21 @@ pub fn train_rank(
             "the validation split is empty: raise --val-fraction".into(),
         ));
     }
+    let classes = pp.dataset_labels.len();
+    let loss = Loss::new(p, pp.labels(), &sets.train, classes);
+    if p.optimizer == Optimizer::Lbfgs {
+        return solve_head(p, run_dir, pp, &sets, &loss, r, feature_seconds);
+    }
+    let standardize = p
+        .head_only()
+        .then(|| Standardizer::fit(pp.rows(), &sets.train));
     let model = Trainable::new(
         &pp.backbone,
         pp.boundary,
-        pp.dataset_labels.len(),
+        classes,
         None,
         p.seed,
+        standardize,
     )?;
     let mut opt = Opt::new(p, &model.vars)?;
     let mut state = start_state(p, out.filter(|_| resume), &model, &mut opt, r)?;
@@ -101,6 +112,7 @@ pub fn train_rank(
             state.epoch + 1,
             lr,
             aug.as_ref(),
+            &loss,
             r,
             out.is_some(),
         )?;
@@ -124,8 +136,8 @@ pub fn train_rank(
         best,
         out,
         &sets,
-        feature_seconds,
-        train_seconds,
+        (feature_seconds, train_seconds),
+        None,
     )?;
     Ok(Some(FitOutcome {
         run_dir: run_dir.map(Path::to_path_buf).unwrap_or_default(),
@@ -243,6 +255,7 @@ fn run_epoch(
     epoch: usize,
     lr: f64,
     aug: Option<&Augmenter>,
+    loss_fn: &Loss,
     r: &Rank<'_>,
     show_progress: bool,
 ) -> Result<EpochMetrics, TrainError> {
@@ -264,7 +277,8 @@ fn run_epoch(
             .transpose()?;
         let (x, y) = batch_tensor(pp, part, aug_feats.as_deref())?;
         let logits = model.forward(&x)?;
-        let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+        let labels: Vec<usize> = part.iter().map(|&i| pp.labels()[i]).collect();
+        let loss = loss_fn.mean(&logits, &labels)?;
         let grads = loss.backward()?;
         if world == 1 {
             opt.apply(&model.vars, &grads, lr)?;
@@ -357,8 +371,8 @@ fn finish(
     best: Option<Weights>,
     out: Option<&Path>,
     sets: &Sets,
-    feature_seconds: f64,
-    train_seconds: f64,
+    (feature_seconds, train_seconds): (f64, f64),
+    head: Option<HeadSolve>,
 ) -> Result<Summary, TrainError> {
     if let Some(dir) = out {
         torch::write_safetensors(&dir.join("last.safetensors"), &model.weights()?, None)?;
@@ -402,10 +416,86 @@ fn finish(
         backbone_runs: pp.features.computed,
         feature_seconds,
         train_seconds,
+        head,
+        head_val_accuracy: None,
     };
     if let Some(dir) = out {
         report::write_json_atomic(&dir.join("summary.json"), &summary)?;
         report::plot_curves(&state.history, dir)?;
     }
     Ok(summary)
+}
+
+/// `--optimizer lbfgs`: the head solved to convergence ([`head::fit_head`]) on every rank together;
+/// rank 0 records it as a one-epoch run (same files as the first-order loop). Deterministic, so a
+/// resumed run solves again.
+fn solve_head(
+    p: &FitParams,
+    run_dir: Option<&Path>,
+    pp: &Prepped,
+    sets: &Sets,
+    loss: &Loss,
+    r: &Rank<'_>,
+    feature_seconds: f64,
+) -> Result<Option<FitOutcome>, TrainError> {
+    let out = run_dir.filter(|_| r.is_lead());
+    let started = Instant::now();
+    let head = head::fit_head(pp.rows(), &sets.train, p.l2, loss, p.seed, r)?;
+    let classes = pp.dataset_labels.len();
+    let model = Trainable::new(&pp.backbone, pp.boundary, classes, None, p.seed, None)?;
+    model.set_classifier(&head.weight, &head.bias)?;
+    let train_seconds = started.elapsed().as_secs_f64();
+    r.log(format!(
+        "head: L-BFGS {} iterations, l2 {:.2e}, gradient norm {:.1e}, {:.2}s",
+        head.solve.iterations, head.solve.l2, head.solve.grad_norm, train_seconds
+    ));
+    if !r.is_lead() {
+        return Ok(None);
+    }
+    let (train_loss, train_pred) = predict(pp, &model, &sets.train)?;
+    let (val_loss, val_pred) = predict(pp, &model, &sets.val)?;
+    let acc = |pred: &[usize], idx: &[usize]| {
+        pred.iter()
+            .zip(idx)
+            .filter(|(a, i)| **a == pp.labels()[**i])
+            .count() as f64
+            / idx.len().max(1) as f64
+    };
+    let m = EpochMetrics {
+        epoch: 1,
+        train_loss,
+        train_accuracy: acc(&train_pred, &sets.train),
+        val_loss,
+        val_accuracy: acc(&val_pred, &sets.val),
+        samples_per_s: (sets.train.len() as f64 * head.solve.iterations.max(1) as f64)
+            / train_seconds.max(1e-9),
+    };
+    let weights = model.weights()?;
+    let state = TrainState {
+        epoch: 1,
+        best_epoch: 1,
+        best_val_loss: m.val_loss,
+        best_val_accuracy: m.val_accuracy,
+        history: vec![m.clone()],
+        ..TrainState::default()
+    };
+    if let Some(dir) = out {
+        checkpoint::begin(dir, p, pp, &TrainState::default())?;
+        torch::write_safetensors(&dir.join("best.safetensors"), &weights, None)?;
+        report::append_jsonl(&dir.join("metrics.jsonl"), &m)?;
+    }
+    let summary = finish(
+        pp,
+        &model,
+        &state,
+        Some(weights),
+        out,
+        sets,
+        (feature_seconds, train_seconds),
+        Some(head.solve),
+    )?;
+    Ok(Some(FitOutcome {
+        run_dir: run_dir.map(Path::to_path_buf).unwrap_or_default(),
+        summary,
+    }))
 }

@@ -190,6 +190,7 @@ pub fn table(trials: &[TrialResult]) -> String {
             match t.params.optimizer {
                 Optimizer::Sgd => "sgd",
                 Optimizer::Adamw => "adamw",
+                Optimizer::Lbfgs => "lbfgs",
             },
             t.params.epochs,
             t.seconds
