@@ -4,6 +4,7 @@
 use candle_core::{Device, Module, Tensor as CTensor, Var};
 
 use crate::arch::{ConvBn, Network};
+use crate::depthwise::{Depthwise, depthwise};
 use crate::engine::{Engine, EngineError, EngineKind};
 use crate::onnx::LowerOpts;
 use crate::tensor::Tensor;
@@ -51,20 +52,47 @@ impl ConvLayer {
 
 impl Module for ConvLayer {
     fn forward(&self, x: &CTensor) -> candle_core::Result<CTensor> {
-        let [t, l, b, r] = self.spec.pads;
-        let (x, pad) = if t == b && l == r && t == l {
-            (x.clone(), t)
+        let c = &self.spec;
+        let y = if c.kernel == 1 && c.stride == 1 && c.groups == 1 && c.pads == [0; 4] {
+            self.pointwise(x)?
+        } else if c.groups == c.cin && c.cin == c.cout && c.groups > 1 {
+            self.depthwise(x)?
         } else {
-            (x.pad_with_zeros(2, t, b)?.pad_with_zeros(3, l, r)?, 0)
+            let [t, l, b, r] = c.pads;
+            let (x, pad) = if t == b && l == r && t == l {
+                (x.clone(), t)
+            } else {
+                (x.pad_with_zeros(2, t, b)?.pad_with_zeros(3, l, r)?, 0)
+            };
+            x.conv2d(&self.weight, pad, c.stride, 1, c.groups)?
         };
-        let y = x
-            .conv2d(&self.weight, pad, self.spec.stride, 1, self.spec.groups)?
-            .broadcast_add(&self.bias)?;
-        if self.spec.relu6 {
-            y.clamp(0f32, 6f32)
-        } else {
-            Ok(y)
-        }
+        let y = y.broadcast_add(&self.bias)?;
+        if c.relu6 { y.clamp(0f32, 6f32) } else { Ok(y) }
+    }
+}
+
+impl ConvLayer {
+    /// A 1x1 convolution as one batched matrix product, `[cout, cin] x [n, cin, h*w]` (candle's
+    /// conv2d would unfold the input first, and its backward pass is slower still).
+    fn pointwise(&self, x: &CTensor) -> candle_core::Result<CTensor> {
+        let (n, cin, h, w) = x.dims4()?;
+        let wt = self.weight.reshape((1, self.spec.cout, cin))?;
+        wt.broadcast_matmul(&x.reshape((n, cin, h * w))?)?
+            .reshape((n, self.spec.cout, h, w))
+    }
+
+    /// A depthwise convolution: [`crate::depthwise`] (candle's grouped conv2d runs one
+    /// convolution per channel, forward and backward, which made fine-tuning crawl).
+    fn depthwise(&self, x: &CTensor) -> candle_core::Result<CTensor> {
+        let c = &self.spec;
+        let op = Depthwise {
+            kernel: c.kernel,
+            stride: c.stride,
+            top: c.pads[0],
+            left: c.pads[1],
+            out_hw: c.out_hw,
+        };
+        depthwise(x, &self.weight, op)
     }
 }
 
@@ -153,8 +181,9 @@ impl CandleNet {
     }
 }
 
-impl Module for CandleNet {
-    fn forward(&self, x: &CTensor) -> candle_core::Result<CTensor> {
+impl CandleNet {
+    /// The blocks (and pooling), without the classifier.
+    pub fn features(&self, x: &CTensor) -> candle_core::Result<CTensor> {
         let mut x = x.clone();
         for (layers, residual) in &self.blocks {
             let input = x.clone();
@@ -168,10 +197,23 @@ impl Module for CandleNet {
         if self.pool {
             x = x.flatten_from(2)?.mean(2)?;
         }
-        if let Some((w, b)) = &self.classifier {
-            x = x.matmul(&w.t()?)?.broadcast_add(b)?;
-        }
         Ok(x)
+    }
+}
+
+impl CandleNet {
+    /// The classifier (if any) on features.
+    pub fn classify(&self, x: &CTensor) -> candle_core::Result<CTensor> {
+        match &self.classifier {
+            Some((w, b)) => x.matmul(&w.t()?)?.broadcast_add(b),
+            None => Ok(x.clone()),
+        }
+    }
+}
+
+impl Module for CandleNet {
+    fn forward(&self, x: &CTensor) -> candle_core::Result<CTensor> {
+        self.classify(&self.features(x)?)
     }
 }
 
@@ -214,5 +256,151 @@ impl Engine for CandleEngine {
             .and_then(|t| t.to_vec1::<f32>())
             .map_err(cerr)?;
         Ok(Tensor::new(shape, data))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The matmul and shifted-view paths compute what candle's conv2d computes.
+    #[test]
+    fn pointwise_and_depthwise_paths_equal_conv2d() {
+        let dev = Device::Cpu;
+        let cases = [
+            // (cin, cout, kernel, stride, groups, pads, hw)
+            (8, 12, 1, 1, 1, [0, 0, 0, 0], 7),
+            (6, 6, 3, 1, 6, [1, 1, 1, 1], 7),
+            (6, 6, 3, 2, 6, [0, 0, 1, 1], 14),
+            (6, 6, 5, 2, 6, [1, 1, 2, 2], 14),
+            (6, 6, 5, 1, 6, [2, 2, 2, 2], 9),
+        ];
+        for (cin, cout, k, s, g, pads, hw) in cases {
+            let out = (hw + pads[0] + pads[2] - k) / s + 1;
+            let spec = ConvBn {
+                name: "t".into(),
+                cin,
+                cout,
+                kernel: k,
+                stride: s,
+                groups: g,
+                relu6: true,
+                pads,
+                in_hw: [hw, hw],
+                out_hw: [out, out],
+            };
+            let n = cout * (cin / g) * k * k;
+            let f = FoldedConv {
+                weight: Tensor::new(
+                    spec.weight_shape(),
+                    (0..n).map(|i| ((i * 37 % 17) as f32 - 8.0) / 9.0).collect(),
+                ),
+                bias: (0..cout).map(|i| i as f32 / 10.0).collect(),
+            };
+            let layer = ConvLayer::new(&spec, &f, &dev, None).unwrap();
+            let x = CTensor::randn(0f32, 1f32, (2, cin, hw, hw), &dev).unwrap();
+            let got = layer.forward(&x).unwrap();
+            let [t, l, b, r] = pads;
+            let want = x
+                .pad_with_zeros(2, t, b)
+                .unwrap()
+                .pad_with_zeros(3, l, r)
+                .unwrap()
+                .conv2d(&layer.weight, 0, s, 1, g)
+                .unwrap()
+                .broadcast_add(&layer.bias)
+                .unwrap()
+                .clamp(0f32, 6f32)
+                .unwrap();
+            assert_eq!(got.dims(), want.dims(), "case k{k} s{s} g{g}");
+            let diff = (got - want)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(
+                diff < 1e-4,
+                "case k{k} s{s} g{g} pads {pads:?}: max diff {diff}"
+            );
+        }
+    }
+
+    /// The depthwise op's gradients equal finite differences of its forward pass.
+    #[test]
+    fn depthwise_gradients_match_finite_differences() {
+        let dev = Device::Cpu;
+        let op = Depthwise {
+            kernel: 3,
+            stride: 2,
+            top: 0,
+            left: 1,
+            out_hw: [3, 3],
+        };
+        let x = Var::from_tensor(&CTensor::randn(0f32, 1f32, (2, 3, 6, 6), &dev).unwrap()).unwrap();
+        let w = Var::from_tensor(&CTensor::randn(0f32, 1f32, (3, 1, 3, 3), &dev).unwrap()).unwrap();
+        let r = CTensor::randn(0f32, 1f32, (2, 3, 3, 3), &dev).unwrap();
+        let loss = |x: &CTensor, w: &CTensor| -> f64 {
+            (depthwise(x, w, op).unwrap() * &r)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap() as f64
+        };
+        let l = (depthwise(x.as_tensor(), w.as_tensor(), op).unwrap() * &r)
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let grads = l.backward().unwrap();
+        for (var, at) in [
+            (&x, [1usize, 2, 3, 4]),
+            (&w, [2, 0, 1, 2]),
+            (&x, [0, 0, 0, 1]),
+        ] {
+            let g = grads.get(var.as_tensor()).unwrap();
+            let analytic = g
+                .get(at[0])
+                .unwrap()
+                .get(at[1])
+                .unwrap()
+                .get(at[2])
+                .unwrap()
+                .get(at[3])
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap() as f64;
+            let eps = 1e-2f32;
+            let bump = |d: f32| {
+                let mut v = var
+                    .as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                let dims = var.dims();
+                let i = ((at[0] * dims[1] + at[1]) * dims[2] + at[2]) * dims[3] + at[3];
+                v[i] += d;
+                CTensor::from_vec(v, dims, &dev).unwrap()
+            };
+            let (plus, minus) = if std::ptr::eq(var, &x) {
+                (
+                    loss(&bump(eps), w.as_tensor()),
+                    loss(&bump(-eps), w.as_tensor()),
+                )
+            } else {
+                (
+                    loss(x.as_tensor(), &bump(eps)),
+                    loss(x.as_tensor(), &bump(-eps)),
+                )
+            };
+            let numeric = (plus - minus) / (2.0 * eps as f64);
+            assert!(
+                (analytic - numeric).abs() < 1e-2 * (1.0 + numeric.abs()),
+                "at {at:?}: analytic {analytic}, numeric {numeric}"
+            );
+        }
     }
 }

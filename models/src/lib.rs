@@ -17,6 +17,8 @@ pub mod backbone;
 #[cfg(feature = "candle")]
 pub mod candle;
 #[cfg(feature = "candle")]
+pub mod depthwise;
+#[cfg(feature = "candle")]
 pub mod torch;
 
 pub use arch::{Arch, Network};

@@ -357,3 +357,80 @@ fn unfrozen_blocks_and_augmentation_train() {
     assert!(s["val_accuracy"].as_f64().unwrap() >= 0.95);
     assert!(log.contains("dims [1280]"), "{log}");
 }
+
+/// VmRSS and VmHWM (peak) of a process, in MB.
+fn rss_mb(pid: u32) -> (f64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap()
+            / 1024.0
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// `--fine-tune 2`: the head first (its accuracy recorded), then the last two blocks move; memory
+/// read from the running process stays flat from epoch 2 to the last and under 2 GB.
+#[test]
+fn fine_tune_two_stages_with_flat_memory() {
+    use std::io::{BufRead, BufReader};
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("ft");
+    let mut child = Command::new(bin("trainer"))
+        .args([
+            "fit",
+            "--json",
+            "--data",
+            &lfw(),
+            "--fine-tune",
+            "2",
+            "--epochs",
+            "6",
+        ])
+        .args(["--early-stopping", "100", "--out", run.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let mut at_epoch = Vec::new();
+    let mut log = String::new();
+    for line in BufReader::new(child.stderr.take().unwrap()).lines() {
+        let line = line.unwrap();
+        if line.starts_with("epoch ") {
+            at_epoch.push(rss_mb(pid));
+        }
+        log.push_str(&line);
+        log.push('\n');
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("fine-tune stage 1: head alone"), "{log}");
+    assert_eq!(at_epoch.len(), 6, "{log}");
+    let (rss2, rss_last, peak) = (at_epoch[1].0, at_epoch[5].0, at_epoch[5].1);
+    eprintln!("fine-tune RSS by epoch (MB): {at_epoch:?}");
+    assert!(
+        rss_last <= rss2 * 1.05 + 30.0,
+        "RSS grew from {rss2} MB at epoch 2 to {rss_last} MB"
+    );
+    assert!(peak < 2048.0, "peak RSS {peak} MB");
+    let s: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(s["head_val_accuracy"].as_f64().unwrap() >= 0.9, "{s}");
+    assert!(s["val_accuracy"].as_f64().unwrap() >= 0.95, "{s}");
+    assert_eq!(read_json(&run.join("params.json"))["head_first"], true);
+    let w = kestrel_models::torch::read_safetensors(&run.join("best.safetensors")).unwrap();
+    let pretrained =
+        kestrel_models::backbone::Backbone::resolve("efficientnet-lite0", None).unwrap();
+    let folded = pretrained.folded().unwrap();
+    assert!(
+        folded[folded.len() - 1]
+            .weight
+            .max_abs_diff(&w["head.conv.weight"])
+            .unwrap()
+            > 1e-6
+    );
+}

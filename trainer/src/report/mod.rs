@@ -50,6 +50,20 @@ pub struct Evaluation {
     pub per_class: Vec<ClassMetrics>,
     /// `confusion[true][pred]`: number of samples of class `true` predicted as `pred`.
     pub confusion: Vec<Vec<usize>>,
+    /// The most frequent mistakes, most frequent first (at most [`CONFUSED_PAIRS`]).
+    #[serde(default)]
+    pub most_confused: Vec<Confusion>,
+}
+
+/// How many of the most frequent mistakes an [`Evaluation`] names.
+pub const CONFUSED_PAIRS: usize = 5;
+
+/// One kind of mistake: samples of `truth` predicted as `predicted`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Confusion {
+    pub truth: String,
+    pub predicted: String,
+    pub count: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -155,6 +169,20 @@ pub fn evaluate(
         })
         .collect();
 
+    let mut most_confused: Vec<Confusion> = confusion
+        .iter()
+        .enumerate()
+        .flat_map(|(t, row)| row.iter().enumerate().map(move |(p, &c)| (t, p, c)))
+        .filter(|&(t, p, c)| t != p && c > 0)
+        .map(|(t, p, count)| Confusion {
+            truth: labels[t].clone(),
+            predicted: labels[p].clone(),
+            count,
+        })
+        .collect();
+    // Stable: ties keep the matrix order.
+    most_confused.sort_by(|a, b| b.count.cmp(&a.count));
+    most_confused.truncate(CONFUSED_PAIRS);
     Evaluation {
         accuracy,
         loss,
@@ -162,6 +190,7 @@ pub fn evaluate(
         labels,
         per_class,
         confusion,
+        most_confused,
     }
 }
 
@@ -287,6 +316,14 @@ impl Evaluation {
                 ));
             }
             out.push('\n');
+        }
+        if !self.most_confused.is_empty() {
+            let pairs: Vec<String> = self
+                .most_confused
+                .iter()
+                .map(|c| format!("{} as {} ({})", c.truth, c.predicted, c.count))
+                .collect();
+            out.push_str(&format!("\nmost confused: {}\n", pairs.join(", ")));
         }
         out
     }

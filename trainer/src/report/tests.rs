@@ -35,6 +35,24 @@ fn report_evaluate_three_classes() {
         e.confusion,
         vec![vec![2, 1, 0], vec![1, 1, 0], vec![1, 1, 2]]
     );
+    let named: Vec<(&str, &str, usize)> = e
+        .most_confused
+        .iter()
+        .map(|c| (c.truth.as_str(), c.predicted.as_str(), c.count))
+        .collect();
+    assert_eq!(
+        named,
+        [
+            ("cat", "dog", 1),
+            ("dog", "cat", 1),
+            ("bird", "cat", 1),
+            ("bird", "dog", 1)
+        ]
+    );
+    assert!(
+        e.to_table()
+            .contains("most confused: cat as dog (1), dog as cat (1)")
+    );
     let expect = [
         ("cat", 0.5, 2.0 / 3.0, 4.0 / 7.0, 3),
         ("dog", 1.0 / 3.0, 0.5, 0.4, 2),

@@ -50,7 +50,7 @@ impl FeatureRows<'_> {
     }
 }
 
-/// Mean and 1/std of every feature over a set of samples.
+/// Mean and 1/std of every feature over a set of samples (std floored at the median std).
 #[derive(Debug, Clone)]
 pub struct Standardizer {
     pub mean: Vec<f32>,
@@ -68,18 +68,25 @@ impl Standardizer {
         }
         let n = idx.len().max(1) as f64;
         let mean: Vec<f64> = s.iter().map(|v| v / n).collect();
-        let inv_std = s2
+        let sd: Vec<f64> = s2
             .iter()
             .zip(&mean)
-            .map(|(q, m)| {
-                let sd = (q / n - m * m).max(0.0).sqrt();
-                // A constant feature is 0 after centring; any scale will do.
-                if sd > 1e-6 { (1.0 / sd) as f32 } else { 1.0 }
-            })
+            .map(|(q, m)| (q / n - m * m).max(0.0).sqrt())
             .collect();
+        // Scales are floored at the median standard deviation: pooled features include nearly
+        // dead ones (std ~1e-4), and dividing by their std would give them huge weights once
+        // folded, which int8 quantization of the layer cannot represent (and which amplify
+        // rounding). Features above the median are standardized exactly.
+        let mut sorted = sd.clone();
+        sorted.sort_by(f64::total_cmp);
+        let floor = sorted
+            .get(sorted.len() / 2)
+            .copied()
+            .unwrap_or(1.0)
+            .max(1e-6);
         Standardizer {
             mean: mean.into_iter().map(|m| m as f32).collect(),
-            inv_std,
+            inv_std: sd.iter().map(|d| (1.0 / d.max(floor)) as f32).collect(),
         }
     }
 

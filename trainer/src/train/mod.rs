@@ -196,7 +196,8 @@ pub fn predict_sum(
 ) -> Result<(f64, Vec<usize>), TrainError> {
     let mut loss_sum = 0.0;
     let mut preds = Vec::with_capacity(idx.len());
-    for chunk in idx.chunks(256) {
+    // Small chunks: the forward pass keeps its graph (the variables are tracked) until the chunk is done.
+    for chunk in idx.chunks(32) {
         let (x, y) = batch_tensor(pp, chunk, None)?;
         let logits = model.forward(&x)?;
         loss_sum += candle_nn::loss::cross_entropy(&logits, &y)?.to_scalar::<f32>()? as f64

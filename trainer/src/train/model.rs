@@ -1,7 +1,7 @@
 //! The trainable model: the unfrozen blocks (BN folded) and a new linear classifier as candle
 //! variables, with seeded initialisation, and its Keras-style summary.
 
-use candle_core::{Device, Module, Tensor as CTensor, Var};
+use candle_core::{Device, Tensor as CTensor, Var};
 use kestrel_models::backbone::Backbone;
 use kestrel_models::candle::CandleNet;
 use kestrel_models::onnx::{Linear, LowerOpts};
@@ -13,9 +13,9 @@ use crate::train::{Prepped, TrainError};
 
 /// The trainable part: unfrozen blocks (if any) + pooled features → linear classifier.
 ///
-/// A head-only model may train on standardized features: `standardize` is applied to its input,
-/// and [`Trainable::weights`] / [`Trainable::load`] fold it into / out of the classifier, so that
-/// saved weights always take raw features (what the exported graph computes).
+/// The classifier may train on standardized features: `standardize` is applied between the pooling
+/// and the classifier, and [`Trainable::weights`] / [`Trainable::load`] fold it into / out of the
+/// classifier, so that saved weights always take raw features (what the exported graph computes).
 pub struct Trainable {
     pub net: CandleNet,
     pub vars: Vec<(String, Var)>,
@@ -33,11 +33,6 @@ impl Trainable {
         standardize: Option<Standardizer>,
     ) -> Result<Self, TrainError> {
         let net = &backbone.net;
-        if standardize.is_some() && boundary < net.blocks.len() {
-            return Err(TrainError::Invalid(
-                "features are standardized only for a head-only model".into(),
-            ));
-        }
         let folded = backbone
             .folded()
             .map_err(|e| TrainError::Invalid(e.to_string()))?;
@@ -63,24 +58,29 @@ impl Trainable {
             probe: false,
         };
         let (cnet, vars) = CandleNet::trainable(net, &folded, &opts, &Device::Cpu)?;
-        let standardize = standardize
-            .map(|st| -> candle_core::Result<_> {
-                let d = st.mean.len();
-                let mean = CTensor::from_slice(&st.mean, (1, d), &Device::Cpu)?;
-                let inv_std = CTensor::from_slice(&st.inv_std, (1, d), &Device::Cpu)?;
-                Ok((st, mean, inv_std))
-            })
-            .transpose()?;
-        let this = Self {
+        let mut this = Self {
             net: cnet,
             vars,
             opts,
-            standardize,
+            standardize: None,
         };
+        if let Some(st) = standardize {
+            this.set_standardizer(st)?;
+        }
         if let Some(w) = init {
             this.load(w)?;
         }
         Ok(this)
+    }
+
+    /// Standardizes the pooled features from now on (the classifier's values are kept as they
+    /// are, i.e. they now act on standardized features).
+    pub fn set_standardizer(&mut self, st: Standardizer) -> Result<(), TrainError> {
+        let d = st.mean.len();
+        let mean = CTensor::from_slice(&st.mean, (1, d), &Device::Cpu)?;
+        let inv_std = CTensor::from_slice(&st.inv_std, (1, d), &Device::Cpu)?;
+        self.standardize = Some((st, mean, inv_std));
+        Ok(())
     }
 
     /// Sets every variable from weights on raw features (as [`Trainable::weights`] writes them).
@@ -161,13 +161,19 @@ impl Trainable {
         self.load(&w)
     }
 
+    /// The pooled features of `x` (the unfrozen blocks and the pooling, not the classifier),
+    /// without a graph to keep.
+    pub fn pooled(&self, x: &CTensor) -> Result<CTensor, TrainError> {
+        Ok(self.net.features(x)?.detach())
+    }
+
     pub fn forward(&self, x: &CTensor) -> Result<CTensor, TrainError> {
-        match &self.standardize {
-            Some((_, mean, inv_std)) => Ok(self
-                .net
-                .forward(&x.broadcast_sub(mean)?.broadcast_mul(inv_std)?)?),
-            None => Ok(self.net.forward(x)?),
-        }
+        let f = self.net.features(x)?;
+        let f = match &self.standardize {
+            Some((_, mean, inv_std)) => f.broadcast_sub(mean)?.broadcast_mul(inv_std)?,
+            None => f,
+        };
+        Ok(self.net.classify(&f)?)
     }
 }
 

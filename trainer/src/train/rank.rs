@@ -70,17 +70,12 @@ pub fn train_rank(
     if p.optimizer == Optimizer::Lbfgs {
         return solve_head(p, run_dir, pp, &sets, &loss, r, feature_seconds);
     }
-    let standardize = p
-        .head_only()
-        .then(|| Standardizer::fit(pp.rows(), &sets.train));
-    let model = Trainable::new(
-        &pp.backbone,
-        pp.boundary,
-        classes,
-        None,
-        p.seed,
-        standardize,
-    )?;
+    let mut model = Trainable::new(&pp.backbone, pp.boundary, classes, None, p.seed, None)?;
+    let first_stage = if p.head_first {
+        Some(head_first(p, pp, &sets, &loss, &mut model, r)?)
+    } else {
+        None
+    };
     let mut opt = Opt::new(p, &model.vars)?;
     let mut state = start_state(p, out.filter(|_| resume), &model, &mut opt, r)?;
     if let Some(dir) = out {
@@ -129,7 +124,8 @@ pub fn train_rank(
     if !r.is_lead() {
         return Ok(None);
     }
-    let summary = finish(
+    let (head_solve, head_val_accuracy) = first_stage.unzip();
+    let mut summary = finish(
         pp,
         &model,
         &state,
@@ -137,8 +133,14 @@ pub fn train_rank(
         out,
         &sets,
         (feature_seconds, train_seconds),
-        None,
+        head_solve,
     )?;
+    if head_val_accuracy.is_some() {
+        summary.head_val_accuracy = head_val_accuracy;
+        if let Some(dir) = out {
+            report::write_json_atomic(&dir.join("summary.json"), &summary)?;
+        }
+    }
     Ok(Some(FitOutcome {
         run_dir: run_dir.map(Path::to_path_buf).unwrap_or_default(),
         summary,
@@ -498,4 +500,59 @@ fn solve_head(
         run_dir: run_dir.map(Path::to_path_buf).unwrap_or_default(),
         summary,
     }))
+}
+
+/// The first stage of `--fine-tune`: the unfrozen blocks as they are (pretrained) pool every
+/// sample once (each rank its share), the head is solved to convergence on those features
+/// ([`head::fit_head`]), and `model`'s classifier starts from it, on features standardized with
+/// the training split's statistics (the folded head of a standardized solve has large weights
+/// on low-variance features, which made the second stage diverge). Returns the solve and the
+/// head's validation accuracy.
+fn head_first(
+    p: &FitParams,
+    pp: &Prepped,
+    sets: &Sets,
+    loss: &Loss,
+    model: &mut Trainable,
+    r: &Rank<'_>,
+) -> Result<(HeadSolve, f64), TrainError> {
+    let n = pp.prepared.len();
+    let mine: Vec<usize> = distributed::share(n, r.rank(), r.world()).collect();
+    let mut local = Vec::new();
+    for chunk in mine.chunks(32) {
+        let (x, _) = batch_tensor(pp, chunk, None)?;
+        local.extend(model.pooled(&x)?.flatten_all()?.to_vec1::<f32>()?);
+    }
+    let pooled = r.comm.allgather_f32(&local)?;
+    let dim = pooled.len() / n.max(1);
+    let rows = head::FeatureRows {
+        data: &pooled,
+        dim,
+        labels: pp.labels(),
+    };
+    let h = head::fit_head(rows, &sets.train, p.l2, loss, p.seed, r)?;
+    model.set_standardizer(Standardizer::fit(rows, &sets.train))?;
+    model.set_classifier(&h.weight, &h.bias)?;
+    let correct = sets
+        .val
+        .iter()
+        .filter(|&&i| {
+            let x = &pooled[i * dim..(i + 1) * dim];
+            let score = |c: usize| {
+                h.bias[c]
+                    + h.weight[c * dim..(c + 1) * dim]
+                        .iter()
+                        .zip(x)
+                        .map(|(w, v)| w * v)
+                        .sum::<f32>()
+            };
+            (0..h.bias.len()).max_by(|&a, &b| score(a).total_cmp(&score(b))) == Some(pp.labels()[i])
+        })
+        .count();
+    let acc = correct as f64 / sets.val.len() as f64;
+    r.log(format!(
+        "fine-tune stage 1: head alone (L-BFGS, l2 {:.2e}): val accuracy {acc:.4}; stage 2: the last {} blocks and the head, {:?} lr {:.1e}",
+        h.solve.l2, p.unfreeze_last, p.optimizer, p.lr
+    ));
+    Ok((h.solve, acc))
 }
