@@ -434,3 +434,50 @@ fn fine_tune_two_stages_with_flat_memory() {
             > 1e-6
     );
 }
+
+/// `--class-weights balanced` and `--label-smoothing` reach the solved head (recorded, and a
+/// different solution from the plain one, still accurate); the table names the confused pairs.
+#[test]
+fn class_weights_and_label_smoothing_change_the_head() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = lfw();
+    let (plain, _) = fit(&["--data", &data, "--l2", "0.1"], &tmp.path().join("plain"));
+    let run = tmp.path().join("weighted");
+    let (s, _) = fit(
+        &[
+            "--data",
+            &data,
+            "--l2",
+            "0.1",
+            "--class-weights",
+            "balanced",
+            "--label-smoothing",
+            "0.1",
+        ],
+        &run,
+    );
+    let p = read_json(&run.join("params.json"));
+    assert_eq!(p["class_weights"], "balanced");
+    assert_eq!(p["label_smoothing"], 0.1);
+    assert_eq!(s["head"]["l2_from"], "--l2");
+    assert!(s["val_accuracy"].as_f64().unwrap() >= 0.95, "{s}");
+    assert_ne!(
+        sha(&run.join("best.safetensors")),
+        sha(&tmp.path().join("plain").join("best.safetensors"))
+    );
+    assert!(plain["validation"]["most_confused"].is_array(), "{plain}");
+    let bad = run_fails_text(&[
+        "fit",
+        "--data",
+        &data,
+        "--label-smoothing",
+        "1.5",
+        "--out",
+        tmp.path().join("x").to_str().unwrap(),
+    ]);
+    assert!(bad.contains("--label-smoothing"), "{bad}");
+}
+
+fn run_fails_text(args: &[&str]) -> String {
+    stderr(&kestrel_tests::run_fails("trainer", args))
+}
