@@ -124,8 +124,7 @@ pub fn train_rank(
     if !r.is_lead() {
         return Ok(None);
     }
-    let (head_solve, head_val_accuracy) = first_stage.unzip();
-    let mut summary = finish(
+    let summary = finish(
         pp,
         &model,
         &state,
@@ -133,14 +132,8 @@ pub fn train_rank(
         out,
         &sets,
         (feature_seconds, train_seconds),
-        head_solve,
+        first_stage,
     )?;
-    if head_val_accuracy.is_some() {
-        summary.head_val_accuracy = head_val_accuracy;
-        if let Some(dir) = out {
-            report::write_json_atomic(&dir.join("summary.json"), &summary)?;
-        }
-    }
     Ok(Some(FitOutcome {
         run_dir: run_dir.map(Path::to_path_buf).unwrap_or_default(),
         summary,
@@ -374,7 +367,7 @@ fn finish(
     out: Option<&Path>,
     sets: &Sets,
     (feature_seconds, train_seconds): (f64, f64),
-    head: Option<HeadSolve>,
+    head: Option<(HeadSolve, Option<f64>)>,
 ) -> Result<Summary, TrainError> {
     if let Some(dir) = out {
         torch::write_safetensors(&dir.join("last.safetensors"), &model.weights()?, None)?;
@@ -418,8 +411,8 @@ fn finish(
         backbone_runs: pp.features.computed,
         feature_seconds,
         train_seconds,
-        head,
-        head_val_accuracy: None,
+        head_val_accuracy: head.as_ref().and_then(|h| h.1),
+        head: head.map(|h| h.0),
     };
     if let Some(dir) = out {
         report::write_json_atomic(&dir.join("summary.json"), &summary)?;
@@ -494,7 +487,7 @@ fn solve_head(
         out,
         sets,
         (feature_seconds, train_seconds),
-        Some(head.solve),
+        Some((head.solve, None)),
     )?;
     Ok(Some(FitOutcome {
         run_dir: run_dir.map(Path::to_path_buf).unwrap_or_default(),
@@ -515,7 +508,7 @@ fn head_first(
     loss: &Loss,
     model: &mut Trainable,
     r: &Rank<'_>,
-) -> Result<(HeadSolve, f64), TrainError> {
+) -> Result<(HeadSolve, Option<f64>), TrainError> {
     let n = pp.prepared.len();
     let mine: Vec<usize> = distributed::share(n, r.rank(), r.world()).collect();
     let mut local = Vec::new();
@@ -554,5 +547,5 @@ fn head_first(
         "fine-tune stage 1: head alone (L-BFGS, l2 {:.2e}): val accuracy {acc:.4}; stage 2: the last {} blocks and the head, {:?} lr {:.1e}",
         h.solve.l2, p.unfreeze_last, p.optimizer, p.lr
     ));
-    Ok((h.solve, acc))
+    Ok((h.solve, Some(acc)))
 }
