@@ -107,44 +107,59 @@ impl Standardizer {
     /// The linear layer on raw features that equals `(weight [k, dim], bias [k])` on standardized
     /// ones: `w' = w / std`, `b' = b - w' . mean`.
     pub fn fold(&self, weight: &[f32], bias: &[f32]) -> (Vec<f32>, Vec<f32>) {
-        let d = self.mean.len();
-        let w: Vec<f32> = weight
-            .chunks(d)
-            .flat_map(|r| r.iter().zip(&self.inv_std).map(|(w, s)| w * s))
-            .collect();
-        let b = bias
-            .iter()
-            .zip(w.chunks(d))
-            .map(|(b, r)| {
-                b - r
-                    .iter()
-                    .zip(&self.mean)
-                    .map(|(w, m)| (w * m) as f64)
-                    .sum::<f64>() as f32
-            })
-            .collect();
+        let w: Vec<f32> = self.scale_rows(weight, |w, s| w * s);
+        let b = self.shift_bias(&w, bias, -1.0);
         (w, b)
     }
 
     /// The inverse of [`Standardizer::fold`].
     pub fn unfold(&self, weight: &[f32], bias: &[f32]) -> (Vec<f32>, Vec<f32>) {
+        let b = self.shift_bias(weight, bias, 1.0);
+        (self.scale_rows(weight, |w, s| w / s), b)
+    }
+
+    /// Every weight row combined element-wise with `inv_std`.
+    fn scale_rows(&self, weight: &[f32], f: impl Fn(f32, f32) -> f32) -> Vec<f32> {
         let d = self.mean.len();
-        let b = bias
-            .iter()
-            .zip(weight.chunks(d))
-            .map(|(b, r)| {
-                b + r
-                    .iter()
-                    .zip(&self.mean)
-                    .map(|(w, m)| (w * m) as f64)
-                    .sum::<f64>() as f32
-            })
-            .collect();
-        let w = weight
+        weight
             .chunks(d)
-            .flat_map(|r| r.iter().zip(&self.inv_std).map(|(w, s)| w / s))
-            .collect();
-        (w, b)
+            .flat_map(|r| r.iter().zip(&self.inv_std).map(|(&w, &s)| f(w, s)))
+            .collect()
+    }
+
+    /// `bias + sign * (row . mean)` for every row of raw-feature weights.
+    fn shift_bias(&self, raw_weight: &[f32], bias: &[f32], sign: f64) -> Vec<f32> {
+        bias.iter()
+            .zip(raw_weight.chunks(self.mean.len()))
+            .map(|(b, r)| {
+                let dot: f64 = r.iter().zip(&self.mean).map(|(w, m)| (w * m) as f64).sum();
+                (*b as f64 + sign * dot) as f32
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+#[test]
+fn fold_then_unfold_is_the_identity_and_fold_matches_standardizing() {
+    let st = Standardizer {
+        mean: vec![0.5, -1.0, 2.0],
+        inv_std: vec![2.0, 0.25, 1.0],
+    };
+    let (w, b) = (vec![1.0, 2.0, -3.0, 0.5, 0.0, 4.0], vec![0.1, -0.2]);
+    let (fw, fb) = st.fold(&w, &b);
+    let x = [1.5f32, 3.0, -2.0];
+    for c in 0..2 {
+        let raw: f32 = fb[c] + (0..3).map(|j| fw[c * 3 + j] * x[j]).sum::<f32>();
+        let std: f32 = b[c]
+            + (0..3)
+                .map(|j| w[c * 3 + j] * (x[j] - st.mean[j]) * st.inv_std[j])
+                .sum::<f32>();
+        assert!((raw - std).abs() < 1e-5, "class {c}: {raw} vs {std}");
+    }
+    let (uw, ub) = st.unfold(&fw, &fb);
+    for (a, e) in uw.iter().chain(&ub).zip(w.iter().chain(&b)) {
+        assert!((a - e).abs() < 1e-5, "{a} vs {e}");
     }
 }
 
