@@ -18,5 +18,6 @@ mod inputs;
 mod mpi;
 mod mqtt;
 mod rollout;
+mod tables;
 mod training;
 mod tune;

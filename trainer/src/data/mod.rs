@@ -121,6 +121,14 @@ pub enum DataError {
     },
     #[error("{}: empty dataset (no samples found)", path.display())]
     EmptyDataset { path: PathBuf },
+    #[error(
+        "{}: a Delta table (it has _delta_log/). Kestrel does not read Delta tables yet, and reading its \
+         Parquet files directly would include rows that overwrites and deletes removed. Export the current \
+         snapshot to Parquet (e.g. Spark `spark.table(...).write.parquet(DIR)` or delta-rs \
+         `DeltaTable(PATH).to_pyarrow_table()` + `pyarrow.parquet.write_table`) and train on that",
+        path.display()
+    )]
+    DeltaTable { path: PathBuf },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
@@ -147,19 +155,38 @@ pub fn load(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
             .map(str::to_ascii_lowercase)
     };
     let (rows, source) = if meta.is_dir() {
+        if path.join("_delta_log").is_dir() {
+            return Err(DataError::DeltaTable {
+                path: path.to_path_buf(),
+            });
+        }
         let parts = parquet_parts(path)?;
         if parts.is_empty() {
             return image_folder(path);
         }
+        let mut columns: Vec<&str> = parts
+            .iter()
+            .flat_map(|p| p.partition.iter().map(|(c, _)| c.as_str()))
+            .collect();
+        columns.sort_unstable();
+        columns.dedup();
+        let by = match columns.is_empty() {
+            true => String::new(),
+            false => format!(", partitioned by {}", columns.join(", ")),
+        };
         (
             read_parquet(&parts, opts)?,
-            format!("parquet {} ({} files)", path.display(), parts.len()),
+            format!("parquet {} ({} files{by})", path.display(), parts.len()),
         )
     } else if ext(path).as_deref() == Some("csv") {
         (read_csv(path, opts)?, format!("csv {}", path.display()))
     } else if ext(path).as_deref() == Some("parquet") {
+        let file = PartFile {
+            path: path.to_path_buf(),
+            partition: Vec::new(),
+        };
         (
-            read_parquet(&[path.to_path_buf()], opts)?,
+            read_parquet(&[file], opts)?,
             format!("parquet {}", path.display()),
         )
     } else {
@@ -220,18 +247,59 @@ fn hidden(p: &Path) -> bool {
         .is_some_and(|n| n.starts_with('.') || n.starts_with('_'))
 }
 
-/// The `*.parquet` files directly in `dir` (Spark part files), skipping `_`/`.`-prefixed names.
-fn parquet_parts(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
-    Ok(sorted_entries(dir)?
-        .into_iter()
-        .filter(|p| !hidden(p) && p.is_file())
-        .filter(|p| {
-            p.extension()
-                .and_then(|e| e.to_str())
-                .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
-        })
-        .collect())
+/// One Parquet file of a table and the Hive partition values of the directories above it
+/// (`label=cat/part-0.parquet` gives `[("label", "cat")]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PartFile {
+    path: PathBuf,
+    partition: Vec<(String, String)>,
 }
+
+/// The Parquet files of a table directory: `*.parquet` part files, directly in `dir` (Spark
+/// `write.parquet`) or under Hive partition directories `column=value/` at any depth (Spark
+/// `partitionBy`, pyarrow `partition_cols`), in path order. Entries starting with `_` or `.` are
+/// skipped as Spark does (`_SUCCESS`, `_delta_log`, `.crc` files); a directory without `=` is not
+/// part of a table (so an ImageFolder yields nothing). Partition values are unescaped (`%3A` is
+/// `:`); Hive's `__HIVE_DEFAULT_PARTITION__` is a null value.
+fn parquet_parts(dir: &Path) -> Result<Vec<PartFile>, DataError> {
+    let mut out = Vec::new();
+    collect_parts(dir, &mut Vec::new(), &mut out)?;
+    Ok(out)
+}
+
+fn collect_parts(
+    dir: &Path,
+    partition: &mut Vec<(String, String)>,
+    out: &mut Vec<PartFile>,
+) -> Result<(), DataError> {
+    for p in sorted_entries(dir)?.into_iter().filter(|p| !hidden(p)) {
+        let name = p.file_name().unwrap_or_default().to_string_lossy();
+        if p.is_dir() {
+            let Some((column, value)) = name.split_once('=') else {
+                continue;
+            };
+            let value = percent_encoding::percent_decode_str(value)
+                .decode_utf8_lossy()
+                .into_owned();
+            partition.push((column.to_string(), value));
+            collect_parts(&p, partition, out)?;
+            partition.pop();
+        } else if p
+            .extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
+        {
+            out.push(PartFile {
+                path: p.clone(),
+                partition: partition.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Hive's name for a null partition value.
+const HIVE_NULL: &str = "__HIVE_DEFAULT_PARTITION__";
 
 fn image_folder(root: &Path) -> Result<Dataset, DataError> {
     let is_image = |p: &Path| {
@@ -339,7 +407,7 @@ fn label_type_ok(t: &DataType) -> bool {
     }
 }
 
-fn read_parquet(files: &[PathBuf], opts: &SourceOpts) -> Result<Vec<Row>, DataError> {
+fn read_parquet(files: &[PartFile], opts: &SourceOpts) -> Result<Vec<Row>, DataError> {
     let mut rows = Vec::new();
     for file in files {
         read_parquet_file(file, opts, &mut rows)?;
@@ -347,11 +415,38 @@ fn read_parquet(files: &[PathBuf], opts: &SourceOpts) -> Result<Vec<Row>, DataEr
     Ok(rows)
 }
 
-fn read_parquet_file(file: &Path, opts: &SourceOpts, rows: &mut Vec<Row>) -> Result<(), DataError> {
+/// A column of the rows: read from the file, or one partition value for the whole file.
+enum Column<'a> {
+    File(usize),
+    Partition(&'a str),
+}
+
+fn read_parquet_file(
+    part: &PartFile,
+    opts: &SourceOpts,
+    rows: &mut Vec<Row>,
+) -> Result<(), DataError> {
+    let file = part.path.as_path();
     let handle = fs::File::open(file).map_err(io_err(file))?;
     let builder = ParquetRecordBatchReaderBuilder::try_new(handle).map_err(|e| pq_err(file, e))?;
     let schema = builder.schema().clone();
-    let found: Vec<String> = schema.fields().iter().map(|f| f.name().clone()).collect();
+    let found: Vec<String> = schema
+        .fields()
+        .iter()
+        .map(|f| f.name().clone())
+        .chain(
+            part.partition
+                .iter()
+                .map(|(c, _)| format!("{c} (partition)")),
+        )
+        .collect();
+    let partition_value = |name: &str| {
+        part.partition
+            .iter()
+            .rev()
+            .find(|(c, _)| c == name)
+            .map(|(_, v)| v.as_str())
+    };
     let content_i =
         schema
             .index_of(&opts.content_column)
@@ -360,14 +455,21 @@ fn read_parquet_file(file: &Path, opts: &SourceOpts, rows: &mut Vec<Row>) -> Res
                 column: opts.content_column.clone(),
                 found: found.clone(),
             })?;
-    let label_i = schema
-        .index_of(&opts.label_column)
-        .map_err(|_| DataError::MissingColumn {
-            file: file.to_path_buf(),
-            role: "label",
-            column: opts.label_column.clone(),
-            found: found.clone(),
-        })?;
+    let label = match (
+        schema.index_of(&opts.label_column),
+        partition_value(&opts.label_column),
+    ) {
+        (Ok(i), _) => Column::File(i),
+        (Err(_), Some(v)) => Column::Partition(v),
+        (Err(_), None) => {
+            return Err(DataError::MissingColumn {
+                file: file.to_path_buf(),
+                role: "label",
+                column: opts.label_column.clone(),
+                found: found.clone(),
+            });
+        }
+    };
     let path_i = schema.index_of(&opts.path_column).ok();
     let type_of = |i: usize| schema.field(i).data_type().clone();
     if !matches!(
@@ -381,11 +483,13 @@ fn read_parquet_file(file: &Path, opts: &SourceOpts, rows: &mut Vec<Row>) -> Res
             found: type_of(content_i).to_string(),
         });
     }
-    if !label_type_ok(&type_of(label_i)) {
+    if let Column::File(i) = label
+        && !label_type_ok(&type_of(i))
+    {
         return Err(DataError::UnsupportedLabelType {
             file: file.to_path_buf(),
             column: opts.label_column.clone(),
-            found: type_of(label_i).to_string(),
+            found: type_of(i).to_string(),
         });
     }
     if let Some(i) = path_i.filter(|&i| {
@@ -401,7 +505,11 @@ fn read_parquet_file(file: &Path, opts: &SourceOpts, rows: &mut Vec<Row>) -> Res
             found: type_of(i).to_string(),
         });
     }
-    let roots = [content_i, label_i].into_iter().chain(path_i);
+    let label_i = match label {
+        Column::File(i) => Some(i),
+        Column::Partition(_) => None,
+    };
+    let roots = [content_i].into_iter().chain(label_i).chain(path_i);
     let mask = ProjectionMask::roots(builder.parquet_schema(), roots);
     let reader = builder
         .with_projection(mask)
@@ -422,9 +530,13 @@ fn read_parquet_file(file: &Path, opts: &SourceOpts, rows: &mut Vec<Row>) -> Res
                 .clone()
         };
         let content = col(&opts.content_column);
-        let labels =
-            cast(&col(&opts.label_column), &DataType::Utf8).map_err(|e| pq_err(file, e))?;
-        let labels = labels.as_string::<i32>();
+        let labels = match label {
+            Column::File(_) => {
+                Some(cast(&col(&opts.label_column), &DataType::Utf8).map_err(|e| pq_err(file, e))?)
+            }
+            Column::Partition(_) => None,
+        };
+        let labels = labels.as_ref().map(|l| l.as_string::<i32>());
         let paths = match path_i {
             Some(_) => {
                 Some(cast(&col(&opts.path_column), &DataType::Utf8).map_err(|e| pq_err(file, e))?)
@@ -435,9 +547,15 @@ fn read_parquet_file(file: &Path, opts: &SourceOpts, rows: &mut Vec<Row>) -> Res
             if content.is_null(i) {
                 return Err(null(&opts.content_column, row));
             }
-            if labels.is_null(i) {
+            let name = match (&labels, &label) {
+                (Some(l), _) if l.is_null(i) => None,
+                (Some(l), _) => Some(l.value(i)),
+                (None, Column::Partition(v)) => Some(*v).filter(|v| *v != HIVE_NULL),
+                (None, Column::File(_)) => unreachable!("a file column is read"),
+            };
+            let Some(name) = name else {
                 return Err(null(&opts.label_column, row));
-            }
+            };
             let bytes = match content.data_type() {
                 DataType::Binary => content.as_binary::<i32>().value(i).to_vec(),
                 DataType::LargeBinary => content.as_binary::<i64>().value(i).to_vec(),
@@ -447,7 +565,7 @@ fn read_parquet_file(file: &Path, opts: &SourceOpts, rows: &mut Vec<Row>) -> Res
                 Some(p) if !p.is_null(i) => p.as_string::<i32>().value(i).to_string(),
                 _ => format!("{}#row {row}", file.display()),
             };
-            rows.push((id, bytes, labels.value(i).to_string()));
+            rows.push((id, bytes, name.to_string()));
             row += 1;
         }
     }

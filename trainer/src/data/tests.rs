@@ -17,9 +17,21 @@ fn png(seed: u8) -> Vec<u8> {
 }
 
 fn write_parquet(path: &Path, columns: Vec<(&str, ArrayRef)>, rows_per_group: usize) {
+    write_parquet_with(path, columns, rows_per_group, Compression::SNAPPY);
+}
+
+fn write_parquet_with(
+    path: &Path,
+    columns: Vec<(&str, ArrayRef)>,
+    rows_per_group: usize,
+    codec: Compression,
+) {
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).unwrap();
+    }
     let batch = RecordBatch::try_from_iter(columns).unwrap();
     let props = WriterProperties::builder()
-        .set_compression(Compression::SNAPPY)
+        .set_compression(codec)
         .set_max_row_group_row_count(Some(rows_per_group))
         .build();
     let mut w =
@@ -325,4 +337,107 @@ fn data_real_datasets_agree() {
             .collect();
         assert_eq!(csv_ids, pq_ids);
     }
+}
+
+/// The fixture's table with each codec Spark, pyarrow and delta-rs write, and as Hive partitions
+/// (`label=<value>/`, nested under another partition column, a value that needs escaping): the
+/// same samples as the ImageFolder.
+#[test]
+fn data_codecs_and_hive_partitions_read_alike() {
+    use parquet::basic::{BrotliLevel, GzipLevel, ZstdLevel};
+    let labels = ["dog", "cat", "dog", "bird", "cat", "dog", "b:rd"];
+    let dir = fixture(&labels, false);
+    let root = dir.path();
+    let opts = SourceOpts::default();
+    let want = pairs(&load(&root.join("images"), &opts).unwrap());
+    let table = load(&root.join("table.parquet"), &opts).unwrap();
+    let column = |name: &str, rows: &[usize]| -> ArrayRef {
+        let src: Vec<&Sample> = rows.iter().map(|&i| &table.samples[i]).collect();
+        match name {
+            "content" => Arc::new(BinaryArray::from_iter_values(src.iter().map(|s| &s.bytes))),
+            "path" => Arc::new(StringArray::from_iter_values(src.iter().map(|s| &s.id))),
+            _ => Arc::new(StringArray::from_iter_values(
+                src.iter().map(|s| &table.labels[s.label]),
+            )),
+        }
+    };
+    let all: Vec<usize> = (0..labels.len()).collect();
+    for codec in [
+        Compression::UNCOMPRESSED,
+        Compression::SNAPPY,
+        Compression::GZIP(GzipLevel::default()),
+        Compression::ZSTD(ZstdLevel::default()),
+        Compression::LZ4,
+        Compression::LZ4_RAW,
+        Compression::BROTLI(BrotliLevel::default()),
+    ] {
+        let f = root.join(format!("codec/{codec:?}.parquet"));
+        let cols = ["path", "content", "label"].map(|n| (n, column(n, &all)));
+        write_parquet_with(&f, cols.to_vec(), 3, codec);
+        let ds = load(&f, &opts).unwrap_or_else(|e| panic!("{codec:?}: {e}"));
+        assert_eq!(pairs(&ds), want, "{codec:?}");
+    }
+
+    // Hive partitions: the label only in the path, nested under `split=`, Spark's escaping.
+    for (i, s) in table.samples.iter().enumerate() {
+        let label = &table.labels[s.label];
+        let escaped = label.replace(':', "%3A");
+        let f = root.join(format!(
+            "hive/split={}/label={escaped}/part-{i}.parquet",
+            i % 2
+        ));
+        let cols = ["path", "content"].map(|n| (n, column(n, &[i])));
+        write_parquet_with(
+            &f,
+            cols.to_vec(),
+            3,
+            Compression::ZSTD(ZstdLevel::default()),
+        );
+    }
+    fs::create_dir_all(root.join("hive/_temporary/label=x")).unwrap();
+    fs::write(root.join("hive/_SUCCESS"), "").unwrap();
+    let ds = load(&root.join("hive"), &opts).unwrap();
+    assert_eq!(pairs(&ds), want, "{}", ds.source);
+    assert!(
+        ds.source.contains("partitioned by label, split"),
+        "{}",
+        ds.source
+    );
+
+    // A null partition value is named like a null label.
+    let f = root.join(format!("nullpart/label={HIVE_NULL}/part-0.parquet"));
+    write_parquet_with(
+        &f,
+        vec![("content", column("content", &[0]))],
+        3,
+        Compression::SNAPPY,
+    );
+    let (e, m) = err(&root.join("nullpart"), &opts);
+    assert!(
+        matches!(e, DataError::NullValue { .. }) && m.contains("`label`"),
+        "{m}"
+    );
+    // No label column anywhere: the partition columns are listed with the file's.
+    let (e, m) = err(
+        &root.join("hive"),
+        &SourceOpts {
+            label_column: "class".into(),
+            ..SourceOpts::default()
+        },
+    );
+    assert!(
+        matches!(e, DataError::MissingColumn { .. }) && m.contains("label (partition)"),
+        "{m}"
+    );
+}
+
+/// A Delta table directory is refused by name: its Parquet files include removed rows.
+#[test]
+fn data_delta_tables_are_refused_not_misread() {
+    let dir = fixture(&["a", "b"], false);
+    let t = dir.path().join("spark");
+    fs::create_dir(t.join("_delta_log")).unwrap();
+    let (e, m) = err(&t, &SourceOpts::default());
+    assert!(matches!(e, DataError::DeltaTable { .. }), "{m}");
+    assert!(m.contains("_delta_log") && m.contains("spark"), "{m}");
 }
