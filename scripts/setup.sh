@@ -19,22 +19,7 @@ fi
 
 
 # ONNX Runtime shared library from the PyPI wheel (the ort crate loads it at run time).
-if [ ! -f "$ORT_DYLIB_PATH" ]; then
-  whl=$(wheel onnxruntime "$ORT_VERSION" "onnxruntime-$ORT_VERSION-*.whl")
-  tmp=$(mktemp -d)
-  python3 - "$whl" "$tmp" <<'PY'
-import sys, zipfile
-z = zipfile.ZipFile(sys.argv[1])
-for n in z.namelist():
-    if n.startswith("onnxruntime/capi/libonnxruntime"):
-        z.extract(n, sys.argv[2])
-PY
-  cp "$tmp"/onnxruntime/capi/libonnxruntime* "$KESTREL_HOME/onnxruntime/"
-  lib=$(ls "$KESTREL_HOME"/onnxruntime/libonnxruntime.so.* | head -1)
-  ln -sf "$(basename "$lib")" "$KESTREL_HOME/onnxruntime/libonnxruntime.so"
-  rm -rf "$tmp"
-  log "ONNX Runtime library: $ORT_DYLIB_PATH"
-fi
+[ -f "$ORT_DYLIB_PATH" ] || ort_library x86_64 "$(dirname "$ORT_DYLIB_PATH")" >/dev/null
 
 # Photos from the scikit-image wheel's skimage/data.
 if [ ! -f "$KESTREL_HOME/photos/coffee.png" ]; then

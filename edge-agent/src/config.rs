@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use kestrel_models::EngineKind;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::check_name;
 use serde::Deserialize;
@@ -62,6 +63,19 @@ pub struct Inference {
     pub threads: usize,
     #[serde(default = "default_top_k")]
     pub top_k: usize,
+    /// `tract` (default, built in) or `ort` (ONNX Runtime, loaded at run time from
+    /// `ort_library`; needs an agent built with the cargo feature `ort`). The golden-sample
+    /// health check runs on the engine chosen here.
+    #[serde(default = "default_engine")]
+    pub engine: EngineKind,
+    /// The ONNX Runtime library (`libonnxruntime.so`) for `engine = "ort"`; default:
+    /// `ORT_DYLIB_PATH`, else `$KESTREL_HOME/onnxruntime/libonnxruntime.so`.
+    #[serde(default)]
+    pub ort_library: Option<PathBuf>,
+}
+
+fn default_engine() -> EngineKind {
+    EngineKind::Tract
 }
 
 impl Default for Inference {
@@ -69,6 +83,8 @@ impl Default for Inference {
         Self {
             threads: default_threads(),
             top_k: default_top_k(),
+            engine: default_engine(),
+            ort_library: None,
         }
     }
 }
@@ -103,7 +119,10 @@ impl Config {
         };
         let mut c: Config = toml::from_str(&text).map_err(|e| invalid(e.to_string()))?;
         let base = path.parent().unwrap_or(Path::new("."));
-        for p in std::iter::once(&mut c.store).chain(c.trusted_keys.iter_mut()) {
+        let paths = std::iter::once(&mut c.store)
+            .chain(c.trusted_keys.iter_mut())
+            .chain(c.inference.ort_library.as_mut());
+        for p in paths {
             if p.is_relative() {
                 *p = base.join(&*p);
             }
@@ -118,6 +137,22 @@ impl Config {
             ));
         }
         c.broker.endpoint().map_err(|e| invalid(e.to_string()))?;
+        match c.inference.engine {
+            EngineKind::Tract => {}
+            EngineKind::Ort if kestrel_models::engine::ORT_COMPILED => {}
+            EngineKind::Ort => {
+                return Err(invalid(
+                    "[inference] engine = \"ort\": this edge-agent is built without ONNX Runtime \
+                     (cargo feature `ort`; scripts/build-edge.sh --ort builds it)"
+                        .into(),
+                ));
+            }
+            EngineKind::Candle => {
+                return Err(invalid(
+                    "[inference] engine = \"candle\": the agent runs tract or ort".into(),
+                ));
+            }
+        }
         Ok(c)
     }
 
@@ -171,5 +206,33 @@ mod tests {
             "device_id = \"a\"\nstore = \"s\"\ntrusted_keys = [\"k\"]\n[broker]\nurl = \"ftp://h\"\n",
         );
         assert!(e.contains("ftp://h"), "{e}");
+        let e = write(&format!(
+            "device_id = \"a\"\n{base}[inference]\nengine = \"candle\"\n"
+        ));
+        assert!(e.contains("tract or ort"), "{e}");
+        let e = write(&format!(
+            "device_id = \"a\"\n{base}[inference]\nengine = \"onnx\"\n"
+        ));
+        assert!(e.contains("onnx"), "{e}");
+        let ort = write(&format!(
+            "device_id = \"a\"\n{base}[inference]\nengine = \"ort\"\nbogus = 1\n"
+        ));
+        assert!(ort.contains("bogus"), "{ort}");
+        let p = dir.path().join("agent.toml");
+        std::fs::write(
+            &p,
+            format!("device_id = \"a\"\n{base}[inference]\nengine = \"ort\"\nort_library = \"lib/x.so\"\n"),
+        )
+        .unwrap();
+        match Config::load(&p) {
+            Ok(c) => {
+                assert!(kestrel_models::engine::ORT_COMPILED);
+                assert_eq!(c.inference.ort_library, Some(dir.path().join("lib/x.so")));
+            }
+            Err(e) => {
+                assert!(!kestrel_models::engine::ORT_COMPILED);
+                assert!(e.to_string().contains("without ONNX Runtime"), "{e}");
+            }
+        }
     }
 }

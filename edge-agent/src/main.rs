@@ -9,6 +9,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use kestrel_models::EngineKind;
 use kestrel_models::artifact::LoadedModel;
 use kestrel_shared::PreprocessSpec;
 
@@ -22,6 +23,11 @@ struct Cli {
     /// Inference threads.
     #[arg(long, global = true, default_value_t = 1)]
     threads: usize,
+    /// Inference engine for predict and check: tract (built in), or ort (ONNX Runtime from
+    /// ORT_DYLIB_PATH; needs an agent built with the cargo feature `ort`). `run` takes it
+    /// from `[inference] engine` in agent.toml.
+    #[arg(long, global = true, default_value = "tract", value_parser = parse_engine)]
+    engine: EngineKind,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -41,7 +47,7 @@ struct ModelArgs {
 }
 
 impl ModelArgs {
-    fn load(&self, threads: usize) -> Result<LoadedModel> {
+    fn load(&self, engine: EngineKind, threads: usize) -> Result<LoadedModel> {
         let ctx = || format!("model {}", self.model.display());
         if !self.trusted_keys.is_empty() {
             let keys = self
@@ -58,7 +64,7 @@ impl ModelArgs {
                 .collect::<Result<Vec<_>>>()?;
             kestrel_models::artifact::verify_signature(&self.model, &keys).with_context(ctx)?;
         }
-        LoadedModel::load(&self.model, self.max_bytes, threads).with_context(ctx)
+        LoadedModel::load(&self.model, self.max_bytes, engine, threads).with_context(ctx)
     }
 }
 
@@ -109,6 +115,14 @@ enum Cmd {
     },
 }
 
+fn parse_engine(s: &str) -> Result<EngineKind, String> {
+    match s.parse() {
+        Ok(EngineKind::Candle) => Err("the agent runs tract or ort".into()),
+        Ok(k) => Ok(k),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(code) => code,
@@ -135,7 +149,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             json,
             images,
         } => {
-            let m = model.load(cli.threads)?;
+            let m = model.load(cli.engine, cli.threads)?;
             let mut failed = 0;
             for img in &images {
                 let name = img.display().to_string();
@@ -167,14 +181,15 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
         }
         Cmd::Check { model } => {
-            let m = model.load(cli.threads)?;
+            let m = model.load(cli.engine, cli.threads)?;
             println!(
-                "{} v{} ({}): {} files verified, {} golden samples pass",
+                "{} v{} ({}): {} files verified, {} golden samples pass on {}",
                 m.manifest.name,
                 m.manifest.version,
                 m.manifest.quantization.form,
                 m.manifest.files.len(),
-                m.manifest.golden.len()
+                m.manifest.golden.len(),
+                m.engine()
             );
         }
         Cmd::Preprocess { spec, out, images } => {

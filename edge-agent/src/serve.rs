@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use kestrel_models::EngineKind;
 use kestrel_models::artifact::{self, LoadedModel};
 use kestrel_shared::manifest::MANIFEST_FILE;
 use kestrel_shared::protocol::sha256_hex;
@@ -19,14 +20,16 @@ pub type Shared<T> = Arc<RwLock<Option<Arc<T>>>>;
 pub struct ModelCache {
     models: Mutex<HashMap<String, Arc<LoadedModel>>>,
     max_bytes: u64,
+    engine: EngineKind,
     threads: usize,
 }
 
 impl ModelCache {
-    pub fn new(max_bytes: u64, threads: usize) -> Self {
+    pub fn new(max_bytes: u64, engine: EngineKind, threads: usize) -> Self {
         Self {
             models: Mutex::new(HashMap::new()),
             max_bytes,
+            engine,
             threads,
         }
     }
@@ -43,7 +46,8 @@ impl ModelCache {
             return Ok(m.clone());
         }
         let m = Arc::new(
-            LoadedModel::load(dir, self.max_bytes, self.threads).map_err(|e| e.to_string())?,
+            LoadedModel::load(dir, self.max_bytes, self.engine, self.threads)
+                .map_err(|e| e.to_string())?,
         );
         models.insert(key, m.clone());
         Ok(m)

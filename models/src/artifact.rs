@@ -9,7 +9,7 @@ use kestrel_shared::protocol::sha256_hex;
 pub use kestrel_shared::protocol::{Class, Prediction, device_files};
 use kestrel_shared::{ImageLimits, PreprocessError};
 
-use crate::engine::{Engine, EngineError, TractEngine};
+use crate::engine::{self, Engine, EngineError, EngineKind};
 use crate::tensor::Tensor;
 
 /// Largest accepted |logit − expected| of a golden sample.
@@ -165,13 +165,18 @@ fn verify_entries(dir: &Path, files: &[&FileEntry], max_bytes: u64) -> Result<()
 /// A verified, health-checked model ready to serve.
 pub struct LoadedModel {
     pub manifest: Manifest,
-    engine: TractEngine,
+    engine: Box<dyn Engine>,
     pub limits: ImageLimits,
 }
 
 impl LoadedModel {
-    /// Verifies the device files, builds the tract plan and runs the golden samples.
-    pub fn load(dir: &Path, max_bytes: u64, threads: usize) -> Result<Self, ArtifactError> {
+    /// Verifies the device files, builds the engine's plan and runs the golden samples on it.
+    pub fn load(
+        dir: &Path,
+        max_bytes: u64,
+        kind: EngineKind,
+        threads: usize,
+    ) -> Result<Self, ArtifactError> {
         let manifest = read_manifest(dir)?;
         verify_device_files(dir, &manifest, max_bytes)?;
         let onnx = dir.join("model.onnx");
@@ -180,7 +185,7 @@ impl LoadedModel {
             .iter()
             .map(|d| d.as_u64().unwrap_or(0) as usize)
             .collect();
-        let engine = TractEngine::from_onnx(&bytes, shape, threads)?;
+        let engine = engine::from_onnx(kind, &bytes, shape, threads)?;
         let this = Self {
             manifest,
             engine,
@@ -188,6 +193,11 @@ impl LoadedModel {
         };
         this.health_check(dir)?;
         Ok(this)
+    }
+
+    /// The engine serving this model.
+    pub fn engine(&self) -> EngineKind {
+        self.engine.kind()
     }
 
     fn logits(&self, data: Vec<f32>) -> Result<Vec<f32>, ArtifactError> {

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::arch::{Arch, Network};
-use crate::engine::{Engine, EngineError, EngineKind, TractEngine, kestrel_home};
+use crate::engine::{Engine, EngineError, EngineKind, kestrel_home};
 use crate::onnx::{self, Linear, LowerOpts};
 use crate::tensor::Weights;
 use crate::torch::{self, ImportError};
@@ -148,23 +148,11 @@ pub fn build_engine(
     opts: &LowerOpts,
     threads: usize,
 ) -> Result<Box<dyn Engine>, EngineError> {
-    let input = opts.input_shape(net);
-    match kind {
-        EngineKind::Tract => {
-            let bytes = onnx::to_bytes(&onnx::lower(net, folded, opts));
-            Ok(Box::new(TractEngine::from_onnx(&bytes, input, threads)?))
-        }
-        #[cfg(feature = "ort")]
-        EngineKind::Ort => {
-            let bytes = onnx::to_bytes(&onnx::lower(net, folded, opts));
-            Ok(Box::new(crate::engine::OrtEngine::from_onnx(
-                &bytes, input, threads,
-            )?))
-        }
-        #[cfg(not(feature = "ort"))]
-        EngineKind::Ort => Err(EngineError::NotCompiled("ort")),
-        EngineKind::Candle => Ok(Box::new(crate::candle::CandleEngine::new(
+    if kind == EngineKind::Candle {
+        return Ok(Box::new(crate::candle::CandleEngine::new(
             net, folded, opts,
-        )?)),
+        )?));
     }
+    let bytes = onnx::to_bytes(&onnx::lower(net, folded, opts));
+    crate::engine::from_onnx(kind, &bytes, opts.input_shape(net), threads)
 }

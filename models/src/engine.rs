@@ -33,6 +33,8 @@ pub enum EngineError {
         expected: Vec<usize>,
         found: Vec<usize>,
     },
+    #[error("candle runs a lowered network, not an ONNX file: use tract or ort")]
+    NotOnnx,
     #[error("unknown engine `{0}` (expected tract, ort or candle)")]
     Unknown(String),
 }
@@ -225,14 +227,59 @@ impl Engine for TractEngine {
     }
 }
 
-/// Where the ONNX Runtime shared library is looked for: `ORT_DYLIB_PATH`, else
-/// `$KESTREL_HOME/onnxruntime/libonnxruntime.so` (`KESTREL_HOME` defaults to `~/.cache/kestrel`),
+/// Builds an engine of `kind` over ONNX bytes; `input_shape` is one sample's shape. candle runs
+/// a lowered [`crate::arch::Network`], not ONNX bytes (see `backbone::build_engine`).
+pub fn from_onnx(
+    kind: EngineKind,
+    bytes: &[u8],
+    input_shape: Vec<usize>,
+    threads: usize,
+) -> Result<Box<dyn Engine>, EngineError> {
+    match kind {
+        EngineKind::Tract => Ok(Box::new(TractEngine::from_onnx(
+            bytes,
+            input_shape,
+            threads,
+        )?)),
+        #[cfg(feature = "ort")]
+        EngineKind::Ort => Ok(Box::new(OrtEngine::from_onnx(bytes, input_shape, threads)?)),
+        #[cfg(not(feature = "ort"))]
+        EngineKind::Ort => Err(EngineError::NotCompiled("ort")),
+        EngineKind::Candle => Err(EngineError::NotOnnx),
+    }
+}
+
+/// Whether this build has the ONNX Runtime engine (cargo feature `ort`).
+pub const ORT_COMPILED: bool = cfg!(feature = "ort");
+
+static ORT_LIBRARY: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Sets where the ONNX Runtime library is loaded from (the edge agent's `[inference] ort_library`);
+/// takes precedence over `ORT_DYLIB_PATH`. Call before the first ONNX Runtime engine is built.
+pub fn set_ort_library(path: PathBuf) {
+    let _ = ORT_LIBRARY.set(path);
+}
+
+/// Where the ONNX Runtime shared library is looked for: [`set_ort_library`], else `ORT_DYLIB_PATH`,
+/// else `$KESTREL_HOME/onnxruntime/libonnxruntime.so` (`KESTREL_HOME` defaults to `~/.cache/kestrel`),
 /// which `scripts/setup.sh` fills from the PyPI `onnxruntime` wheel.
 pub fn ort_library_path() -> PathBuf {
+    if let Some(p) = ORT_LIBRARY.get() {
+        return p.clone();
+    }
     if let Some(p) = std::env::var_os("ORT_DYLIB_PATH") {
         return PathBuf::from(p);
     }
     kestrel_home().join("onnxruntime").join("libonnxruntime.so")
+}
+
+/// Loads the ONNX Runtime library now (once per process), so a missing or wrong library is
+/// reported at start rather than by every model's health check.
+pub fn ort_ready() -> Result<(), EngineError> {
+    #[cfg(feature = "ort")]
+    return ort_engine::init().map(|_| ());
+    #[cfg(not(feature = "ort"))]
+    Err(EngineError::NotCompiled("ort"))
 }
 
 pub use kestrel_shared::fsutil::kestrel_home;
@@ -271,7 +318,7 @@ mod ort_engine {
 
     static ENV: OnceLock<Result<ort::environment::Environment, String>> = OnceLock::new();
 
-    fn init() -> Result<&'static ort::environment::Environment, EngineError> {
+    pub(super) fn init() -> Result<&'static ort::environment::Environment, EngineError> {
         let r = ENV.get_or_init(|| {
             let path = ort_library_path();
             if !path.exists() {

@@ -14,6 +14,7 @@ use std::time::Instant;
 use arrow::array::{ArrayRef, Float32Array, StringArray, UInt32Array};
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow::record_batch::RecordBatch;
+use kestrel_models::EngineKind;
 use kestrel_models::artifact::{ArtifactError, LoadedModel};
 use serde::{Deserialize, Serialize};
 
@@ -142,7 +143,7 @@ pub fn predict_rank(
             workers: world,
         });
     }
-    let model = LoadedModel::load(model_dir, max_bytes, r.threads)?;
+    let model = LoadedModel::load(model_dir, max_bytes, EngineKind::Tract, r.threads)?;
     comm.check_same(
         "model (manifest name, version and files)",
         serde_json::to_string(&(

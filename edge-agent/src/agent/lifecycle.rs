@@ -7,6 +7,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use kestrel_models::EngineKind;
 use kestrel_models::artifact::LoadedModel;
 use kestrel_shared::manifest::Manifest;
 use kestrel_shared::protocol::{ArtifactOffer, Desired, InferReply, Topics};
@@ -58,8 +59,15 @@ pub fn run(cfg: Config, watch: Option<PathBuf>, simulate: Option<usize>) -> Resu
         .worker_threads(2)
         .enable_all()
         .build()?;
+    if cfg.inference.engine == EngineKind::Ort {
+        if let Some(lib) = &cfg.inference.ort_library {
+            kestrel_models::engine::set_ort_library(lib.clone());
+        }
+        kestrel_models::engine::ort_ready().context("[inference] engine = \"ort\"")?;
+    }
     let models = Arc::new(ModelCache::new(
         cfg.limits.max_artifact_bytes,
+        cfg.inference.engine,
         cfg.inference.threads,
     ));
     rt.block_on(async move {

@@ -48,7 +48,7 @@ impl Arm {
     fn find(short: &str) -> Option<Arm> {
         let (qemu, cpu, sysroot) = match short {
             // Raspberry Pi 4 (Cortex-A72); the default `max` CPU has extensions no Pi has.
-            "aarch64" => (
+            s if s.starts_with("aarch64") => (
                 "qemu-aarch64-static",
                 "cortex-a72",
                 "/usr/aarch64-linux-gnu",
@@ -367,7 +367,7 @@ fn aarch64_agent_under_qemu_installs_serves_rejects_rolls_back_and_resumes() {
     assert_eq!(st.last_error, None, "{}", agent.output());
 
     // Inference over MQTT on the held-out images: the x86 answers.
-    let paths = infer_matches_x86(&b.url(), &f.v1, &agent);
+    let paths = infer_matches_x86(&b.url(), "pi-a", &f.v1, &agent);
     let url = b.url();
 
     // A chunk altered in the broker is refused (3 tries), and v1 keeps serving.
@@ -421,9 +421,9 @@ fn aarch64_agent_under_qemu_installs_serves_rejects_rolls_back_and_resumes() {
     assert!(agent.terminate().success());
 }
 
-/// Sends the held-out images to pi-a over MQTT and checks every reply against x86
+/// Sends the held-out images to `device` over MQTT and checks every reply against x86
 /// `edge-agent predict` on `model`; returns the image paths.
-fn infer_matches_x86(url: &str, model: &Path, agent: &Proc) -> Vec<String> {
+fn infer_matches_x86(url: &str, device: &str, model: &Path, agent: &Proc) -> Vec<String> {
     let images = held_out();
     let paths: Vec<String> = images.iter().map(|p| s(p)).collect();
     let mut args = vec![
@@ -431,7 +431,7 @@ fn infer_matches_x86(url: &str, model: &Path, agent: &Proc) -> Vec<String> {
         "--broker",
         url,
         "--device",
-        "pi-a",
+        device,
         "--json",
         "--timeout",
         "300",
@@ -539,4 +539,86 @@ fn aarch64_predict_matches_x86_on_the_f32_artifact() {
     for (a, x) in a.iter().zip(&x) {
         assert_same(a["image"].as_str().unwrap(), a, x);
     }
+}
+
+/// The ONNX Runtime build of the aarch64 agent (`build-edge.sh --ort`) with the library from
+/// ONNX Runtime's aarch64 wheel: the health check and inference run on ONNX Runtime and give the
+/// x86 tract answers; the agent installs over MQTT with `[inference] engine = "ort"`. A missing
+/// library, and `--engine ort` on the pure-Rust build, are clear errors.
+#[test]
+fn aarch64_ort_engine_under_qemu_checks_predicts_and_serves() {
+    let Some(arm) = Arm::find("aarch64-ort") else {
+        return;
+    };
+    let libdir = dist().join("onnxruntime-aarch64");
+    let Some(lib) = std::fs::read_dir(&libdir)
+        .into_iter()
+        .flatten()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains("libonnxruntime.so"))
+    else {
+        eprintln!("skipped: no ONNX Runtime library in {}", libdir.display());
+        return;
+    };
+    let f = fixture();
+    let model = s(&f.v1);
+    let run_ort = |args: &[&str], lib: &Path| {
+        arm.command()
+            .env("ORT_DYLIB_PATH", lib)
+            .args(args)
+            .output()
+            .expect("spawn qemu")
+    };
+
+    let o = run_ort(&["--engine", "ort", "check", "--model", &model], &lib);
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    assert!(
+        stdout(&o).contains("golden samples pass on ort"),
+        "{}",
+        stdout(&o)
+    );
+    let o = run_ort(
+        &["--engine", "ort", "check", "--model", &model],
+        Path::new("/nonexistent/libonnxruntime.so"),
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("library not found at /nonexistent/libonnxruntime.so"),
+        "{}",
+        stderr(&o)
+    );
+    if let Some(pure) = Arm::find("aarch64") {
+        let o = pure.run(&["--engine", "ort", "check", "--model", &model]);
+        assert!(!o.status.success());
+        assert!(stderr(&o).contains("cargo feature `ort`"), "{}", stderr(&o));
+    }
+
+    let images: Vec<String> = held_out().iter().take(4).map(|p| s(p)).collect();
+    let mut args = vec!["predict", "--model", &model, "--json", "--top-k", "2"];
+    args.extend(images.iter().map(String::as_str));
+    let x86 = predictions(&run("edge-agent", &args));
+    let mut ort_args = vec!["--engine", "ort"];
+    ort_args.extend(&args);
+    let ort = predictions(&run_ort(&ort_args, &lib));
+    assert_eq!(ort.len(), images.len());
+    for (a, x) in ort.iter().zip(&x86) {
+        assert_same(a["image"].as_str().unwrap(), a, x);
+    }
+
+    // The agent, configured for ONNX Runtime, installs v1 over MQTT and serves it.
+    let dir = f.dir.join("arm64-ort");
+    let b = Broker::start(BrokerKind::Rumqttd, &dir.join("broker"));
+    let engine = format!(
+        "[inference]\nengine = \"ort\"\nort_library = \"{}\"",
+        lib.display()
+    );
+    let conf = agent_config(&dir.join("pi-o"), "pi-o", &b.url(), &f.keys, &engine);
+    let agent = arm.start_agent(&conf, &[]);
+    publish_ok(&b, &f.v1, &f.key(), "device/pi-o");
+    let st = wait_status(&b.config(), "pi-o", 300, "v1 active on ort", |s| {
+        s.active == Some(1) && s.state == "idle"
+    });
+    assert_eq!(st.last_error, None, "{}", agent.output());
+    infer_matches_x86(&b.url(), "pi-o", &f.v1, &agent);
+    assert!(agent.terminate().success());
 }

@@ -60,9 +60,32 @@ fn fit_and_export(dir: &Path, data: &Path) -> PathBuf {
     art
 }
 
-/// Every LFW image on the edge: the confusion matrix equals `trainer evaluate --model` (tract).
-/// Returns the images.
+/// Every LFW image on the edge, on each engine: the confusion matrix equals
+/// `trainer evaluate --model --engine` on the same engine. Returns the images.
 fn edge_confusion_equals_the_trainers(data: &Path, art: &Path) -> Vec<String> {
+    let images = lfw_images(data);
+    for engine in ["tract", "ort"] {
+        let o = run_ok(
+            "edge-agent",
+            &[
+                "--engine",
+                engine,
+                "check",
+                "--model",
+                art.to_str().unwrap(),
+            ],
+        );
+        assert!(
+            stdout(&o).contains(&format!("golden samples pass on {engine}")),
+            "{}",
+            stdout(&o)
+        );
+        edge_confusion_on(engine, data, art, &images);
+    }
+    images
+}
+
+fn lfw_images(data: &Path) -> Vec<String> {
     let mut images: Vec<String> = Vec::new();
     for class in ["face", "nonface"] {
         let mut v: Vec<String> = std::fs::read_dir(data.join(class))
@@ -72,7 +95,18 @@ fn edge_confusion_equals_the_trainers(data: &Path, art: &Path) -> Vec<String> {
         v.sort();
         images.extend(v);
     }
-    let mut args = vec!["predict", "--json", "--model", art.to_str().unwrap()];
+    images
+}
+
+fn edge_confusion_on(engine: &str, data: &Path, art: &Path, images: &[String]) {
+    let mut args = vec![
+        "--engine",
+        engine,
+        "predict",
+        "--json",
+        "--model",
+        art.to_str().unwrap(),
+    ];
     args.extend(images.iter().map(String::as_str));
     let o = run_ok("edge-agent", &args);
     let mut confusion = [[0u64; 2]; 2];
@@ -87,15 +121,16 @@ fn edge_confusion_equals_the_trainers(data: &Path, art: &Path) -> Vec<String> {
         art.join("model.onnx").to_str().unwrap(),
         "--data",
         data.to_str().unwrap(),
+        "--engine",
+        engine,
         "--json",
     ]);
     assert_eq!(
         serde_json::json!(confusion),
         e["confusion"],
-        "edge and trainer disagree"
+        "edge and trainer disagree on {engine}"
     );
     assert!(confusion[0][0] + confusion[1][1] >= 190, "{confusion:?}");
-    images
 }
 
 /// A bad image among good ones: named, the others still answered, exit 1.

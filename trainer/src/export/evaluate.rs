@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use kestrel_models::artifact::argmax;
-use kestrel_models::engine::{Engine, OrtEngine, TractEngine};
+use kestrel_models::engine::{self, Engine};
 use kestrel_models::{EngineKind, Tensor};
 use kestrel_shared::ImageLimits;
 use kestrel_shared::manifest::Manifest;
@@ -40,12 +40,10 @@ fn load_model(
         .iter()
         .map(|d| d.as_u64().unwrap_or(0) as usize)
         .collect();
-    let engine: Box<dyn Engine> = match kind {
-        EngineKind::Tract => Box::new(TractEngine::from_onnx(&bytes, input_shape, threads)?),
-        EngineKind::Ort => Box::new(OrtEngine::from_onnx(&bytes, input_shape, threads)?),
-        EngineKind::Candle => return Err(ExportError::CandleEngine),
-    };
-    Ok((m, engine))
+    if kind == EngineKind::Candle {
+        return Err(ExportError::CandleEngine);
+    }
+    Ok((m, engine::from_onnx(kind, &bytes, input_shape, threads)?))
 }
 
 /// Mean batch-1 inference time in milliseconds over `rounds` runs (after one warm-up run).
