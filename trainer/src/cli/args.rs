@@ -109,7 +109,8 @@ impl DataArgs {
 #[derive(clap::Args, Clone)]
 pub struct TableArgs {
     /// Image table: an ImageFolder directory (root/<class>/*.png|jpg|bmp), a CSV manifest (path,label),
-    /// or Parquet (a file or a directory of part files) with binary `content` and `label` columns.
+    /// Parquet (a file, a directory of part files, or Hive-partitioned col=value/ directories) or a
+    /// Delta table (a directory with _delta_log/), with binary `content` and `label` columns.
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Label column of CSV/Parquet tables.
@@ -121,6 +122,17 @@ pub struct TableArgs {
     /// Optional path column of Parquet tables (used to name samples in messages).
     #[arg(long, default_value = "path")]
     pub path_column: String,
+    /// Delta tables: read this table version instead of the current one (time travel).
+    #[arg(long, value_name = "N", conflicts_with = "data_timestamp")]
+    pub data_version: Option<u64>,
+    /// Delta tables: read the last version committed at or before this time (RFC 3339, or
+    /// YYYY-MM-DD [HH:MM:SS] in UTC).
+    #[arg(long, value_name = "T", value_parser = parse_data_timestamp)]
+    pub data_timestamp: Option<String>,
+}
+
+fn parse_data_timestamp(s: &str) -> Result<String, String> {
+    kestrel_trainer::data::delta::parse_timestamp(s).map(|_| s.to_string())
 }
 
 impl TableArgs {
@@ -133,6 +145,8 @@ impl TableArgs {
             label_column: self.label_column.clone(),
             content_column: self.content_column.clone(),
             path_column: self.path_column.clone(),
+            data_version: self.data_version,
+            data_timestamp: self.data_timestamp.clone(),
         }
     }
 }

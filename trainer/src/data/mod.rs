@@ -1,6 +1,6 @@
-//! Image-table sources: an ImageFolder tree, a `path,label` CSV manifest, or Parquet (one file or a
-//! Spark output directory of part files, shaped like Spark's binaryFile reader: `path`, `content`,
-//! `label`). Every source loads to the same [`Dataset`]: encoded image bytes and class indices.
+//! Image-table sources: an ImageFolder tree, a `path,label` CSV manifest, Parquet (one file, a
+//! Spark output directory of part files, or Hive-partitioned `column=value/` directories) or a Delta
+//! table, shaped like Spark's binaryFile reader: `path`, `content`, `label`. Every source loads to the same [`Dataset`]: encoded image bytes and class indices.
 //! Images are not decoded here; the caller validates them with the shared preprocessing.
 //!
 //! Class names are sorted: numerically when every label is a canonical decimal integer (so integer
@@ -12,21 +12,21 @@ use std::collections::{BTreeSet, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use arrow::array::{Array, AsArray};
-use arrow::compute::cast;
-use arrow::datatypes::DataType;
-use parquet::arrow::ProjectionMask;
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use serde::{Deserialize, Serialize};
 
 pub mod cache;
+pub mod delta;
 pub mod features;
 pub mod samples;
 pub mod split;
+mod table;
 
 pub use features::Features;
 pub use samples::Prepared;
 pub use split::Split;
+#[cfg(test)]
+use table::HIVE_NULL;
+use table::{PartFile, read_parquet};
 
 const IMAGE_EXTENSIONS: [&str; 4] = ["png", "jpg", "jpeg", "bmp"];
 
@@ -54,6 +54,12 @@ pub struct SourceOpts {
     pub label_column: String,
     pub content_column: String,
     pub path_column: String,
+    /// Delta tables: read this version (time travel) instead of the current one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_version: Option<u64>,
+    /// Delta tables: read the last version committed at or before this time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_timestamp: Option<String>,
 }
 
 impl Default for SourceOpts {
@@ -62,6 +68,8 @@ impl Default for SourceOpts {
             label_column: "label".into(),
             content_column: "content".into(),
             path_column: "path".into(),
+            data_version: None,
+            data_timestamp: None,
         }
     }
 }
@@ -121,14 +129,10 @@ pub enum DataError {
     },
     #[error("{}: empty dataset (no samples found)", path.display())]
     EmptyDataset { path: PathBuf },
-    #[error(
-        "{}: a Delta table (it has _delta_log/). Kestrel does not read Delta tables yet, and reading its \
-         Parquet files directly would include rows that overwrites and deletes removed. Export the current \
-         snapshot to Parquet (e.g. Spark `spark.table(...).write.parquet(DIR)` or delta-rs \
-         `DeltaTable(PATH).to_pyarrow_table()` + `pyarrow.parquet.write_table`) and train on that",
-        path.display()
-    )]
-    DeltaTable { path: PathBuf },
+    #[error("Delta table {}: {message}", path.display())]
+    Delta { path: PathBuf, message: String },
+    #[error("{}: --data-version and --data-timestamp apply to Delta tables (a directory with _delta_log/) only", path.display())]
+    NotDelta { path: PathBuf },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
@@ -145,8 +149,9 @@ fn pq_err(path: &Path, e: impl std::fmt::Display) -> DataError {
     }
 }
 
-/// Loads a dataset, detecting the source from `path`: a `.csv` file, a `.parquet` file, a
-/// directory holding `*.parquet` files, or else an ImageFolder directory (`root/<class>/<image>`).
+/// Loads a dataset, detecting the source from `path`: a `.csv` file, a `.parquet` file, a Delta
+/// table (a directory with `_delta_log/`), a directory of Parquet part files (Hive-partitioned or
+/// not), or else an ImageFolder directory (`root/<class>/<image>`).
 pub fn load(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
     let meta = fs::metadata(path).map_err(io_err(path))?;
     let ext = |p: &Path| {
@@ -154,12 +159,17 @@ pub fn load(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
             .and_then(|e| e.to_str())
             .map(str::to_ascii_lowercase)
     };
-    let (rows, source) = if meta.is_dir() {
-        if path.join("_delta_log").is_dir() {
-            return Err(DataError::DeltaTable {
-                path: path.to_path_buf(),
-            });
-        }
+    let delta = meta.is_dir() && path.join("_delta_log").is_dir();
+    if !delta && (opts.data_version.is_some() || opts.data_timestamp.is_some()) {
+        return Err(DataError::NotDelta {
+            path: path.to_path_buf(),
+        });
+    }
+    let (rows, source) = if delta {
+        let t = delta::read(path, opts)?;
+        let source = format!("delta {} (version {})", path.display(), t.version);
+        (t.rows, source)
+    } else if meta.is_dir() {
         let parts = parquet_parts(path)?;
         if parts.is_empty() {
             return image_folder(path);
@@ -247,14 +257,6 @@ fn hidden(p: &Path) -> bool {
         .is_some_and(|n| n.starts_with('.') || n.starts_with('_'))
 }
 
-/// One Parquet file of a table and the Hive partition values of the directories above it
-/// (`label=cat/part-0.parquet` gives `[("label", "cat")]`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct PartFile {
-    path: PathBuf,
-    partition: Vec<(String, String)>,
-}
-
 /// The Parquet files of a table directory: `*.parquet` part files, directly in `dir` (Spark
 /// `write.parquet`) or under Hive partition directories `column=value/` at any depth (Spark
 /// `partitionBy`, pyarrow `partition_cols`), in path order. Entries starting with `_` or `.` are
@@ -297,9 +299,6 @@ fn collect_parts(
     }
     Ok(())
 }
-
-/// Hive's name for a null partition value.
-const HIVE_NULL: &str = "__HIVE_DEFAULT_PARTITION__";
 
 fn image_folder(root: &Path) -> Result<Dataset, DataError> {
     let is_image = |p: &Path| {
@@ -395,181 +394,6 @@ fn read_csv(csv_path: &Path, opts: &SourceOpts) -> Result<Vec<Row>, DataError> {
         rows.push((full.display().to_string(), bytes, label.to_string()));
     }
     Ok(rows)
-}
-
-fn label_type_ok(t: &DataType) -> bool {
-    use DataType::*;
-    match t {
-        Utf8 | LargeUtf8 | Utf8View | Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32
-        | UInt64 => true,
-        Dictionary(_, values) => label_type_ok(values),
-        _ => false,
-    }
-}
-
-fn read_parquet(files: &[PartFile], opts: &SourceOpts) -> Result<Vec<Row>, DataError> {
-    let mut rows = Vec::new();
-    for file in files {
-        read_parquet_file(file, opts, &mut rows)?;
-    }
-    Ok(rows)
-}
-
-/// A column of the rows: read from the file, or one partition value for the whole file.
-enum Column<'a> {
-    File(usize),
-    Partition(&'a str),
-}
-
-fn read_parquet_file(
-    part: &PartFile,
-    opts: &SourceOpts,
-    rows: &mut Vec<Row>,
-) -> Result<(), DataError> {
-    let file = part.path.as_path();
-    let handle = fs::File::open(file).map_err(io_err(file))?;
-    let builder = ParquetRecordBatchReaderBuilder::try_new(handle).map_err(|e| pq_err(file, e))?;
-    let schema = builder.schema().clone();
-    let found: Vec<String> = schema
-        .fields()
-        .iter()
-        .map(|f| f.name().clone())
-        .chain(
-            part.partition
-                .iter()
-                .map(|(c, _)| format!("{c} (partition)")),
-        )
-        .collect();
-    let partition_value = |name: &str| {
-        part.partition
-            .iter()
-            .rev()
-            .find(|(c, _)| c == name)
-            .map(|(_, v)| v.as_str())
-    };
-    let content_i =
-        schema
-            .index_of(&opts.content_column)
-            .map_err(|_| DataError::MissingContentColumn {
-                file: file.to_path_buf(),
-                column: opts.content_column.clone(),
-                found: found.clone(),
-            })?;
-    let label = match (
-        schema.index_of(&opts.label_column),
-        partition_value(&opts.label_column),
-    ) {
-        (Ok(i), _) => Column::File(i),
-        (Err(_), Some(v)) => Column::Partition(v),
-        (Err(_), None) => {
-            return Err(DataError::MissingColumn {
-                file: file.to_path_buf(),
-                role: "label",
-                column: opts.label_column.clone(),
-                found: found.clone(),
-            });
-        }
-    };
-    let path_i = schema.index_of(&opts.path_column).ok();
-    let type_of = |i: usize| schema.field(i).data_type().clone();
-    if !matches!(
-        type_of(content_i),
-        DataType::Binary | DataType::LargeBinary | DataType::BinaryView
-    ) {
-        return Err(DataError::WrongColumnType {
-            file: file.to_path_buf(),
-            column: opts.content_column.clone(),
-            expected: "binary or large binary (image bytes)",
-            found: type_of(content_i).to_string(),
-        });
-    }
-    if let Column::File(i) = label
-        && !label_type_ok(&type_of(i))
-    {
-        return Err(DataError::UnsupportedLabelType {
-            file: file.to_path_buf(),
-            column: opts.label_column.clone(),
-            found: type_of(i).to_string(),
-        });
-    }
-    if let Some(i) = path_i.filter(|&i| {
-        !matches!(
-            type_of(i),
-            DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
-        )
-    }) {
-        return Err(DataError::WrongColumnType {
-            file: file.to_path_buf(),
-            column: opts.path_column.clone(),
-            expected: "string",
-            found: type_of(i).to_string(),
-        });
-    }
-    let label_i = match label {
-        Column::File(i) => Some(i),
-        Column::Partition(_) => None,
-    };
-    let roots = [content_i].into_iter().chain(label_i).chain(path_i);
-    let mask = ProjectionMask::roots(builder.parquet_schema(), roots);
-    let reader = builder
-        .with_projection(mask)
-        .build()
-        .map_err(|e| pq_err(file, e))?;
-    let null = |column: &str, row: usize| DataError::NullValue {
-        file: file.to_path_buf(),
-        column: column.into(),
-        row,
-    };
-    let mut row = 0;
-    for batch in reader {
-        let batch = batch.map_err(|e| pq_err(file, e))?;
-        let col = |name: &str| {
-            batch
-                .column_by_name(name)
-                .expect("projected column")
-                .clone()
-        };
-        let content = col(&opts.content_column);
-        let labels = match label {
-            Column::File(_) => {
-                Some(cast(&col(&opts.label_column), &DataType::Utf8).map_err(|e| pq_err(file, e))?)
-            }
-            Column::Partition(_) => None,
-        };
-        let labels = labels.as_ref().map(|l| l.as_string::<i32>());
-        let paths = match path_i {
-            Some(_) => {
-                Some(cast(&col(&opts.path_column), &DataType::Utf8).map_err(|e| pq_err(file, e))?)
-            }
-            None => None,
-        };
-        for i in 0..batch.num_rows() {
-            if content.is_null(i) {
-                return Err(null(&opts.content_column, row));
-            }
-            let name = match (&labels, &label) {
-                (Some(l), _) if l.is_null(i) => None,
-                (Some(l), _) => Some(l.value(i)),
-                (None, Column::Partition(v)) => Some(*v).filter(|v| *v != HIVE_NULL),
-                (None, Column::File(_)) => unreachable!("a file column is read"),
-            };
-            let Some(name) = name else {
-                return Err(null(&opts.label_column, row));
-            };
-            let bytes = match content.data_type() {
-                DataType::Binary => content.as_binary::<i32>().value(i).to_vec(),
-                DataType::LargeBinary => content.as_binary::<i64>().value(i).to_vec(),
-                _ => content.as_binary_view().value(i).to_vec(),
-            };
-            let id = match &paths {
-                Some(p) if !p.is_null(i) => p.as_string::<i32>().value(i).to_string(),
-                _ => format!("{}#row {row}", file.display()),
-            };
-            rows.push((id, bytes, name.to_string()));
-            row += 1;
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

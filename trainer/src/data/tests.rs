@@ -431,13 +431,31 @@ fn data_codecs_and_hive_partitions_read_alike() {
     );
 }
 
-/// A Delta table directory is refused by name: its Parquet files include removed rows.
+/// A directory with `_delta_log/` is read as a Delta table, never as Parquet files: a broken log
+/// is an error naming the table; time travel on a non-Delta source is refused.
 #[test]
-fn data_delta_tables_are_refused_not_misread() {
+fn data_delta_logs_are_never_bypassed() {
     let dir = fixture(&["a", "b"], false);
     let t = dir.path().join("spark");
     fs::create_dir(t.join("_delta_log")).unwrap();
     let (e, m) = err(&t, &SourceOpts::default());
-    assert!(matches!(e, DataError::DeltaTable { .. }), "{m}");
-    assert!(m.contains("_delta_log") && m.contains("spark"), "{m}");
+    assert!(matches!(e, DataError::Delta { .. }), "{m}");
+    assert!(m.contains("Delta table") && m.contains("spark"), "{m}");
+    let at = SourceOpts {
+        data_version: Some(0),
+        ..SourceOpts::default()
+    };
+    let (e, m) = err(&dir.path().join("table.parquet"), &at);
+    assert!(matches!(e, DataError::NotDelta { .. }), "{m}");
+    assert!(delta::parse_timestamp("2026-12-01").is_ok());
+    assert!(delta::parse_timestamp("2026-12-01 06:00:00").is_ok());
+    assert_eq!(
+        delta::parse_timestamp("2026-12-01T06:00:00Z"),
+        delta::parse_timestamp("2026-12-01 06:00:00")
+    );
+    assert!(
+        delta::parse_timestamp("yesterday")
+            .unwrap_err()
+            .contains("yesterday")
+    );
 }

@@ -1,0 +1,215 @@
+//! Arrow tables of images (Parquet files, Hive-partitioned directories, Delta tables): which
+//! column plays which role, checked once per schema, and the rows of each record batch.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use arrow::array::{Array, ArrayRef, AsArray, RecordBatch};
+use arrow::compute::cast;
+use arrow::datatypes::{DataType, Schema};
+use parquet::arrow::ProjectionMask;
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+
+use super::{DataError, Row, SourceOpts, io_err, pq_err};
+
+/// One Parquet file of a table and the Hive partition values of the directories above it
+/// (`label=cat/part-0.parquet` gives `[("label", "cat")]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct PartFile {
+    pub path: PathBuf,
+    pub partition: Vec<(String, String)>,
+}
+
+/// Hive's name for a null partition value.
+pub(super) const HIVE_NULL: &str = "__HIVE_DEFAULT_PARTITION__";
+
+/// Where the label comes from: a column of the data, or one partition value for a whole file.
+#[derive(Clone, Copy)]
+enum Label<'a> {
+    Column,
+    Partition(&'a str),
+}
+
+/// The columns of a schema that hold each role, checked for presence and type.
+pub(super) struct Roles<'a> {
+    label: Label<'a>,
+    has_path: bool,
+    /// The columns to read, in schema order.
+    pub read: Vec<usize>,
+}
+
+fn label_type_ok(t: &DataType) -> bool {
+    use DataType::*;
+    match t {
+        Utf8 | LargeUtf8 | Utf8View | Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32
+        | UInt64 => true,
+        Dictionary(_, values) => label_type_ok(values),
+        _ => false,
+    }
+}
+
+impl<'a> Roles<'a> {
+    /// Resolves `opts`' columns in `schema` (from `origin`), a missing label column falling back
+    /// to a partition value.
+    pub fn resolve(
+        schema: &Schema,
+        partition: &'a [(String, String)],
+        opts: &SourceOpts,
+        origin: &Path,
+    ) -> Result<Self, DataError> {
+        let found: Vec<String> = schema
+            .fields()
+            .iter()
+            .map(|f| f.name().clone())
+            .chain(partition.iter().map(|(c, _)| format!("{c} (partition)")))
+            .collect();
+        let type_of = |i: usize| schema.field(i).data_type().clone();
+        let wrong = |column: &str, expected: &'static str, i: usize| DataError::WrongColumnType {
+            file: origin.to_path_buf(),
+            column: column.to_string(),
+            expected,
+            found: type_of(i).to_string(),
+        };
+        let content =
+            schema
+                .index_of(&opts.content_column)
+                .map_err(|_| DataError::MissingContentColumn {
+                    file: origin.to_path_buf(),
+                    column: opts.content_column.clone(),
+                    found: found.clone(),
+                })?;
+        if !matches!(
+            type_of(content),
+            DataType::Binary | DataType::LargeBinary | DataType::BinaryView
+        ) {
+            let expected = "binary or large binary (image bytes)";
+            return Err(wrong(&opts.content_column, expected, content));
+        }
+        let partition_value = partition
+            .iter()
+            .rev()
+            .find(|(c, _)| *c == opts.label_column)
+            .map(|(_, v)| v.as_str());
+        let (label, label_i) = match (schema.index_of(&opts.label_column), partition_value) {
+            (Ok(i), _) if !label_type_ok(&type_of(i)) => {
+                return Err(DataError::UnsupportedLabelType {
+                    file: origin.to_path_buf(),
+                    column: opts.label_column.clone(),
+                    found: type_of(i).to_string(),
+                });
+            }
+            (Ok(i), _) => (Label::Column, Some(i)),
+            (Err(_), Some(v)) => (Label::Partition(v), None),
+            (Err(_), None) => {
+                return Err(DataError::MissingColumn {
+                    file: origin.to_path_buf(),
+                    role: "label",
+                    column: opts.label_column.clone(),
+                    found,
+                });
+            }
+        };
+        let path = schema.index_of(&opts.path_column).ok();
+        if let Some(i) = path.filter(|&i| {
+            !matches!(
+                type_of(i),
+                DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
+            )
+        }) {
+            return Err(wrong(&opts.path_column, "string", i));
+        }
+        let mut read: Vec<usize> = [Some(content), label_i, path]
+            .into_iter()
+            .flatten()
+            .collect();
+        read.sort_unstable();
+        Ok(Self {
+            label,
+            has_path: path.is_some(),
+            read,
+        })
+    }
+
+    /// Appends the rows of `batch` (holding at least the resolved columns) to `rows`; `row` counts
+    /// the rows of `origin` read so far (for ids and error messages).
+    pub fn batch_rows(
+        &self,
+        batch: &RecordBatch,
+        opts: &SourceOpts,
+        origin: &Path,
+        row: &mut usize,
+        rows: &mut Vec<Row>,
+    ) -> Result<(), DataError> {
+        let col = |name: &str| -> ArrayRef {
+            batch.column_by_name(name).expect("resolved column").clone()
+        };
+        let utf8 = |name: &str| cast(&col(name), &DataType::Utf8).map_err(|e| pq_err(origin, e));
+        let null = |column: &str, row: usize| DataError::NullValue {
+            file: origin.to_path_buf(),
+            column: column.into(),
+            row,
+        };
+        let content = col(&opts.content_column);
+        let labels = match self.label {
+            Label::Column => Some(utf8(&opts.label_column)?),
+            Label::Partition(_) => None,
+        };
+        let labels = labels.as_ref().map(|l| l.as_string::<i32>());
+        let paths = self.has_path.then(|| utf8(&opts.path_column)).transpose()?;
+        for i in 0..batch.num_rows() {
+            if content.is_null(i) {
+                return Err(null(&opts.content_column, *row));
+            }
+            let name = match (&labels, self.label) {
+                (Some(l), _) => (!l.is_null(i)).then(|| l.value(i)),
+                (None, Label::Partition(v)) => Some(v).filter(|v| *v != HIVE_NULL),
+                (None, Label::Column) => unreachable!("a label column is read"),
+            };
+            let Some(name) = name else {
+                return Err(null(&opts.label_column, *row));
+            };
+            let bytes = match content.data_type() {
+                DataType::Binary => content.as_binary::<i32>().value(i).to_vec(),
+                DataType::LargeBinary => content.as_binary::<i64>().value(i).to_vec(),
+                _ => content.as_binary_view().value(i).to_vec(),
+            };
+            let id = match &paths {
+                Some(p) if !p.is_null(i) => p.as_string::<i32>().value(i).to_string(),
+                _ => format!("{}#row {row}", origin.display()),
+            };
+            rows.push((id, bytes, name.to_string()));
+            *row += 1;
+        }
+        Ok(())
+    }
+}
+
+pub(super) fn read_parquet(files: &[PartFile], opts: &SourceOpts) -> Result<Vec<Row>, DataError> {
+    let mut rows = Vec::new();
+    for file in files {
+        read_parquet_file(file, opts, &mut rows)?;
+    }
+    Ok(rows)
+}
+
+fn read_parquet_file(
+    part: &PartFile,
+    opts: &SourceOpts,
+    rows: &mut Vec<Row>,
+) -> Result<(), DataError> {
+    let file = part.path.as_path();
+    let handle = fs::File::open(file).map_err(io_err(file))?;
+    let builder = ParquetRecordBatchReaderBuilder::try_new(handle).map_err(|e| pq_err(file, e))?;
+    let roles = Roles::resolve(builder.schema(), &part.partition, opts, file)?;
+    let mask = ProjectionMask::roots(builder.parquet_schema(), roles.read.iter().copied());
+    let reader = builder
+        .with_projection(mask)
+        .build()
+        .map_err(|e| pq_err(file, e))?;
+    let mut row = 0;
+    for batch in reader {
+        let batch = batch.map_err(|e| pq_err(file, e))?;
+        roles.batch_rows(&batch, opts, file, &mut row, rows)?;
+    }
+    Ok(())
+}
