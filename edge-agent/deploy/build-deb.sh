@@ -21,6 +21,8 @@ case "$arch" in arm64|armhf|amd64) ;; *) echo "unsupported Debian architecture $
 # The oldest glibc the binary accepts: its highest GLIBC_x.y symbol version.
 glibc=$(LC_ALL=C grep -aoE 'GLIBC_2\.[0-9]+' "$bin" | sort -t. -k2,2n -u | tail -1 | cut -d_ -f2)
 glibc="${glibc:-2.17}"
+# Packed relative relocations (DT_RELR, `-z pack-relative-relocs`) need glibc 2.36.
+if LC_ALL=C grep -aq GLIBC_ABI_DT_RELR "$bin" && [ "$(printf "%s\n" "$glibc" 2.36 | sort -V | tail -1)" = 2.36 ]; then glibc=2.36; fi
 
 root=$(mktemp -d)
 trap 'rm -rf "$root"' EXIT

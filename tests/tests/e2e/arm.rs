@@ -41,6 +41,8 @@ struct Arm {
     qemu: &'static str,
     cpu: &'static str,
     sysroot: &'static str,
+    /// A Raspberry Pi 4's /proc/cpuinfo to show the guest (see [`Arm::with_pi_cpuinfo`]).
+    cpuinfo: Option<PathBuf>,
 }
 
 impl Arm {
@@ -79,7 +81,68 @@ impl Arm {
             qemu,
             cpu,
             sysroot,
+            cpuinfo: None,
         })
+    }
+
+    /// Runs the guest in a private mount namespace where /proc/cpuinfo is a Raspberry Pi 4's
+    /// (Cortex-A72, one entry per host CPU). qemu-user (Debian 12's 7.2; 8.2 emulates the file)
+    /// passes the host's x86 /proc/cpuinfo through, on which ONNX Runtime's CPU detection
+    /// (pytorch/cpuinfo) dereferences NULL at start; a Pi's kernel reports its own CPU. Needs
+    /// root (CI runs as root); None, with the reason printed, otherwise.
+    fn with_pi_cpuinfo(mut self, dir: &Path) -> Option<Arm> {
+        let possible = std::fs::read_to_string("/sys/devices/system/cpu/possible").unwrap();
+        let last: usize = possible
+            .trim()
+            .rsplit(['-', ','])
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let mut text = String::new();
+        for i in 0..=last {
+            text += &format!(
+                "processor\t: {i}\nBogoMIPS\t: 108.00\nFeatures\t: fp asimd evtstrm crc32 cpuid\n\
+                 CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x0\n\
+                 CPU part\t: 0xd08\nCPU revision\t: 3\n\n"
+            );
+        }
+        text +=
+            "Hardware\t: BCM2835\nRevision\t: c03111\nModel\t\t: Raspberry Pi 4 Model B Rev 1.1\n";
+        let path = dir.join("cpuinfo-pi4");
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(&path, text).unwrap();
+        self.cpuinfo = Some(path);
+        let mut o = self.command_for(Command::new("cat").arg("/proc/cpuinfo"));
+        match o.output() {
+            Ok(o) if o.status.success() && stdout(&o).contains("Raspberry Pi 4") => Some(self),
+            Ok(o) => {
+                eprintln!(
+                    "skipped: cannot show the guest a Pi's /proc/cpuinfo (unshare/mount need root): {}",
+                    stderr(&o)
+                );
+                None
+            }
+            Err(e) => {
+                eprintln!("skipped: unshare: {e}");
+                None
+            }
+        }
+    }
+
+    /// `inner` (a program and its arguments), in the cpuinfo namespace when there is one.
+    fn command_for(&self, inner: &Command) -> Command {
+        let Some(cpuinfo) = &self.cpuinfo else {
+            let mut c = Command::new(inner.get_program());
+            c.args(inner.get_args());
+            return c;
+        };
+        let mut c = Command::new("unshare");
+        c.args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg("mount --bind \"$0\" /proc/cpuinfo && exec \"$@\"")
+            .arg(cpuinfo)
+            .arg(inner.get_program())
+            .args(inner.get_args());
+        c
     }
 
     fn command(&self) -> Command {
@@ -87,7 +150,7 @@ impl Arm {
         c.args(["-cpu", self.cpu, "-L", self.sysroot, "-E"])
             .arg(format!("LD_LIBRARY_PATH={}/lib", self.sysroot))
             .arg(&self.bin);
-        c
+        self.command_for(&c)
     }
 
     fn run(&self, args: &[&str]) -> Output {
@@ -561,6 +624,9 @@ fn aarch64_ort_engine_under_qemu_checks_predicts_and_serves() {
         return;
     };
     let f = fixture();
+    let Some(arm) = arm.with_pi_cpuinfo(&f.dir.join("arm64-ort")) else {
+        return;
+    };
     let model = s(&f.v1);
     let run_ort = |args: &[&str], lib: &Path| {
         arm.command()
