@@ -174,10 +174,13 @@ fn delta_tables_read_the_current_snapshot_and_travel_in_time() {
     assert_eq!(part["samples_cache"], plain["samples_cache"]);
     assert_eq!(part["labels"], plain["labels"]);
 
-    // A reader feature the kernel does not know: refused by name, not read around.
-    let log = tmp
-        .path()
-        .join("delta_future/_delta_log/00000000000000000000.json");
+    unknown_reader_features_are_named(&tmp.path().join("delta_future"));
+}
+
+/// A reader feature the kernel does not know, patched into the table's first commit: refused by
+/// name, not read around.
+fn unknown_reader_features_are_named(table: &Path) {
+    let log = table.join("_delta_log/00000000000000000000.json");
     let text = std::fs::read_to_string(&log).unwrap();
     let patched: Vec<String> = text
         .lines()
@@ -194,14 +197,11 @@ fn delta_tables_read_the_current_snapshot_and_travel_in_time() {
         })
         .collect();
     std::fs::write(&log, patched.join("\n") + "\n").unwrap();
-    let o = run(
-        "trainer",
-        &["prepare", "--data", &s(&tmp.path().join("delta_future"))],
-    );
+    let o = run("trainer", &["prepare", "--data", &s(table)]);
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(
-        e.contains("delta_future") && e.contains("kestrelImaginaryFeature"),
+        e.contains(&s(table)) && e.contains("kestrelImaginaryFeature"),
         "{e}"
     );
 }
