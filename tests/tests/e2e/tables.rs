@@ -8,16 +8,17 @@ use serde_json::Value;
 
 /// `trainer prepare --json` on `data` with the shared cache `cache`.
 fn prepare(data: &Path, cache: &Path) -> Value {
-    trainer_json(&[
-        "prepare",
-        "--json",
-        "--engine",
-        "ort",
-        "--data",
-        &s(data),
-        "--cache",
-        &s(cache),
-    ])
+    prepare_with(data, cache, &[])
+}
+
+/// `trainer prepare --json ... EXTRA...`.
+fn prepare_with(data: &Path, cache: &Path, extra: &[&str]) -> Value {
+    let (data, cache) = (s(data), s(cache));
+    let mut args = vec![
+        "prepare", "--json", "--engine", "ort", "--data", &data, "--cache", &cache,
+    ];
+    args.extend(extra);
+    trainer_json(&args)
 }
 
 /// The LFW table rewritten by pyarrow with snappy, gzip, zstd, lz4, brotli and none, and as a
@@ -123,20 +124,7 @@ fn delta_tables_read_the_current_snapshot_and_travel_in_time() {
     assert_eq!(now["samples"], 138);
     assert_eq!(ids(&now), want_paths);
 
-    let at = |flag: &str, value: &str| {
-        trainer_json(&[
-            "prepare",
-            "--json",
-            "--engine",
-            "ort",
-            "--data",
-            &s(&delta),
-            "--cache",
-            &s(&cache),
-            flag,
-            value,
-        ])
-    };
+    let at = |flag: &str, value: &str| prepare_with(&delta, &cache, &[flag, value]);
     let v0 = at("--data-version", "0");
     assert_eq!(v0["samples"], 200);
     let plain = prepare(&src, &cache);
