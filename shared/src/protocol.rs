@@ -250,6 +250,9 @@ pub struct Desired {
     /// Rollout that issued it, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<String>,
+    /// The MLflow registry version of the model (`models:/NAME/VERSION`), when it came from one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
 }
 
 /// A desired state as published: the exact JSON of [`Desired`] and its signature.
@@ -324,6 +327,9 @@ pub struct Status {
     pub latency: LatencyStats,
     /// RFC 3339 UTC.
     pub updated: String,
+    /// The registry version of the active model (`models:/NAME/VERSION`), from its manifest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
 }
 
 /// A transition, published as it happens.
@@ -413,6 +419,7 @@ mod tests {
             rollback: false,
             issued: 5,
             rollout: None,
+            source: None,
         };
         let s = SignedDesired::new(&sk, &d);
         assert_eq!(s.open(&[pk], "t"), Ok(d));

@@ -404,6 +404,7 @@ pub fn desired(device: &str, version: u64, rollback: bool) -> Desired {
         rollback,
         issued: now_unix(),
         rollout: None,
+        source: None,
     }
 }
 

@@ -5,6 +5,7 @@
 //! - [`distributed`]: the run context ([`distributed::Job`]) and the collectives (local threads, MPI);
 //! - [`train`]: head (and last blocks) training; [`tune`]: TPE search over trials;
 //! - [`export`]: artifacts (ONNX f32/int8, manifest, safetensors, golden samples);
+//! - [`track`]: MLflow tracking and registry;
 //! - [`predict`], [`classify`], [`report`].
 //!
 //! The fleet commands (publish, status, infer, rollout) are in the `kestrel-fleet` crate, the
@@ -17,6 +18,7 @@ pub mod export;
 pub mod images;
 pub mod predict;
 pub mod report;
+pub mod track;
 pub mod train;
 pub mod tune;
 

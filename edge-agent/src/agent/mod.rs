@@ -131,6 +131,7 @@ impl Agent {
                 p95_ms: pct(0.95),
             },
             updated: now_rfc3339(),
+            source: model.as_ref().and_then(|m| m.manifest.registry.clone()),
         }
     }
 

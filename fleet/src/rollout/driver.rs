@@ -2,6 +2,7 @@
 //! and clock ticks to the controller, publishes what it asks for (signed desired states), and
 //! keeps the controller retained at `P/rollouts/<name>/state` so a restart resumes it.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
@@ -54,6 +55,7 @@ fn execute(
                     rollback,
                     issued: now_unix(),
                     rollout: Some(c.name.clone()),
+                    source: None,
                 };
                 let payload =
                     serde_json::to_vec(&SignedDesired::new(key, &d)).expect("serializable");
@@ -121,6 +123,10 @@ pub fn run(
     execute(&mut conn, &c, key, outputs, log)?;
     conn.subscribe(&conn.topics.status_filter())?;
     let mut last_tick = Instant::now();
+    // Each device's latest status: after an abort, a device that never left its previous model
+    // sends nothing new, and a broker need not resend retained messages to a subscription that
+    // exists already (rumqttd does not), so the wait for the roll back starts from these.
+    let mut latest: BTreeMap<String, Status> = BTreeMap::new();
     while c.state == RolloutState::Running {
         if let Some((t, p)) = conn.recv(Duration::from_millis(250))?
             && !p.is_empty()
@@ -128,6 +134,7 @@ pub fn run(
         {
             let s: Status = parse(&t, &p)?;
             let outputs = c.on_status(&s, now_unix());
+            latest.insert(s.device.clone(), s);
             execute(&mut conn, &c, key, outputs, log)?;
         }
         if last_tick.elapsed() >= Duration::from_secs(1) {
@@ -137,7 +144,7 @@ pub fn run(
         }
     }
     if let RolloutState::Aborted(_) = &c.state {
-        wait_rolled_back(&mut conn, &c, log)?;
+        wait_rolled_back(&mut conn, &c, latest, log)?;
     }
     conn.disconnect();
     Ok(c)
@@ -174,32 +181,39 @@ fn begin(
     Ok(c)
 }
 
-/// After an abort: waits (up to a minute) until every device sent back reports its previous model.
+/// After an abort: waits (up to a minute) until every device sent back reports its previous
+/// model, starting from the `latest` status of each device seen during the rollout.
 fn wait_rolled_back(
     conn: &mut Conn,
     c: &Controller,
+    latest: BTreeMap<String, Status>,
     log: &mut dyn FnMut(String),
 ) -> Result<(), FleetError> {
-    let mut left: std::collections::BTreeMap<&str, &(String, u64)> = c
+    let mut left: BTreeMap<&str, &(String, u64)> = c
         .devices
         .values()
         .filter(|d| d.state != DeviceState::Waiting)
         .filter_map(|d| d.previous.as_ref().map(|p| (d.id.as_str(), p)))
         .collect();
+    let back = |left: &mut BTreeMap<&str, &(String, u64)>, s: &Status| {
+        if let Some((name, v)) = left.get(s.device.as_str())
+            && s.active == Some(*v)
+            && s.model.as_deref() == Some(name.as_str())
+            && s.state == "idle"
+        {
+            left.remove(s.device.as_str());
+        }
+    };
+    for s in latest.values() {
+        back(&mut left, s);
+    }
     let deadline = Instant::now() + Duration::from_secs(60);
-    conn.subscribe(&conn.topics.status_filter())?;
     while !left.is_empty() && Instant::now() < deadline {
         if let Some((t, p)) = conn.recv(Duration::from_millis(250))?
             && !p.is_empty()
             && t.ends_with("/status")
         {
-            let s: Status = parse(&t, &p)?;
-            if let Some((name, v)) = left.get(s.device.as_str())
-                && s.active == Some(*v)
-                && s.model.as_deref() == Some(name.as_str())
-            {
-                left.remove(s.device.as_str());
-            }
+            back(&mut left, &parse(&t, &p)?);
         }
     }
     match left.keys().next() {

@@ -15,6 +15,7 @@ fn status(id: &str, groups: &[&str], active: Option<u64>, failed: Option<u64>) -
         failed_version: failed,
         latency: LatencyStats::default(),
         updated: String::new(),
+        source: None,
     }
 }
 

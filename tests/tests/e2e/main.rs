@@ -13,6 +13,7 @@ mod edge;
 mod export;
 mod fleet_status;
 mod inputs;
+mod mlflow;
 // Needs the trainer built with `--features kestrel-trainer/mpi` and Open MPI's `mpirun`.
 #[cfg(feature = "mpi")]
 mod mpi;

@@ -336,3 +336,68 @@ impl ModelArgs {
         }
     }
 }
+
+/// An MLflow tracking server.
+#[derive(clap::Args, Clone)]
+pub struct MlflowArgs {
+    /// MLflow tracking server (http://HOST:PORT). fit, tune and export track their runs there
+    /// (unreachable at start: an error before any work; failing later: the calls are buffered to
+    /// mlflow-pending.jsonl for `trainer mlflow sync`); --model fetches from its registry.
+    #[arg(long, value_name = "URI", env = "MLFLOW_TRACKING_URI")]
+    pub mlflow: Option<String>,
+}
+
+/// Where runs are tracked: an MLflow tracking server (optional).
+#[derive(clap::Args, Clone)]
+pub struct TrackArgs {
+    #[command(flatten)]
+    pub server: MlflowArgs,
+    /// MLflow experiment (created when missing).
+    #[arg(long, env = "MLFLOW_EXPERIMENT_NAME", default_value = "Default")]
+    pub experiment: String,
+    /// Do not track, even when MLFLOW_TRACKING_URI is set.
+    #[arg(long)]
+    pub no_mlflow: bool,
+}
+
+impl TrackArgs {
+    /// Where to track, if anywhere.
+    pub fn to(&self) -> Option<kestrel_trainer::track::TrackTo> {
+        let uri = self.server.mlflow.clone().filter(|_| !self.no_mlflow)?;
+        Some(kestrel_trainer::track::TrackTo {
+            uri,
+            experiment: self.experiment.clone(),
+        })
+    }
+
+    /// The MLflow run of `dir` (started, or with `continued` the one `dir` is tracked as), when
+    /// tracking; a clear error when the server cannot be reached.
+    pub fn start(
+        &self,
+        dir: &Path,
+        command: &str,
+        continued: bool,
+    ) -> Result<Option<kestrel_trainer::track::Tracker>> {
+        let Some(to) = self.to() else {
+            return Ok(None);
+        };
+        let name = dir
+            .file_name()
+            .map_or("run".into(), |n| n.to_string_lossy().to_string());
+        let tags = kestrel_trainer::track::run_tags(command);
+        let t = kestrel_trainer::track::Tracker::start(&to, dir, &name, &tags, continued)
+            .with_context(|| {
+                format!(
+                    "MLflow tracking ({}, experiment {:?})",
+                    to.uri, to.experiment
+                )
+            })?;
+        eprintln!(
+            "MLflow: run {} in experiment {:?} at {}",
+            t.run_id(),
+            to.experiment,
+            to.uri
+        );
+        Ok(Some(t))
+    }
+}

@@ -1,14 +1,17 @@
 //! `trainer export`: a run as a self-describing, verified artifact directory (the stages are in
 //! `kestrel_trainer::export`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
+use kestrel_shared::manifest::Manifest;
 use kestrel_trainer::distributed::{Job, JobOpts};
 use kestrel_trainer::export::{self, ExportOpts, QuantForm};
+use kestrel_trainer::track::registry::version_uri;
+use kestrel_trainer::track::{Metric, ModelVersion, Op, Tracker, kv, now_ms};
 
-use super::args::{CacheArgs, ThreadArgs};
+use super::args::{CacheArgs, ThreadArgs, TrackArgs};
 
 /// Export a run as a self-describing, verified artifact directory.
 ///
@@ -46,9 +49,9 @@ pub struct Args {
     /// Model name in the manifest [default: run directory name + form].
     #[arg(long)]
     model_name: Option<String>,
-    /// Monotonic model version.
-    #[arg(long, default_value_t = 1)]
-    model_version: u64,
+    /// Monotonic model version [default: the registry's version with --register, else 1].
+    #[arg(long)]
+    model_version: Option<u64>,
     /// Golden samples kept for on-device health checks.
     #[arg(long, default_value_t = 4)]
     golden: usize,
@@ -56,6 +59,15 @@ pub struct Args {
     cache: CacheArgs,
     #[command(flatten)]
     threads: ThreadArgs,
+    #[command(flatten)]
+    track: TrackArgs,
+    /// Register the artifact in the MLflow model registry as a new version of NAME (its files are
+    /// logged to the run's `model/` artifacts; the manifest names the version). Needs --mlflow.
+    #[arg(long, value_name = "NAME")]
+    register: Option<String>,
+    /// Point this alias of the registered model at the new version (e.g. staging).
+    #[arg(long, requires = "register")]
+    alias: Option<String>,
     /// Print the manifest as JSON.
     #[arg(long)]
     json: bool,
@@ -69,6 +81,18 @@ pub fn job_opts(a: &Args) -> Result<JobOpts> {
 }
 
 pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
+    // The export joins the run's MLflow run (a new one when the run was not tracked).
+    let tracker = a.track.start(&a.run, "export", true)?;
+    let registered = match (&tracker, &a.register) {
+        (Some(t), Some(name)) => Some(
+            t.register(name)
+                .with_context(|| format!("registering {name} in MLflow"))?,
+        ),
+        (None, Some(_)) => {
+            bail!("--register needs an MLflow server: --mlflow URI or MLFLOW_TRACKING_URI")
+        }
+        _ => None,
+    };
     let opts = ExportOpts {
         quantize: a.quantize,
         calibration: a.calibration,
@@ -77,11 +101,27 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         max_accuracy_drop: a.max_accuracy_drop,
         tolerance: a.tolerance,
         name: a.model_name,
-        version: a.model_version,
+        version: a
+            .model_version
+            .or(registered.as_ref().map(|v| v.version))
+            .unwrap_or(1),
         golden: a.golden,
+        registry: registered.as_ref().map(|v| version_uri(&v.name, v.version)),
     };
-    let m = export::export(&a.run, &a.out, &opts, job)
-        .with_context(|| format!("exporting {} to {}", a.run.display(), a.out.display()))?;
+    let exported = export::export(&a.run, &a.out, &opts, job)
+        .with_context(|| format!("exporting {} to {}", a.run.display(), a.out.display()));
+    let pending = match (&tracker, &exported) {
+        (Some(t), Ok(m)) => log_export(t, m, &a.out, registered.as_ref(), a.alias.as_deref())?,
+        (Some(t), Err(_)) => {
+            if let Some(v) = &registered {
+                // Nothing was logged to it: take the reserved version back.
+                let _ = t.client.delete_model_version(&v.name, v.version);
+            }
+            t.end("FAILED")
+        }
+        (None, _) => None,
+    };
+    let m = exported?;
     if a.json {
         println!("{}", serde_json::to_string(&m)?);
         return Ok(ExitCode::SUCCESS);
@@ -101,5 +141,53 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         m.quantization.f32_accuracy,
         a.out.display()
     );
+    if let Some(v) = &registered {
+        println!(
+            "registered {}{}",
+            version_uri(&v.name, v.version),
+            a.alias
+                .map(|al| format!(" (alias {al})"))
+                .unwrap_or_default()
+        );
+    }
+    if let Some(line) = pending {
+        eprintln!("{line}");
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The artifact directory as the run's `model/` artifacts, its accuracy as metrics, then the alias
+/// (after the files, so an alias never points at a version without them). Ends the run.
+fn log_export(
+    t: &Tracker,
+    m: &Manifest,
+    dir: &Path,
+    registered: Option<&ModelVersion>,
+    alias: Option<&str>,
+) -> Result<Option<String>> {
+    let form = &m.quantization.form;
+    let ts = now_ms();
+    let metric = |key: String, value: f64| Metric {
+        key,
+        value,
+        timestamp: ts,
+        step: 0,
+    };
+    t.log(
+        vec![metric(
+            format!("export_{form}_val_accuracy"),
+            m.quantization.accuracy,
+        )],
+        Vec::new(),
+        vec![kv(format!("kestrel.export.{form}"), m.name.as_str())],
+    );
+    t.upload_dir(dir, "model")?;
+    if let (Some(v), Some(alias)) = (registered, alias) {
+        t.submit(Op::SetAlias {
+            name: v.name.clone(),
+            alias: alias.to_string(),
+            version: v.version,
+        });
+    }
+    Ok(t.end("FINISHED"))
 }

@@ -1,14 +1,15 @@
 //! `trainer fit`: a new head (and optionally the last blocks) on cached features, into a run
 //! directory; `--resume` continues one.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use kestrel_trainer::distributed::{Job, JobOpts};
+use kestrel_trainer::track::{self, KeyValue, Observer};
 use kestrel_trainer::train::{self, FitOutcome, FitParams};
 
-use super::args::{DataArgs, EngineArgs, FitArgs, WorkerArgs};
+use super::args::{DataArgs, EngineArgs, FitArgs, TrackArgs, WorkerArgs};
 
 /// Train a new head (and optionally the last blocks) on cached features into a run directory.
 ///
@@ -24,6 +25,8 @@ pub struct Args {
     engine: EngineArgs,
     #[command(flatten)]
     workers: WorkerArgs,
+    #[command(flatten)]
+    track: TrackArgs,
     /// Run directory (params.json, metrics.jsonl, summary.json, checkpoints/, *.png).
     #[arg(long, required_unless_present = "resume")]
     out: Option<PathBuf>,
@@ -59,11 +62,43 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
             false,
         ),
     };
-    let Some(o) = train::fit(&params, &dir, resuming, job)? else {
+    let (fitted, pending) = tracked_fit(&params, &dir, resuming, job, &a.track, Vec::new())?;
+    let Some(o) = fitted else {
         return Ok(ExitCode::SUCCESS); // ranks other than 0 print nothing
     };
     print_outcome(&o, a.json)?;
+    if let Some(line) = pending {
+        eprintln!("{line}");
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// [`train::fit`], tracked in MLflow when `track` says so (rank 0; a resumed run continues its
+/// MLflow run): params and `tags` first, each epoch as it ends, then the results and artifacts.
+/// Also returns the line saying what is left to `trainer mlflow sync`, if anything.
+pub fn tracked_fit(
+    p: &FitParams,
+    dir: &Path,
+    resuming: bool,
+    job: &Job,
+    track: &TrackArgs,
+    tags: Vec<KeyValue>,
+) -> Result<(Option<FitOutcome>, Option<String>)> {
+    let tracker = match job.is_lead() {
+        true => track.start(dir, "fit", resuming)?,
+        false => None,
+    };
+    if let Some(t) = &tracker {
+        t.log(Vec::new(), track::flatten_params("", p), tags);
+    }
+    let observer: &dyn Observer = tracker.as_ref().map_or(&(), |t| t);
+    let fitted = train::fit(p, dir, resuming, job, observer);
+    let pending = match (&tracker, &fitted) {
+        (Some(t), Ok(Some(o))) => t.finish_fit(&o.run_dir, &o.summary),
+        (Some(t), _) => t.end("FAILED"),
+        (None, _) => None,
+    };
+    Ok((fitted?, pending))
 }
 
 /// The parameters a run directory was trained with.

@@ -19,6 +19,7 @@ mod import_weights;
 mod keygen;
 mod latency;
 mod lower;
+mod mlflow;
 mod predict;
 mod prepare;
 mod preprocess;
@@ -52,6 +53,7 @@ pub enum Cmd {
     Preprocess(preprocess::Args),
     Latency(latency::Args),
     Bench(bench::Args),
+    Mlflow(mlflow::Args),
     #[command(flatten)]
     Fleet(fleet::FleetCmd),
 }
@@ -94,6 +96,7 @@ fn dispatch(cmd: Cmd, job: &Job) -> Result<ExitCode> {
         Cmd::Preprocess(a) => preprocess::run(a, job),
         Cmd::Latency(a) => latency::run(a, job),
         Cmd::Bench(a) => bench::run(a, job),
+        Cmd::Mlflow(a) => mlflow::run(a, job),
         Cmd::Fleet(c) => fleet::run(c),
     }
 }

@@ -7,12 +7,13 @@ use anyhow::{Context, Result};
 use kestrel_shared::{fsutil, manifest, signing};
 use kestrel_trainer::distributed::Job;
 
+use super::fleet::ArtifactArgs;
+
 /// Sign an artifact's manifest.json into manifest.sig (devices only accept signed manifests).
 #[derive(clap::Args)]
 pub struct Args {
-    /// Exported artifact directory.
-    #[arg(long, value_name = "ART_DIR")]
-    artifact: PathBuf,
+    #[command(flatten)]
+    artifact: ArtifactArgs,
     /// Secret key file written by `trainer keygen` (signs manifests and desired states).
     #[arg(long)]
     key: PathBuf,
@@ -20,10 +21,11 @@ pub struct Args {
 
 pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
     let sk = super::fleet::secret_key(&a.key)?;
-    let mpath = a.artifact.join(manifest::MANIFEST_FILE);
+    let dir = a.artifact.dir()?;
+    let mpath = dir.join(manifest::MANIFEST_FILE);
     let bytes = std::fs::read(&mpath).with_context(|| format!("reading {}", mpath.display()))?;
     let sig = signing::sign(&sk, &bytes);
-    let spath = a.artifact.join(signing::SIGNATURE_FILE);
+    let spath = dir.join(signing::SIGNATURE_FILE);
     fsutil::write_atomic(&spath, serde_json::to_string_pretty(&sig)?.as_bytes())
         .with_context(|| format!("writing {}", spath.display()))?;
     println!("signed {} with key {}", mpath.display(), sig.key_id);

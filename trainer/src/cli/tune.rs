@@ -5,10 +5,11 @@ use std::process::ExitCode;
 
 use anyhow::{Result, bail};
 use kestrel_trainer::distributed::{Job, JobOpts};
-use kestrel_trainer::train::{self, Optimizer};
-use kestrel_trainer::tune::{self, Space};
+use kestrel_trainer::track::{self, Metric, Observer, Tracker, kv, now_ms};
+use kestrel_trainer::train::Optimizer;
+use kestrel_trainer::tune::{self, Space, TuneOutcome};
 
-use super::args::{DataArgs, EngineArgs, FitArgs};
+use super::args::{DataArgs, EngineArgs, FitArgs, TrackArgs};
 
 /// Search head hyperparameters with TPE over trials trained in parallel on one feature cache.
 ///
@@ -38,6 +39,8 @@ pub struct Args {
     out: PathBuf,
     #[command(flatten)]
     space: SpaceArgs,
+    #[command(flatten)]
+    track: TrackArgs,
     /// Then train the final model with the best trial's parameters into RUN_DIR.
     #[arg(long, value_name = "RUN_DIR")]
     then_fit: Option<PathBuf>,
@@ -114,7 +117,32 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         space: a.space.space()?,
         startup: a.startup,
     };
-    let outcome = tune::tune(&base, &opts, &a.out, job)?;
+    // The tune run is the parent of one MLflow run per trial (rank 0 tracks).
+    let parent = match job.is_lead() {
+        true => a.track.start(&a.out, "tune", false)?,
+        false => None,
+    };
+    if let Some(t) = &parent {
+        let mut params = track::flatten_params("", &base);
+        params.extend(track::flatten_params("tune", &serde_json::json!({
+            "trials": opts.trials, "parallel": opts.parallel, "startup": opts.startup, "space": opts.space,
+        })));
+        t.log(Vec::new(), params, Vec::new());
+    }
+    let observer: &dyn Observer = parent.as_ref().map_or(&(), |t| t);
+    let outcome = tune::tune(&base, &opts, &a.out, job, observer);
+    let mut pending: Vec<String> = Vec::new();
+    if let Some(t) = &parent {
+        if let Ok(o) = &outcome {
+            log_best(t, o);
+        }
+        pending.extend(t.end(if outcome.is_ok() {
+            "FINISHED"
+        } else {
+            "FAILED"
+        }));
+    }
+    let outcome = outcome?;
     let fitted = match &a.then_fit {
         Some(dir) => {
             job.log(format!(
@@ -124,10 +152,19 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
             ));
             // Under MPI the final model trains data-parallel on every rank.
             let p = tune::best_params(&base, &outcome.best, a.fit.seed);
-            train::fit(&p, dir, false, job)?
+            let tags = parent
+                .iter()
+                .map(|t| kv("kestrel.tune_run", t.run_id()))
+                .collect();
+            let (fitted, left) = super::fit::tracked_fit(&p, dir, false, job, &a.track, tags)?;
+            pending.extend(left);
+            fitted
         }
         None => None,
     };
+    for line in &pending {
+        eprintln!("{line}");
+    }
     if !job.is_lead() {
         return Ok(ExitCode::SUCCESS);
     }
@@ -150,4 +187,20 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The best trial on the parent run: its parameters as `best.*` params, its results as metrics.
+fn log_best(t: &Tracker, o: &TuneOutcome) {
+    let ts = now_ms();
+    let metric = |key: &str, value: f64| Metric {
+        key: key.into(),
+        value,
+        timestamp: ts,
+        step: 0,
+    };
+    let mut metrics = vec![metric("best_val_accuracy", o.best.val_accuracy)];
+    metrics.extend(o.best.val_loss.map(|l| metric("best_val_loss", l)));
+    let mut params = track::flatten_params("best", &o.best.params);
+    params.push(kv("best.trial", o.best.trial.to_string()));
+    t.log(metrics, params, Vec::new());
 }

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use indicatif::ProgressBar;
 
+use crate::track::Observer;
+
 use super::{
     Collective, CollectiveError, DEFAULT_TIMEOUT, RankError, launched_by_mpi, run_workers,
 };
@@ -65,6 +67,8 @@ pub struct Rank<'a> {
     pub threads: usize,
     /// Whether this process logs (rank 0's process, not quiet).
     logs: bool,
+    /// Where the operation reports its progress besides its files (MLflow), on rank 0.
+    observer: &'a dyn Observer,
 }
 
 impl Job {
@@ -165,12 +169,22 @@ impl Job {
         &self,
         f: impl Fn(&Rank<'_>) -> Result<T, E> + Sync,
     ) -> Result<T, E> {
+        self.run_observed(&(), f)
+    }
+
+    /// [`Job::run`], with rank 0 reporting its progress to `observer` ([`Rank::observer`]).
+    pub fn run_observed<T: Send, E: RankError>(
+        &self,
+        observer: &dyn Observer,
+        f: impl Fn(&Rank<'_>) -> Result<T, E> + Sync,
+    ) -> Result<T, E> {
         let logs = self.logs();
         if let Some(comm) = self.mpi() {
             return f(&Rank {
                 comm,
                 threads: self.opts.threads,
                 logs,
+                observer,
             });
         }
         let world = self.world();
@@ -180,6 +194,7 @@ impl Job {
                 comm,
                 threads,
                 logs,
+                observer,
             })
         })
     }
@@ -224,6 +239,11 @@ impl Rank<'_> {
 
     pub fn is_lead(&self) -> bool {
         self.comm.rank() == 0
+    }
+
+    /// Where rank 0 reports progress (epochs, trials); the other ranks report nowhere.
+    pub fn observer(&self) -> &dyn Observer {
+        if self.is_lead() { self.observer } else { &() }
     }
 
     /// Logs a line on rank 0 only.

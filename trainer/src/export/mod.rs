@@ -61,6 +61,8 @@ pub struct ExportOpts {
     pub name: Option<String>,
     pub version: u64,
     pub golden: usize,
+    /// `models:/NAME/VERSION` written into the manifest (`--register`).
+    pub registry: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -189,6 +189,7 @@ fn manifest(
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
         ),
+        registry: o.registry.clone(),
     }
 }
 

@@ -36,6 +36,7 @@ pub use rank::train_rank;
 use crate::data::{self, cache::CacheError};
 use crate::distributed::{CollectiveError, ErrorScope, Job, RankError, WorkerError};
 use crate::report::{self, EpochMetrics, Evaluation};
+use crate::track::Observer;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -135,11 +136,14 @@ pub struct FitOutcome {
 /// prepared once (by the ranks together), then every rank trains its part of every global batch
 /// ([`train_rank`]), so N local workers or N MPI ranks train exactly what 1 worker trains with the
 /// same `--batch-size` and `--seed`. Rank 0's process returns the outcome, the others `None`.
+///
+/// `observer` hears (on rank 0) when the features are ready and each epoch as it is written.
 pub fn fit(
     p: &FitParams,
     run_dir: &Path,
     resume: bool,
     job: &Job,
+    observer: &dyn Observer,
 ) -> Result<Option<FitOutcome>, TrainError> {
     let p = p.on_ranks(job.world())?;
     if job.is_lead() {
@@ -151,7 +155,12 @@ pub fn fit(
     if job.mpi().is_some() && job.world() > 1 {
         job.log(format!("{} ranks (MPI)", job.world()));
     }
-    job.run(|rank| train_rank(&p, Some(run_dir), resume, &pp, rank, feature_seconds))
+    if job.is_lead() {
+        observer.prepared(&pp);
+    }
+    job.run_observed(observer, |rank| {
+        train_rank(&p, Some(run_dir), resume, &pp, rank, feature_seconds)
+    })
 }
 
 fn batch_tensor(

@@ -118,6 +118,7 @@ pub fn train_rank(
         record_epoch(&mut state, &m, opt.step, &model, out, r, &mut best)?;
         if let Some(dir) = out {
             checkpoint::save_epoch(dir, &model, &opt, &state, &m)?;
+            r.observer().epoch(&m);
         }
     }
     let train_seconds = started.elapsed().as_secs_f64();
@@ -478,6 +479,7 @@ fn solve_head(
         checkpoint::begin(dir, p, pp, &TrainState::default())?;
         torch::write_safetensors(&dir.join("best.safetensors"), &weights, None)?;
         report::append_jsonl(&dir.join("metrics.jsonl"), &m)?;
+        r.observer().epoch(&m);
     }
     let summary = finish(
         pp,

@@ -28,6 +28,7 @@ pub use tpe::Tpe;
 
 use crate::distributed::{self, CollectiveError, Job, WorkerError};
 use crate::report::{self, ReportError};
+use crate::track::Observer;
 use crate::train::{self, FitParams, Optimizer, Prepped, TrainError};
 
 #[derive(Debug, thiserror::Error)]
@@ -219,11 +220,14 @@ pub fn run_trial(pp: &Prepped, p: &FitParams, job: &Job) -> Result<train::Summar
 /// proposals (made identically on every rank) is split in contiguous chunks of `parallel` trials
 /// per rank and the results are gathered in trial order; only rank 0 logs and writes `out`. With
 /// the same seed and rank count the trials are the same.
+///
+/// `observer` hears (on rank 0) when the features are ready and each trial as it is written.
 pub fn tune(
     base: &FitParams,
     opts: &TuneOpts,
     out: &Path,
     job: &Job,
+    observer: &dyn Observer,
 ) -> Result<TuneOutcome, TuneError> {
     opts.space.validate()?;
     if opts.trials == 0 || opts.parallel == 0 {
@@ -250,6 +254,9 @@ pub fn tune(
         },
         job,
     )?;
+    if job.is_lead() {
+        observer.prepared(&pp);
+    }
     let (rank, ranks) = job.mpi().map_or((0, 1), |c| (c.rank(), c.world()));
     job.log(format!(
         "tune: {} trials, {} in parallel{}, {} random warm-up, seed {}; {} training samples",
@@ -294,6 +301,7 @@ pub fn tune(
         for (r, proposal) in results.into_iter().zip(round) {
             if job.is_lead() {
                 report::append_jsonl(&trials_path, &r)?;
+                observer.trial(&r);
             }
             job.log(r.line());
             history.push((proposal.x, r.loss()));

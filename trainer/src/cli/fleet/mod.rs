@@ -11,10 +11,58 @@ pub mod status;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
+use kestrel_trainer::track::{
+    self,
+    registry::{self, ModelUri},
+};
+
+use super::args::MlflowArgs;
 use clap::Subcommand;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::DEFAULT_PREFIX;
+
+/// Which artifact to deliver: a directory, or a version in the MLflow model registry.
+#[derive(clap::Args, Clone)]
+pub struct ArtifactArgs {
+    /// Exported artifact directory, or a version in the MLflow model registry (also as --model):
+    /// models:/NAME@ALIAS or models:/NAME/VERSION, fetched from the --mlflow server into
+    /// $KESTREL_HOME/registry and checked against its manifest; devices then report that version.
+    #[arg(
+        long,
+        alias = "model",
+        value_name = "ART_DIR|models:/NAME@ALIAS",
+        required = true
+    )]
+    artifact: Option<String>,
+    #[command(flatten)]
+    server: MlflowArgs,
+}
+
+impl ArtifactArgs {
+    /// The artifact directory (a registered version fetched first).
+    pub fn dir(&self) -> Result<PathBuf> {
+        let a = self.artifact.as_deref().expect("clap requires --artifact");
+        if !a.starts_with("models:/") {
+            return Ok(PathBuf::from(a));
+        }
+        let uri: ModelUri = a.parse().map_err(anyhow::Error::msg)?;
+        let Some(server) = &self.server.mlflow else {
+            bail!("{uri} needs an MLflow server: --mlflow URI or MLFLOW_TRACKING_URI");
+        };
+        let client = track::Client::new(server)?;
+        let cache = kestrel_models::engine::kestrel_home().join("registry");
+        let f = registry::fetch(&client, &uri, &cache)
+            .with_context(|| format!("fetching {uri} from {server}"))?;
+        eprintln!(
+            "{uri}: version {} ({}){}",
+            f.version.version,
+            f.dir.display(),
+            if f.cached { ", cached" } else { "" }
+        );
+        Ok(f.dir)
+    }
+}
 
 /// How to reach the broker: the flags every MQTT command shares.
 #[derive(clap::Args, Clone)]

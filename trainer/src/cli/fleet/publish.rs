@@ -7,15 +7,14 @@ use anyhow::{Context, Result};
 use kestrel_fleet::{Bundle, Published};
 use kestrel_shared::protocol::{DEFAULT_CHUNK_BYTES, Target};
 
-use super::{BrokerArgs, secret_key};
+use super::{ArtifactArgs, BrokerArgs, secret_key};
 
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
     broker: BrokerArgs,
-    /// Exported artifact directory.
-    #[arg(long)]
-    artifact: PathBuf,
+    #[command(flatten)]
+    artifact: ArtifactArgs,
     /// Secret key file written by `trainer keygen` (signs manifests and desired states).
     #[arg(long)]
     key: PathBuf,
@@ -35,8 +34,9 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<ExitCode> {
     let sk = secret_key(&args.key)?;
-    let bundle = Bundle::from_dir(&args.artifact, &sk, args.chunk_bytes)
-        .with_context(|| format!("artifact {}", args.artifact.display()))?;
+    let dir = args.artifact.dir()?;
+    let bundle = Bundle::from_dir(&dir, &sk, args.chunk_bytes)
+        .with_context(|| format!("artifact {}", dir.display()))?;
     let p = kestrel_fleet::publish(
         &args.broker.config(),
         &bundle,

@@ -10,7 +10,7 @@ use kestrel_fleet::Bundle;
 use kestrel_fleet::rollout::{Controller, Plan, RolloutState, driver};
 use kestrel_shared::protocol::DEFAULT_CHUNK_BYTES;
 
-use super::{BrokerArgs, secret_key};
+use super::{ArtifactArgs, BrokerArgs, secret_key};
 
 /// The flags of a rollout (required unless the `status` subcommand is given).
 #[derive(clap::Args)]
@@ -19,9 +19,8 @@ pub struct Args {
     status: Option<RolloutCmd>,
     #[command(flatten)]
     broker: BrokerArgs,
-    /// Exported artifact directory.
-    #[arg(long, required = true)]
-    artifact: Option<PathBuf>,
+    #[command(flatten)]
+    artifact: ArtifactArgs,
     /// Secret key file written by `trainer keygen` (signs manifests and desired states).
     #[arg(long, required = true)]
     key: Option<PathBuf>,
@@ -62,13 +61,14 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if let Some(RolloutCmd::Status(s)) = args.status {
         return status(s);
     }
-    let (Some(artifact), Some(key), Some(plan_path)) = (args.artifact, args.key, args.fleet) else {
-        unreachable!("clap requires --artifact, --key and --fleet without a subcommand")
+    let (Some(key), Some(plan_path)) = (args.key, args.fleet) else {
+        unreachable!("clap requires --key and --fleet without a subcommand")
     };
     let text = std::fs::read_to_string(&plan_path)
         .with_context(|| format!("reading {}", plan_path.display()))?;
     let plan = Plan::parse(&text, &plan_path.display().to_string())?;
     let sk = secret_key(&key)?;
+    let artifact = args.artifact.dir()?;
     let bundle = Bundle::from_dir(&artifact, &sk, args.chunk_bytes)
         .with_context(|| format!("artifact {}", artifact.display()))?;
     let start = Instant::now();

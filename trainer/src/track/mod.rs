@@ -1,0 +1,560 @@
+//! Experiment tracking in MLflow: what `fit`, `tune` and `export` send to a tracking server, and
+//! what happens when it is down.
+//!
+//! - [`Observer`]: the events a training run reports as they happen (features ready, an epoch, a
+//!   trial); `()` ignores them, a [`Tracker`] sends them to MLflow.
+//! - [`Tracker`]: one MLflow run tied to a run directory (`mlflow.json` names it). Every call is
+//!   retried; one that still fails is appended, with everything after it, to
+//!   `RUN_DIR/mlflow-pending.jsonl`, so training never waits on or dies with the server and no
+//!   metric is lost. [`sync`] (`trainer mlflow sync RUN_DIR`) replays that file in order.
+//! - [`registry`]: `models:/NAME@ALIAS` and `models:/NAME/VERSION` fetched for deployment.
+//! - [`client`]: the REST calls.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub mod client;
+pub mod registry;
+mod run;
+
+pub use client::{Client, KeyValue, Metric, ModelVersion, RunRef, kv, now_ms};
+pub use run::{fit_metrics, flatten_params, run_tags, trial_run};
+
+use crate::report::EpochMetrics;
+use crate::train::{Prepped, Summary};
+use crate::tune::TrialResult;
+
+/// The files of a run directory logged as artifacts of its MLflow run.
+pub const FIT_ARTIFACTS: [&str; 9] = [
+    "params.json",
+    "split.json",
+    "metrics.jsonl",
+    "summary.json",
+    "confusion_matrix.json",
+    "loss.png",
+    "accuracy.png",
+    "best.safetensors",
+    "last.safetensors",
+];
+
+/// The file of calls that could not be delivered, in a run (or tune) directory.
+pub const PENDING_FILE: &str = "mlflow-pending.jsonl";
+/// The MLflow run a directory is tracked as.
+pub const RUN_FILE: &str = "mlflow.json";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrackError {
+    #[error("MLflow tracking server {uri} unreachable: {reason}")]
+    Unreachable { uri: String, reason: String },
+    #[error("MLflow {what}: HTTP {status} {code}: {message}")]
+    Api {
+        what: String,
+        status: u16,
+        code: String,
+        message: String,
+    },
+    #[error("{path}: {reason}")]
+    Io { path: String, reason: String },
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+impl TrackError {
+    /// `e` with its causes (reqwest's own message is only "error sending request").
+    pub fn unreachable(uri: &str, e: &dyn std::error::Error) -> Self {
+        let mut reason = e.to_string();
+        let mut cause = e.source();
+        while let Some(c) = cause {
+            reason = format!("{reason}: {c}");
+            cause = c.source();
+        }
+        TrackError::Unreachable {
+            uri: uri.to_string(),
+            reason,
+        }
+    }
+
+    pub fn io(path: &Path, e: &dyn std::fmt::Display) -> Self {
+        TrackError::Io {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        }
+    }
+
+    /// MLflow's error code, for API errors.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            TrackError::Api { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+
+    /// Whether trying again later may succeed (server down, overloaded or failing).
+    pub fn transient(&self) -> bool {
+        match self {
+            TrackError::Unreachable { .. } => true,
+            TrackError::Api { status, .. } => *status >= 500 || *status == 429,
+            _ => false,
+        }
+    }
+}
+
+/// What a training run reports as it goes. Called on rank 0 only; `()` ignores everything.
+pub trait Observer: Sync {
+    /// The samples and features are ready.
+    fn prepared(&self, _pp: &Prepped) {}
+    /// An epoch finished (the line just appended to `metrics.jsonl`).
+    fn epoch(&self, _m: &EpochMetrics) {}
+    /// A tuning trial finished (the line just appended to `trials.jsonl`).
+    fn trial(&self, _t: &TrialResult) {}
+}
+
+impl Observer for () {}
+
+/// One call to the tracking server, as kept in the pending file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case")]
+pub enum Op {
+    LogBatch {
+        run_id: String,
+        #[serde(default)]
+        metrics: Vec<Metric>,
+        #[serde(default)]
+        params: Vec<KeyValue>,
+        #[serde(default)]
+        tags: Vec<KeyValue>,
+    },
+    /// A local file stored as an artifact.
+    Upload {
+        artifact_uri: String,
+        path: String,
+        file: PathBuf,
+    },
+    EndRun {
+        run_id: String,
+        status: String,
+        end_ms: i64,
+    },
+    /// A whole (child) run at once: created, logged and ended (a tuning trial).
+    Run {
+        experiment_id: String,
+        name: String,
+        tags: Vec<KeyValue>,
+        params: Vec<KeyValue>,
+        metrics: Vec<Metric>,
+        status: String,
+    },
+    SetAlias {
+        name: String,
+        alias: String,
+        version: u64,
+    },
+}
+
+impl Op {
+    pub fn apply(&self, c: &Client) -> Result<(), TrackError> {
+        match self {
+            Op::LogBatch {
+                run_id,
+                metrics,
+                params,
+                tags,
+            } => c.log_batch(run_id, metrics, params, tags),
+            Op::Upload {
+                artifact_uri,
+                path,
+                file,
+            } => c.upload(artifact_uri, path, file),
+            Op::EndRun {
+                run_id,
+                status,
+                end_ms,
+            } => c.end_run(run_id, status, *end_ms),
+            Op::Run {
+                experiment_id,
+                name,
+                tags,
+                params,
+                metrics,
+                status,
+            } => {
+                let r = c.create_run(experiment_id, name, tags)?;
+                c.log_batch(&r.run_id, metrics, params, &[])?;
+                c.end_run(&r.run_id, status, now_ms())
+            }
+            Op::SetAlias {
+                name,
+                alias,
+                version,
+            } => c.set_alias(name, alias, *version),
+        }
+    }
+}
+
+/// A line of the pending file: the call and the server it was for.
+#[derive(Debug, Serialize, Deserialize)]
+struct Pending {
+    uri: String,
+    #[serde(flatten)]
+    op: Op,
+}
+
+/// `mlflow.json`: the MLflow run a directory is tracked as.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunLink {
+    pub uri: String,
+    pub experiment: String,
+    #[serde(flatten)]
+    pub run: RunRef,
+}
+
+/// Where a command tracks to: `--mlflow` / `MLFLOW_TRACKING_URI` and `--experiment` /
+/// `MLFLOW_EXPERIMENT_NAME`.
+#[derive(Debug, Clone)]
+pub struct TrackTo {
+    pub uri: String,
+    pub experiment: String,
+}
+
+/// One MLflow run tied to a directory, with retries and the pending file (see the module docs).
+pub struct Tracker {
+    pub client: Client,
+    pub link: RunLink,
+    dir: PathBuf,
+    retries: Vec<Duration>,
+    state: Mutex<Delivery>,
+}
+
+#[derive(Default)]
+struct Delivery {
+    /// Calls buffered to the pending file by this process.
+    buffered: usize,
+    /// The first failure, once there was one: later calls are buffered without trying.
+    failed: Option<String>,
+}
+
+impl Tracker {
+    /// Starts the MLflow run of `dir`, or with `continued` continues the one `dir` is already
+    /// tracked as on that server (a resumed fit, an export). Fails when the server cannot be
+    /// reached: a clear error before any work.
+    pub fn start(
+        to: &TrackTo,
+        dir: &Path,
+        name: &str,
+        tags: &[KeyValue],
+        continued: bool,
+    ) -> Result<Tracker, TrackError> {
+        let client = Client::new(&to.uri)?;
+        let link = read_link(dir).filter(|l| continued && l.uri == client.uri());
+        if let Some(link) = link {
+            // The run exists (a resumed fit, an export of a tracked run): check it is reachable.
+            client.get_run(&link.run.run_id)?;
+            return Ok(Tracker::new(client, link, dir));
+        }
+        let experiment_id = client.experiment_id(&to.experiment)?;
+        let run = client.create_run(&experiment_id, name, tags)?;
+        let link = RunLink {
+            uri: client.uri().to_string(),
+            experiment: to.experiment.clone(),
+            run,
+        };
+        std::fs::create_dir_all(dir).map_err(|e| TrackError::io(dir, &e))?;
+        crate::report::write_json_atomic(&dir.join(RUN_FILE), &link)
+            .map_err(|e| TrackError::io(&dir.join(RUN_FILE), &e))?;
+        Ok(Tracker::new(client, link, dir))
+    }
+
+    fn new(client: Client, link: RunLink, dir: &Path) -> Tracker {
+        Tracker {
+            client,
+            link,
+            dir: dir.to_path_buf(),
+            retries: [200, 800, 2000].map(Duration::from_millis).to_vec(),
+            state: Mutex::new(Delivery::default()),
+        }
+    }
+
+    pub fn run_id(&self) -> &str {
+        &self.link.run.run_id
+    }
+
+    /// Delivers `op` now (retried), or buffers it to the pending file when the server keeps
+    /// failing or an earlier call of this process was buffered (order is kept).
+    pub fn submit(&self, op: Op) {
+        let mut st = self.state.lock().expect("tracker lock");
+        if st.failed.is_none() {
+            match with_retries(&self.retries, || op.apply(&self.client)) {
+                Ok(()) => return,
+                Err(e) => {
+                    eprintln!(
+                        "warning: MLflow: {e}; buffering this and later calls to {}",
+                        self.dir.join(PENDING_FILE).display()
+                    );
+                    st.failed = Some(e.to_string());
+                }
+            }
+        }
+        let line = Pending {
+            uri: self.client.uri().to_string(),
+            op,
+        };
+        match append_pending(&self.dir, &line) {
+            Ok(()) => st.buffered += 1,
+            Err(e) => eprintln!("warning: MLflow call lost: {e}"),
+        }
+    }
+
+    pub fn log(&self, metrics: Vec<Metric>, params: Vec<KeyValue>, tags: Vec<KeyValue>) {
+        self.submit(Op::LogBatch {
+            run_id: self.run_id().to_string(),
+            metrics,
+            params,
+            tags,
+        });
+    }
+
+    /// Stores the files of `dir` (recursively) under `prefix` in the run's artifacts.
+    pub fn upload_dir(&self, dir: &Path, prefix: &str) -> Result<usize, TrackError> {
+        let mut files = Vec::new();
+        list_files(dir, "", &mut files)?;
+        for rel in &files {
+            self.upload(&dir.join(rel), &join(prefix, rel));
+        }
+        Ok(files.len())
+    }
+
+    pub fn upload(&self, file: &Path, path: &str) {
+        self.submit(Op::Upload {
+            artifact_uri: self.link.run.artifact_uri.clone(),
+            path: path.to_string(),
+            file: std::path::absolute(file).unwrap_or_else(|_| file.to_path_buf()),
+        });
+    }
+
+    /// A finished fit: the best epoch's results as metrics, and as artifacts the run directory's
+    /// records (params, split, metrics, summary), the validation confusion matrix, the curves and
+    /// the head's weights. Then ends the run.
+    pub fn finish_fit(&self, dir: &Path, s: &Summary) -> Option<String> {
+        self.log(run::fit_metrics(s), Vec::new(), Vec::new());
+        let confusion = dir.join("confusion_matrix.json");
+        let matrix = serde_json::json!({
+            "split": "validation",
+            "labels": s.validation.labels,
+            "confusion": s.validation.confusion,
+        });
+        if let Err(e) = crate::report::write_json_atomic(&confusion, &matrix) {
+            eprintln!("warning: {e}");
+        }
+        for f in FIT_ARTIFACTS {
+            if dir.join(f).is_file() {
+                self.upload(&dir.join(f), f);
+            }
+        }
+        self.end("FINISHED")
+    }
+
+    /// A new version of registered model `name` (created when missing) whose files will be this
+    /// run's `model/` artifacts. Not buffered: registering needs the server now.
+    pub fn register(&self, name: &str) -> Result<ModelVersion, TrackError> {
+        self.client.ensure_registered_model(name)?;
+        let source = format!("{}/model", self.link.run.artifact_uri.trim_end_matches('/'));
+        self.client
+            .create_model_version(name, &source, self.run_id())
+    }
+
+    /// Ends the run with `status` (FINISHED, FAILED) and tries the pending calls once more;
+    /// returns a line to print when some remain.
+    pub fn end(&self, status: &str) -> Option<String> {
+        self.submit(Op::EndRun {
+            run_id: self.run_id().to_string(),
+            status: status.to_string(),
+            end_ms: now_ms(),
+        });
+        let st = self.state.lock().expect("tracker lock");
+        if st.buffered == 0 {
+            return None;
+        }
+        drop(st);
+        match sync(&self.dir, None) {
+            Ok(n) => {
+                eprintln!("MLflow: the server is back; replayed {n} buffered calls");
+                None
+            }
+            Err(e) => Some(format!(
+                "MLflow: calls buffered in {} ({e}); replay them with `trainer mlflow sync {}`",
+                self.dir.join(PENDING_FILE).display(),
+                self.dir.display()
+            )),
+        }
+    }
+}
+
+impl Observer for Tracker {
+    fn prepared(&self, pp: &Prepped) {
+        self.log(Vec::new(), Vec::new(), run::data_tags(pp));
+    }
+
+    fn epoch(&self, m: &EpochMetrics) {
+        self.log(run::epoch_metrics(m), Vec::new(), Vec::new());
+    }
+
+    fn trial(&self, t: &TrialResult) {
+        self.submit(trial_run(&self.link, t));
+    }
+}
+
+fn with_retries<T>(
+    waits: &[Duration],
+    mut f: impl FnMut() -> Result<T, TrackError>,
+) -> Result<T, TrackError> {
+    let mut waits = waits.iter();
+    loop {
+        match f() {
+            Err(e) if e.transient() => match waits.next() {
+                Some(w) => std::thread::sleep(*w),
+                None => return Err(e),
+            },
+            r => return r,
+        }
+    }
+}
+
+/// The run a directory is tracked as, if it is.
+pub fn read_link(dir: &Path) -> Option<RunLink> {
+    let text = std::fs::read_to_string(dir.join(RUN_FILE)).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+fn append_pending(dir: &Path, line: &Pending) -> Result<(), TrackError> {
+    let path = dir.join(PENDING_FILE);
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(|e| TrackError::io(&path, &e))?;
+    let mut text = serde_json::to_string(line).expect("serializable");
+    text.push('\n');
+    f.write_all(text.as_bytes())
+        .and_then(|()| f.sync_data())
+        .map_err(|e| TrackError::io(&path, &e))
+}
+
+/// Replays `dir`'s pending calls in order (to `uri`, or the server each was meant for), removing
+/// each from the file once delivered; stops at the first failure, keeping the rest. Returns how
+/// many were delivered.
+pub fn sync(dir: &Path, uri: Option<&str>) -> Result<usize, TrackError> {
+    let path = dir.join(PENDING_FILE);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(TrackError::io(&path, &e)),
+    };
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let mut done = 0;
+    let mut result = Ok(());
+    for (i, line) in lines.iter().enumerate() {
+        let p: Pending = serde_json::from_str(line)
+            .map_err(|e| TrackError::io(&path, &format!("line {}: {e}", i + 1)))?;
+        let client = Client::new(uri.unwrap_or(&p.uri))?;
+        if let Err(e) = p.op.apply(&client) {
+            result = Err(e);
+            break;
+        }
+        done += 1;
+    }
+    // Keep what was not delivered (atomically: a crash here leaves the old file or the new one).
+    let rest = &lines[done..];
+    if rest.is_empty() {
+        std::fs::remove_file(&path).map_err(|e| TrackError::io(&path, &e))?;
+    } else if done > 0 {
+        let tmp = path.with_extension("jsonl.tmp");
+        std::fs::write(&tmp, rest.join("\n") + "\n").map_err(|e| TrackError::io(&tmp, &e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| TrackError::io(&path, &e))?;
+    }
+    result.map(|()| done)
+}
+
+fn list_files(dir: &Path, rel: &str, out: &mut Vec<String>) -> Result<(), TrackError> {
+    let here = dir.join(rel);
+    let mut entries: Vec<_> = std::fs::read_dir(&here)
+        .map_err(|e| TrackError::io(&here, &e))?
+        .filter_map(Result::ok)
+        .collect();
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let path = join(rel, &e.file_name().to_string_lossy());
+        if e.path().is_dir() {
+            list_files(dir, &path, out)?;
+        } else {
+            out.push(path);
+        }
+    }
+    Ok(())
+}
+
+fn join(a: &str, b: &str) -> String {
+    if a.is_empty() {
+        b.to_string()
+    } else {
+        format!("{a}/{b}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pending_lines_round_trip_and_name_their_server() {
+        let p = Pending {
+            uri: "http://h:5000".into(),
+            op: Op::LogBatch {
+                run_id: "r1".into(),
+                metrics: vec![Metric {
+                    key: "val_loss".into(),
+                    value: 0.1 + 0.2,
+                    timestamp: 7,
+                    step: 3,
+                }],
+                params: vec![],
+                tags: vec![kv("a", "b")],
+            },
+        };
+        let text = serde_json::to_string(&p).unwrap();
+        assert!(
+            text.starts_with(r#"{"uri":"http://h:5000","op":"log-batch","run_id":"r1""#),
+            "{text}"
+        );
+        let back: Pending = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.op, p.op);
+    }
+
+    #[test]
+    fn sync_keeps_what_it_could_not_deliver() {
+        let dir = tempfile::tempdir().unwrap();
+        // A port nothing listens on: the first call fails and every line stays.
+        for i in 0..3 {
+            append_pending(
+                dir.path(),
+                &Pending {
+                    uri: "http://127.0.0.1:9".into(),
+                    op: Op::EndRun {
+                        run_id: format!("r{i}"),
+                        status: "FINISHED".into(),
+                        end_ms: 1,
+                    },
+                },
+            )
+            .unwrap();
+        }
+        let e = sync(dir.path(), None).unwrap_err();
+        assert!(e.transient(), "{e}");
+        let left = std::fs::read_to_string(dir.path().join(PENDING_FILE)).unwrap();
+        assert_eq!(left.lines().count(), 3);
+        assert!(sync(tempfile::tempdir().unwrap().path(), None).unwrap() == 0);
+    }
+}

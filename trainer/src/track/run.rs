@@ -1,0 +1,182 @@
+//! What Kestrel's runs look like in MLflow: params, tags and metrics from its own records.
+
+use serde::Serialize;
+use serde_json::Value;
+
+use super::{KeyValue, Metric, Op, RunLink, kv, now_ms};
+use crate::report::EpochMetrics;
+use crate::train::{Prepped, Summary};
+use crate::tune::TrialResult;
+
+/// A serializable value as MLflow params: nested objects flattened with `.` (`source.label_column`),
+/// strings as they are, other values as JSON, `null` as `None` (as MLflow's Python client logs it).
+pub fn flatten_params(prefix: &str, v: &impl Serialize) -> Vec<KeyValue> {
+    let mut out = Vec::new();
+    flatten(
+        prefix,
+        &serde_json::to_value(v).unwrap_or(Value::Null),
+        &mut out,
+    );
+    out
+}
+
+fn flatten(prefix: &str, v: &Value, out: &mut Vec<KeyValue>) {
+    match v {
+        Value::Object(m) => {
+            for (k, v) in m {
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                flatten(&key, v, out);
+            }
+        }
+        Value::String(s) => out.push(kv(prefix, s.as_str())),
+        Value::Null => out.push(kv(prefix, "None")),
+        v => out.push(kv(prefix, v.to_string())),
+    }
+}
+
+/// Tags every Kestrel run gets: which command, the Kestrel version, the user and (when the working
+/// directory is a git checkout) its commit, under MLflow's own tag names where they exist.
+pub fn run_tags(command: &str) -> Vec<KeyValue> {
+    let mut t = vec![
+        kv("mlflow.source.name", format!("trainer {command}")),
+        kv("mlflow.source.type", "LOCAL"),
+        kv("kestrel.version", env!("CARGO_PKG_VERSION")),
+    ];
+    if let Ok(user) = std::env::var("USER") {
+        t.push(kv("mlflow.user", user));
+    }
+    let git = std::process::Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .stderr(std::process::Stdio::null())
+        .output();
+    if let Ok(o) = git
+        && o.status.success()
+    {
+        t.push(kv(
+            "mlflow.source.git.commit",
+            String::from_utf8_lossy(&o.stdout).trim(),
+        ));
+    }
+    t
+}
+
+/// Tags of the data a run trained on: the source (with a Delta table's version) and the caches.
+pub fn data_tags(pp: &Prepped) -> Vec<KeyValue> {
+    let m = &pp.prepared.meta;
+    let name = |d: &std::path::Path| {
+        d.file_name()
+            .map_or(String::new(), |n| n.to_string_lossy().to_string())
+    };
+    vec![
+        kv("kestrel.data.source", m.source.as_str()),
+        kv("kestrel.data.samples", m.ids.len().to_string()),
+        kv("kestrel.data.classes", m.labels.len().to_string()),
+        kv("kestrel.cache.samples", m.key.as_str()),
+        kv("kestrel.cache.features", name(&pp.features.dir)),
+    ]
+}
+
+/// One `metrics.jsonl` line as MLflow metrics at step = epoch.
+pub fn epoch_metrics(m: &EpochMetrics) -> Vec<Metric> {
+    let ts = now_ms();
+    [
+        ("train_loss", m.train_loss),
+        ("train_accuracy", m.train_accuracy),
+        ("val_loss", m.val_loss),
+        ("val_accuracy", m.val_accuracy),
+        ("samples_per_s", m.samples_per_s),
+    ]
+    .into_iter()
+    .filter(|(_, v)| v.is_finite())
+    .map(|(k, v)| Metric {
+        key: k.into(),
+        value: v,
+        timestamp: ts,
+        step: m.epoch as i64,
+    })
+    .collect()
+}
+
+/// The final results of a fit (the best epoch's), as metrics at step 0.
+pub fn fit_metrics(s: &Summary) -> Vec<Metric> {
+    let ts = now_ms();
+    let mut v = vec![
+        ("best_val_accuracy", s.val_accuracy),
+        ("best_val_loss", s.val_loss),
+        ("best_epoch", s.best_epoch as f64),
+        ("feature_seconds", s.feature_seconds),
+        ("train_seconds", s.train_seconds),
+    ];
+    if let Some(a) = s.test_accuracy {
+        v.push(("test_accuracy", a));
+    }
+    v.into_iter()
+        .filter(|(_, v)| v.is_finite())
+        .map(|(k, v)| Metric {
+            key: k.into(),
+            value: v,
+            timestamp: ts,
+            step: 0,
+        })
+        .collect()
+}
+
+/// A tuning trial as a child run of the tune run (Hyperopt's SparkTrials does the same).
+pub fn trial_run(parent: &RunLink, t: &TrialResult) -> Op {
+    let ts = now_ms();
+    let metric = |key: &str, value: f64| Metric {
+        key: key.into(),
+        value,
+        timestamp: ts,
+        step: 0,
+    };
+    let mut metrics = vec![
+        metric("val_accuracy", t.val_accuracy),
+        metric("best_epoch", t.best_epoch as f64),
+        metric("seconds", t.seconds),
+    ];
+    if let Some(l) = t.val_loss.filter(|l| l.is_finite()) {
+        metrics.push(metric("val_loss", l));
+    }
+    let mut tags = vec![
+        kv("mlflow.parentRunId", parent.run.run_id.as_str()),
+        kv("kestrel.trial", t.trial.to_string()),
+        kv("kestrel.trial.source", t.source.as_str()),
+    ];
+    if let Some(e) = &t.error {
+        tags.push(kv("kestrel.trial.error", e.as_str()));
+    }
+    Op::Run {
+        experiment_id: parent.run.experiment_id.clone(),
+        name: format!("trial-{:03}", t.trial),
+        tags,
+        params: flatten_params("", &t.params),
+        metrics,
+        status: if t.error.is_some() {
+            "FAILED"
+        } else {
+            "FINISHED"
+        }
+        .into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_flatten_with_dots() {
+        let v = serde_json::json!({"lr": 0.01, "source": {"label_column": "label", "data_version": null}, "flip": true});
+        let p = flatten_params("", &v);
+        let get = |k: &str| p.iter().find(|x| x.key == k).map(|x| x.value.clone());
+        assert_eq!(get("lr").as_deref(), Some("0.01"));
+        assert_eq!(get("source.label_column").as_deref(), Some("label"));
+        assert_eq!(get("source.data_version").as_deref(), Some("None"));
+        assert_eq!(get("flip").as_deref(), Some("true"));
+    }
+}
