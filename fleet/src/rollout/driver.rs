@@ -31,10 +31,12 @@ pub fn load(conn: &mut Conn, name: &str) -> Result<Option<Controller>, FleetErro
     )
 }
 
+/// Publishes what the controller asked for; desired states for the rolled-out version carry its
+/// registry `source`.
 fn execute(
     conn: &mut Conn,
     c: &Controller,
-    key: &SigningKey,
+    (key, source): (&SigningKey, Option<&str>),
     outputs: Vec<Output>,
     log: &mut dyn FnMut(String),
 ) -> Result<(), FleetError> {
@@ -55,7 +57,7 @@ fn execute(
                     rollback,
                     issued: now_unix(),
                     rollout: Some(c.name.clone()),
-                    source: None,
+                    source: source.filter(|_| version == c.version).map(String::from),
                 };
                 let payload =
                     serde_json::to_vec(&SignedDesired::new(key, &d)).expect("serializable");
@@ -119,8 +121,9 @@ pub fn run(
         }
         None => begin(&mut conn, &name, bundle, plan, log)?,
     };
+    let signer = (key, bundle.manifest.registry.as_deref());
     let outputs = c.start(now_unix());
-    execute(&mut conn, &c, key, outputs, log)?;
+    execute(&mut conn, &c, signer, outputs, log)?;
     conn.subscribe(&conn.topics.status_filter())?;
     let mut last_tick = Instant::now();
     // Each device's latest status: after an abort, a device that never left its previous model
@@ -135,12 +138,12 @@ pub fn run(
             let s: Status = parse(&t, &p)?;
             let outputs = c.on_status(&s, now_unix());
             latest.insert(s.device.clone(), s);
-            execute(&mut conn, &c, key, outputs, log)?;
+            execute(&mut conn, &c, signer, outputs, log)?;
         }
         if last_tick.elapsed() >= Duration::from_secs(1) {
             last_tick = Instant::now();
             let outputs = c.on_tick(now_unix());
-            execute(&mut conn, &c, key, outputs, log)?;
+            execute(&mut conn, &c, signer, outputs, log)?;
         }
     }
     if let RolloutState::Aborted(_) = &c.state {

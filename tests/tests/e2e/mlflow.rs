@@ -356,6 +356,12 @@ fn published_from_registry(w: &Scratch, uri: &str) {
         |s| s.active == Some(1) && s.state == "idle",
     );
     assert_eq!(st.source.as_deref(), Some("models:/lfw/1"));
+    let table = kestrel_tests::trainer_ok(&["status", "--broker", &broker.url()]);
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("pi-ml"))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(row.contains("models:/lfw/1"), "{table}");
 
     // A name the registry does not know: a clear error naming it.
     let o = run(

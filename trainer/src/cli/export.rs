@@ -9,7 +9,7 @@ use kestrel_shared::manifest::Manifest;
 use kestrel_trainer::distributed::{Job, JobOpts};
 use kestrel_trainer::export::{self, ExportOpts, QuantForm};
 use kestrel_trainer::track::registry::version_uri;
-use kestrel_trainer::track::{Metric, ModelVersion, Op, Tracker, kv, now_ms};
+use kestrel_trainer::track::{Metric, ModelVersion, Op, Tracker, kv};
 
 use super::args::{CacheArgs, ThreadArgs, TrackArgs};
 
@@ -166,17 +166,11 @@ fn log_export(
     alias: Option<&str>,
 ) -> Result<Option<String>> {
     let form = &m.quantization.form;
-    let ts = now_ms();
-    let metric = |key: String, value: f64| Metric {
-        key,
-        value,
-        timestamp: ts,
-        step: 0,
-    };
     t.log(
-        vec![metric(
+        vec![Metric::now(
             format!("export_{form}_val_accuracy"),
             m.quantization.accuracy,
+            0,
         )],
         Vec::new(),
         vec![kv(format!("kestrel.export.{form}"), m.name.as_str())],

@@ -1,13 +1,13 @@
 //! `trainer tune`: TPE search over head hyperparameters, trials in parallel on one feature cache.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{Result, bail};
 use kestrel_trainer::distributed::{Job, JobOpts};
-use kestrel_trainer::track::{self, Metric, Observer, Tracker, kv, now_ms};
-use kestrel_trainer::train::Optimizer;
-use kestrel_trainer::tune::{self, Space, TuneOutcome};
+use kestrel_trainer::track::{self, Metric, Observer, Tracker, kv};
+use kestrel_trainer::train::{FitParams, Optimizer};
+use kestrel_trainer::tune::{self, Space, TuneError, TuneOpts, TuneOutcome};
 
 use super::args::{DataArgs, EngineArgs, FitArgs, TrackArgs};
 
@@ -117,31 +117,13 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         space: a.space.space()?,
         startup: a.startup,
     };
-    // The tune run is the parent of one MLflow run per trial (rank 0 tracks).
-    let parent = match job.is_lead() {
-        true => a.track.start(&a.out, "tune", false)?,
-        false => None,
-    };
-    if let Some(t) = &parent {
-        let mut params = track::flatten_params("", &base);
-        params.extend(track::flatten_params("tune", &serde_json::json!({
-            "trials": opts.trials, "parallel": opts.parallel, "startup": opts.startup, "space": opts.space,
-        })));
-        t.log(Vec::new(), params, Vec::new());
-    }
+    let parent = start_parent(&a.track, &a.out, &base, &opts, job)?;
     let observer: &dyn Observer = parent.as_ref().map_or(&(), |t| t);
     let outcome = tune::tune(&base, &opts, &a.out, job, observer);
-    let mut pending: Vec<String> = Vec::new();
-    if let Some(t) = &parent {
-        if let Ok(o) = &outcome {
-            log_best(t, o);
-        }
-        pending.extend(t.end(if outcome.is_ok() {
-            "FINISHED"
-        } else {
-            "FAILED"
-        }));
-    }
+    let mut pending: Vec<String> = parent
+        .iter()
+        .flat_map(|t| end_parent(t, &outcome))
+        .collect();
     let outcome = outcome?;
     let fitted = match &a.then_fit {
         Some(dir) => {
@@ -189,18 +171,40 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The best trial on the parent run: its parameters as `best.*` params, its results as metrics.
-fn log_best(t: &Tracker, o: &TuneOutcome) {
-    let ts = now_ms();
-    let metric = |key: &str, value: f64| Metric {
-        key: key.into(),
-        value,
-        timestamp: ts,
-        step: 0,
+/// The tune run (rank 0, when tracking): the base params and the search settings; the parent of
+/// one MLflow run per trial.
+fn start_parent(
+    track: &TrackArgs,
+    out: &Path,
+    base: &FitParams,
+    opts: &TuneOpts,
+    job: &Job,
+) -> Result<Option<Tracker>> {
+    if !job.is_lead() {
+        return Ok(None);
+    }
+    let Some(t) = track.start(out, "tune", false)? else {
+        return Ok(None);
     };
-    let mut metrics = vec![metric("best_val_accuracy", o.best.val_accuracy)];
-    metrics.extend(o.best.val_loss.map(|l| metric("best_val_loss", l)));
+    let mut params = track::flatten_params("", base);
+    let settings = serde_json::json!({
+        "trials": opts.trials, "parallel": opts.parallel, "startup": opts.startup, "space": opts.space,
+    });
+    params.extend(track::flatten_params("tune", &settings));
+    t.log(Vec::new(), params, Vec::new());
+    Ok(Some(t))
+}
+
+/// The best trial on the parent run: its parameters as `best.*` params, its results as metrics;
+/// then the run ends.
+fn end_parent(t: &Tracker, outcome: &Result<TuneOutcome, TuneError>) -> Option<String> {
+    let Ok(o) = outcome else {
+        return t.end("FAILED");
+    };
+    let mut metrics = vec![Metric::now("best_val_accuracy", o.best.val_accuracy, 0)];
+    metrics.extend(o.best.val_loss.map(|l| Metric::now("best_val_loss", l, 0)));
     let mut params = track::flatten_params("best", &o.best.params);
     params.push(kv("best.trial", o.best.trial.to_string()));
     t.log(metrics, params, Vec::new());
+    t.end("FINISHED")
 }

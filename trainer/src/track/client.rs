@@ -26,6 +26,18 @@ pub struct Metric {
     pub step: i64,
 }
 
+impl Metric {
+    /// `key` = `value` at `step`, timestamped now.
+    pub fn now(key: impl Into<String>, value: f64, step: i64) -> Metric {
+        Metric {
+            key: key.into(),
+            value,
+            timestamp: now_ms(),
+            step,
+        }
+    }
+}
+
 /// A key and a string value: a param or a tag.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KeyValue {
@@ -62,6 +74,40 @@ pub struct ModelVersion {
 pub struct Client {
     base: String,
     http: Http,
+    auth: Auth,
+}
+
+/// Credentials from MLflow's own environment variables, as its Python client reads them.
+#[derive(Clone)]
+enum Auth {
+    None,
+    /// `MLFLOW_TRACKING_TOKEN`.
+    Bearer(String),
+    /// `MLFLOW_TRACKING_USERNAME` and `MLFLOW_TRACKING_PASSWORD`.
+    Basic(String, String),
+}
+
+impl Auth {
+    fn from_env() -> Auth {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        match (
+            var("MLFLOW_TRACKING_TOKEN"),
+            var("MLFLOW_TRACKING_USERNAME"),
+            var("MLFLOW_TRACKING_PASSWORD"),
+        ) {
+            (Some(t), _, _) => Auth::Bearer(t),
+            (None, Some(u), Some(p)) => Auth::Basic(u, p),
+            _ => Auth::None,
+        }
+    }
+
+    fn apply(&self, req: RequestBuilder) -> RequestBuilder {
+        match self {
+            Auth::None => req,
+            Auth::Bearer(t) => req.bearer_auth(t),
+            Auth::Basic(u, p) => req.basic_auth(u, Some(p)),
+        }
+    }
 }
 
 /// MLflow's limits per `log-batch` call.
@@ -84,6 +130,7 @@ impl Client {
         Ok(Client {
             base: uri.trim_end_matches('/').to_string(),
             http,
+            auth: Auth::from_env(),
         })
     }
 
@@ -107,7 +154,9 @@ impl Client {
         what: &str,
         req: RequestBuilder,
     ) -> Result<reqwest::blocking::Response, TrackError> {
-        let resp = req
+        let resp = self
+            .auth
+            .apply(req)
             .send()
             .map_err(|e| TrackError::unreachable(&self.base, &e))?;
         let status = resp.status();

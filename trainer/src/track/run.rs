@@ -3,7 +3,7 @@
 use serde::Serialize;
 use serde_json::Value;
 
-use super::{KeyValue, Metric, Op, RunLink, kv, now_ms};
+use super::{KeyValue, Metric, Op, RunLink, kv};
 use crate::report::EpochMetrics;
 use crate::train::{Prepped, Summary};
 use crate::tune::TrialResult;
@@ -82,7 +82,6 @@ pub fn data_tags(pp: &Prepped) -> Vec<KeyValue> {
 
 /// One `metrics.jsonl` line as MLflow metrics at step = epoch.
 pub fn epoch_metrics(m: &EpochMetrics) -> Vec<Metric> {
-    let ts = now_ms();
     [
         ("train_loss", m.train_loss),
         ("train_accuracy", m.train_accuracy),
@@ -92,18 +91,12 @@ pub fn epoch_metrics(m: &EpochMetrics) -> Vec<Metric> {
     ]
     .into_iter()
     .filter(|(_, v)| v.is_finite())
-    .map(|(k, v)| Metric {
-        key: k.into(),
-        value: v,
-        timestamp: ts,
-        step: m.epoch as i64,
-    })
+    .map(|(k, v)| Metric::now(k, v, m.epoch as i64))
     .collect()
 }
 
 /// The final results of a fit (the best epoch's), as metrics at step 0.
 pub fn fit_metrics(s: &Summary) -> Vec<Metric> {
-    let ts = now_ms();
     let mut v = vec![
         ("best_val_accuracy", s.val_accuracy),
         ("best_val_loss", s.val_loss),
@@ -116,24 +109,13 @@ pub fn fit_metrics(s: &Summary) -> Vec<Metric> {
     }
     v.into_iter()
         .filter(|(_, v)| v.is_finite())
-        .map(|(k, v)| Metric {
-            key: k.into(),
-            value: v,
-            timestamp: ts,
-            step: 0,
-        })
+        .map(|(k, v)| Metric::now(k, v, 0))
         .collect()
 }
 
 /// A tuning trial as a child run of the tune run (Hyperopt's SparkTrials does the same).
 pub fn trial_run(parent: &RunLink, t: &TrialResult) -> Op {
-    let ts = now_ms();
-    let metric = |key: &str, value: f64| Metric {
-        key: key.into(),
-        value,
-        timestamp: ts,
-        step: 0,
-    };
+    let metric = |key: &str, value: f64| Metric::now(key, value, 0);
     let mut metrics = vec![
         metric("val_accuracy", t.val_accuracy),
         metric("best_epoch", t.best_epoch as f64),

@@ -56,18 +56,19 @@ pub fn run(args: Args) -> Result<ExitCode> {
 /// One line per device, under a header.
 fn table(list: &[Status]) -> String {
     let mut out = format!(
-        "{:<20} {:<13} {:<24} {:>7} {:>8} {:>9}  last error\n",
-        "device", "state", "model", "active", "previous", "p50 ms"
+        "{:<20} {:<13} {:<24} {:>7} {:>8} {:<20} {:>9}  last error\n",
+        "device", "state", "model", "active", "previous", "registry", "p50 ms"
     );
     let v = |x: Option<u64>| x.map_or("-".into(), |v| format!("v{v}"));
     for s in list {
         out.push_str(&format!(
-            "{:<20} {:<13} {:<24} {:>7} {:>8} {:>9.1}  {}\n",
+            "{:<20} {:<13} {:<24} {:>7} {:>8} {:<20} {:>9.1}  {}\n",
             s.device,
             s.state,
             s.model.as_deref().unwrap_or("-"),
             v(s.active),
             v(s.previous),
+            s.source.as_deref().unwrap_or("-"),
             s.latency.p50_ms,
             s.last_error.as_deref().unwrap_or("")
         ));
