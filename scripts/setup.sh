@@ -49,11 +49,11 @@ if ! "$KESTREL_PY" -c 'import deltalake, pyarrow' 2>/dev/null; then
   log "installing deltalake==$DELTALAKE_VERSION and pyarrow into $KESTREL_HOME/venv"
   "$KESTREL_PY" -m pip install --quiet "deltalake==$DELTALAKE_VERSION" pyarrow >&2
 fi
-# MLflow: the tracking server (SQLite backend, --serve-artifacts) the tracking tests start, and
+# MLflow: the tracking server (SQLite backend, --serve-artifacts; [auth]: the basic-auth app) the tracking tests start, and
 # its Python client they read it back with.
-if ! "$KESTREL_PY" -c 'import mlflow' 2>/dev/null; then
-  log "installing mlflow==$MLFLOW_VERSION into $KESTREL_HOME/venv"
-  "$KESTREL_PY" -m pip install --quiet "mlflow==$MLFLOW_VERSION" >&2
+if ! "$KESTREL_PY" -c 'import mlflow, flask_wtf' 2>/dev/null; then
+  log "installing mlflow[auth]==$MLFLOW_VERSION into $KESTREL_HOME/venv"
+  "$KESTREL_PY" -m pip install --quiet "mlflow[auth]==$MLFLOW_VERSION" >&2
 fi
 
 # Open MPI (+ libclang for the mpi crate's bindings): `mpirun -np N trainer fit` and its tests.

@@ -23,15 +23,22 @@ struct Mlflow {
     dir: PathBuf,
     port: u16,
     proc: Option<Proc>,
+    /// The admin password of MLflow's basic-auth app (`--app-name basic-auth`), when it runs.
+    admin_password: Option<&'static str>,
 }
 
 impl Mlflow {
     fn start(dir: &Path) -> Mlflow {
+        Mlflow::start_with(dir, None)
+    }
+
+    fn start_with(dir: &Path, admin_password: Option<&'static str>) -> Mlflow {
         std::fs::create_dir_all(dir).unwrap();
         let mut m = Mlflow {
             dir: dir.to_path_buf(),
             port: free_port(),
             proc: None,
+            admin_password,
         };
         m.restart();
         m
@@ -61,6 +68,24 @@ impl Mlflow {
             .arg(format!("sqlite:///{}/mlflow.db", self.dir.display()))
             .arg("--artifacts-destination")
             .arg(self.dir.join("artifacts"));
+        if let Some(password) = self.admin_password {
+            // The auth app's own user store beside the tracking store; no one may read without
+            // logging in (default_permission = NO_PERMISSIONS).
+            let ini = self.dir.join("auth.ini");
+            std::fs::write(
+                &ini,
+                format!(
+                    "[mlflow]\ndefault_permission = NO_PERMISSIONS\n\
+                     database_uri = sqlite:///{}/auth.db\nadmin_username = admin\n\
+                     authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n",
+                    self.dir.display()
+                ),
+            )
+            .unwrap();
+            cmd.args(["--app-name", "basic-auth"])
+                .env("MLFLOW_AUTH_CONFIG_PATH", &ini)
+                .env("MLFLOW_AUTH_ADMIN_PASSWORD", password);
+        }
         let mut p = Proc::spawn(&mut cmd, &log);
         let addr: SocketAddr = format!("127.0.0.1:{}", self.port).parse().unwrap();
         let deadline = Instant::now() + Duration::from_secs(120);
@@ -475,4 +500,63 @@ fn a_server_outage_buffers_and_sync_replays() {
     // Nothing left: a second sync sends nothing.
     let o = run_ok("trainer", &["mlflow", "sync", run_dir.to_str().unwrap()]);
     assert!(stdout(&o).contains("nothing to replay"), "{}", stdout(&o));
+}
+
+/// A server behind MLflow's basic-auth app: without credentials `fit` stops before any work with
+/// an error naming MLflow's credential variables, a wrong password is refused the same way, and
+/// with `MLFLOW_TRACKING_USERNAME` / `MLFLOW_TRACKING_PASSWORD` the run is tracked (read back with
+/// MLflow's Python client logged in the same way).
+#[test]
+fn credentials_from_mlflow_variables_reach_an_authenticated_server() {
+    const PASSWORD: &str = "Kestrel-admin-2026";
+    let w = Scratch::new();
+    let ml = Mlflow::start_with(&w.join("mlflow"), Some(PASSWORD));
+    let uri = ml.uri();
+    let (data, cache) = (lfw(), w.cache_arg());
+    let fit = |out: &Path, user: Option<(&str, &str)>| {
+        let mut c = Command::new(kestrel_tests::bin("trainer"));
+        c.args(["fit", "--data", &data, "--cache", &cache, "--engine", "ort"])
+            .args(["--mlflow", &uri, "--experiment", "kestrel-auth", "--out"])
+            .arg(out)
+            .env_remove("MLFLOW_TRACKING_TOKEN")
+            .env_remove("MLFLOW_TRACKING_USERNAME")
+            .env_remove("MLFLOW_TRACKING_PASSWORD");
+        if let Some((u, p)) = user {
+            c.env("MLFLOW_TRACKING_USERNAME", u)
+                .env("MLFLOW_TRACKING_PASSWORD", p);
+        }
+        c.output().unwrap()
+    };
+    for (name, user) in [("anonymous", None), ("wrong", Some(("admin", "not-it")))] {
+        let out = w.join(name);
+        let o = fit(&out, user);
+        assert!(!o.status.success(), "{name}: {}", stdout(&o));
+        let err = stderr(&o);
+        assert!(
+            err.contains("HTTP 401") && err.contains("MLFLOW_TRACKING_USERNAME"),
+            "{name}: {err}"
+        );
+        assert!(
+            !out.join("metrics.jsonl").exists(),
+            "{name}: work began although the server refused the credentials"
+        );
+    }
+    let run_dir = w.join("run");
+    let o = fit(&run_dir, Some(("admin", PASSWORD)));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let code = "import sys, json\n\
+                from mlflow.tracking import MlflowClient\n\
+                r = MlflowClient(sys.argv[1]).get_run(sys.argv[2])\n\
+                print(json.dumps({'status': r.info.status, 'metrics': r.data.metrics}))\n";
+    let o = Command::new(fetched("venv/bin/python"))
+        .args(["-c", code, &uri, &run_id(&run_dir)])
+        .env("MLFLOW_TRACKING_USERNAME", "admin")
+        .env("MLFLOW_TRACKING_PASSWORD", PASSWORD)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "python: {}", stderr(&o));
+    let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["status"], "FINISHED", "{v}");
+    let summary = read_json(&run_dir.join("summary.json"));
+    assert_eq!(v["metrics"]["best_val_accuracy"], summary["val_accuracy"]);
 }

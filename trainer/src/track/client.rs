@@ -101,6 +101,20 @@ impl Auth {
         }
     }
 
+    /// Why the server may have refused these credentials, naming the variables to set.
+    fn refused(&self) -> &'static str {
+        match self {
+            Auth::None => {
+                "the server wants credentials: set MLFLOW_TRACKING_USERNAME and \
+                 MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN"
+            }
+            Auth::Bearer(_) => "the server refused MLFLOW_TRACKING_TOKEN",
+            Auth::Basic(..) => {
+                "the server refused MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD"
+            }
+        }
+    }
+
     fn apply(&self, req: RequestBuilder) -> RequestBuilder {
         match self {
             Auth::None => req,
@@ -164,11 +178,20 @@ impl Client {
             return Ok(resp);
         }
         let body: Value = resp.json().unwrap_or(Value::Null);
+        let mut message = body["message"].as_str().unwrap_or("").to_string();
+        if matches!(status.as_u16(), 401 | 403) {
+            // The auth app answers in plain text, not MLflow's JSON error: say what to set.
+            let refused = self.auth.refused();
+            message = match message.trim() {
+                "" => refused.to_string(),
+                detail => format!("{refused} ({detail})"),
+            };
+        }
         Err(TrackError::Api {
             what: what.to_string(),
             status: status.as_u16(),
             code: body["error_code"].as_str().unwrap_or("").to_string(),
-            message: body["message"].as_str().unwrap_or("").to_string(),
+            message,
         })
     }
 
