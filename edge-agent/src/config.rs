@@ -97,8 +97,13 @@ pub struct Config {
     pub groups: Vec<String>,
     /// Model store: versions/, active and previous links, downloads, journal, outbox.
     pub store: PathBuf,
-    /// Public keys (`trainer keygen`'s kestrel.pub) whose signatures are accepted.
+    /// Public keys (`trainer keygen`'s kestrel.pub) whose signatures are accepted; with
+    /// `trusted_root`, only until the first key list signed by the root arrives.
     pub trusted_keys: Vec<PathBuf>,
+    /// The fleet's root public key (`trainer keygen --root`'s root.pub): the device then follows
+    /// the root-signed key lists on `P/keys` (rotation and revocation of publishing keys).
+    #[serde(default)]
+    pub trusted_root: Option<PathBuf>,
     pub broker: BrokerConfig,
     #[serde(default)]
     pub limits: Limits,
@@ -121,6 +126,7 @@ impl Config {
         let base = path.parent().unwrap_or(Path::new("."));
         let paths = std::iter::once(&mut c.store)
             .chain(c.trusted_keys.iter_mut())
+            .chain(c.trusted_root.as_mut())
             .chain(c.inference.ort_library.as_mut());
         for p in paths {
             if p.is_relative() {
@@ -156,25 +162,27 @@ impl Config {
         Ok(c)
     }
 
+    /// The root public key, read and parsed, when one is configured.
+    pub fn root_key(&self) -> Result<Option<ed25519_dalek::VerifyingKey>, ConfigError> {
+        self.trusted_root.iter().map(read_public_key).next().transpose()
+    }
+
     /// The trusted public keys, read and parsed.
     pub fn keys(&self) -> Result<Vec<ed25519_dalek::VerifyingKey>, ConfigError> {
-        self.trusted_keys
-            .iter()
-            .map(|p| {
-                let path = p.display().to_string();
-                let text = std::fs::read_to_string(p).map_err(|e| ConfigError::Read {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                })?;
-                kestrel_shared::signing::public_key(&text, &path).map_err(|e| {
-                    ConfigError::Invalid {
-                        path,
-                        reason: e.to_string(),
-                    }
-                })
-            })
-            .collect()
+        self.trusted_keys.iter().map(read_public_key).collect()
     }
+}
+
+fn read_public_key(p: &PathBuf) -> Result<ed25519_dalek::VerifyingKey, ConfigError> {
+    let path = p.display().to_string();
+    let text = std::fs::read_to_string(p).map_err(|e| ConfigError::Read {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    kestrel_shared::signing::public_key(&text, &path).map_err(|e| ConfigError::Invalid {
+        path,
+        reason: e.to_string(),
+    })
 }
 
 #[cfg(test)]

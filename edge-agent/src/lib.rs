@@ -1,10 +1,14 @@
-//! Kestrel edge agent as a library: the sans-IO update state machine ([`update`]), the model
+//! Kestrel edge agent as a library: the sans-IO update state machine ([`update`]) and desired-state
+//! rules (replay, expiry, signed clears: [`desired`]), the trusted keys (root-signed key lists:
+//! [`trust`]), the model
 //! store with atomic activation ([`store`]), the durable outbox ([`outbox`]), the configuration
 //! ([`config`]) and the MQTT event loop that drives them ([`agent`]).
 
 pub mod agent;
 pub mod config;
+pub mod desired;
 pub mod outbox;
 pub mod serve;
 pub mod store;
+pub mod trust;
 pub mod update;

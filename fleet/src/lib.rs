@@ -4,6 +4,7 @@
 //!   acknowledgement.
 //! - [`bundle`]: an exported artifact checked, signed and cut into chunks ([`Bundle`]).
 //! - [`publish`]: publishing an artifact and a signed desired state (`trainer publish`).
+//! - [`keys`]: the root-signed list of publishing keys (`trainer keys`).
 //! - [`status`]: the fleet's retained statuses, or waiting for a device (`trainer status`).
 //! - [`infer`]: inference requests to a device and their replies (`trainer infer`).
 //! - [`rollout`]: staged rollouts: a sans-IO controller and its MQTT driver (`trainer rollout`).
@@ -15,6 +16,7 @@
 pub mod bundle;
 pub mod conn;
 pub mod infer;
+pub mod keys;
 pub mod publish;
 pub mod rollout;
 pub mod status;
@@ -22,7 +24,8 @@ pub mod status;
 pub use bundle::Bundle;
 pub use conn::Conn;
 pub use infer::infer;
-pub use publish::{Published, current_desired, publish};
+pub use keys::{KeysPublished, publish_keys};
+pub use publish::{PublishOptions, Published, current_desired, publish};
 pub use status::{statuses, wait_status};
 
 use kestrel_models::artifact;

@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
 use kestrel_shared::mqtt::BrokerConfig;
-use kestrel_shared::now_unix;
+use kestrel_shared::issued_now;
 use kestrel_shared::protocol::{ArtifactOffer, Desired, SignedDesired, Target, parse};
 use serde::Serialize;
 
@@ -36,6 +36,17 @@ pub fn current_desired(conn: &mut Conn, target: &Target) -> Result<Option<Desire
     })
 }
 
+/// How [`publish`] states the desired state.
+#[derive(Debug, Clone, Default)]
+pub struct PublishOptions {
+    /// Allow a version below the target's current desired one.
+    pub rollback: bool,
+    /// The rollout that issues it, if any.
+    pub rollout: Option<String>,
+    /// Unix seconds after which devices refuse the desired state (freeze protection).
+    pub expires: Option<u64>,
+}
+
 /// `trainer publish`: the artifact's chunks and signed offer (retained), then the signed desired
 /// state of `target`. Versions only go up unless `rollback`; a version, once published, cannot
 /// be published again with other content.
@@ -44,9 +55,13 @@ pub fn publish(
     bundle: &Bundle,
     key: &SigningKey,
     target: &Target,
-    rollback: bool,
-    rollout: Option<String>,
+    options: PublishOptions,
 ) -> Result<Published, FleetError> {
+    let PublishOptions {
+        rollback,
+        rollout,
+        expires,
+    } = options;
     let start = Instant::now();
     let mut conn = Conn::connect(cfg, "publish")?;
     let (name, version) = (bundle.offer.name.clone(), bundle.offer.version);
@@ -81,7 +96,9 @@ pub fn publish(
         name: name.clone(),
         version,
         rollback,
-        issued: now_unix(),
+        issued: issued_now(),
+        expires,
+        clear: false,
         rollout,
         source: bundle.manifest.registry.clone(),
     };

@@ -16,4 +16,4 @@ pub mod signing;
 pub mod time;
 
 pub use preprocess::{ImageLimits, PreprocessError, PreprocessSpec, Preprocessed};
-pub use time::{now_rfc3339, now_unix};
+pub use time::{issued_now, now_rfc3339, now_unix};

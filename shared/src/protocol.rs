@@ -10,6 +10,7 @@
 //! | `P/artifacts/<name>/<version>/chunks/<i>` | raw bytes of chunk `i` | yes | trainer publish |
 //! | `P/devices/<id>/desired` | [`SignedDesired`] JSON | yes | trainer publish / rollout |
 //! | `P/groups/<group>/desired` | [`SignedDesired`] JSON | yes | trainer publish / rollout |
+//! | `P/keys` | [`SignedKeyList`] JSON | yes | trainer keys publish (root key) |
 //! | `P/devices/<id>/status` | [`Status`] JSON | yes | agent |
 //! | `P/devices/<id>/online` | `1` or `0` (last will) | yes | agent / broker |
 //! | `P/devices/<id>/events` | [`DeviceEvent`] JSON | no | agent |
@@ -87,6 +88,10 @@ impl Topics {
             Target::Device(d) => format!("{}/devices/{d}/desired", self.prefix),
             Target::Group(g) => format!("{}/groups/{g}/desired", self.prefix),
         }
+    }
+    /// The root-signed list of publishing keys (retained).
+    pub fn keys(&self) -> String {
+        format!("{}/keys", self.prefix)
     }
     pub fn status(&self, device: &str) -> String {
         format!("{}/devices/{device}/status", self.prefix)
@@ -245,8 +250,18 @@ pub struct Desired {
     /// Explicitly allowed to go below the device's active version.
     #[serde(default)]
     pub rollback: bool,
-    /// Seconds since the Unix epoch when this was issued; the newest group state wins.
+    /// Milliseconds since the Unix epoch when this was issued ([`crate::issued_now`]): the
+    /// newest group state wins, and a device refuses one older than the newest it accepted on
+    /// the same topic (replay protection; see docs/PROTOCOL.md).
     pub issued: u64,
+    /// Seconds since the Unix epoch after which a device refuses this state (freeze protection:
+    /// a state withheld and delivered late is reported, not followed). None: it never expires.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires: Option<u64>,
+    /// A signed clear: the target has no desired state any more (`name` and `version` are not
+    /// used). Devices ignore an unsigned clear (an empty retained payload).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub clear: bool,
     /// Rollout that issued it, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<String>,
@@ -282,6 +297,55 @@ impl SignedDesired {
             topic: topic.to_string(),
             reason: e.to_string(),
         })
+    }
+}
+
+/// The publishing keys devices accept (signers of manifests and desired states), versioned and
+/// signed by the fleet's root key, which stays offline (`trainer keygen --root`). A device that
+/// trusts the root follows the newest list it has verified and refuses a lower version.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyList {
+    /// Strictly increasing: a device refuses a list whose version is below the one it holds.
+    pub version: u64,
+    /// The accepted publishing keys, ed25519 public keys in hex.
+    pub keys: Vec<String>,
+    /// Milliseconds since the Unix epoch when this was issued.
+    pub issued: u64,
+}
+
+/// A key list as published: the exact JSON of [`KeyList`] and the root key's signature.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SignedKeyList {
+    pub body: String,
+    pub signature: SignatureFile,
+}
+
+impl SignedKeyList {
+    pub fn new(root: &ed25519_dalek::SigningKey, list: &KeyList) -> Self {
+        let body = serde_json::to_string(list).expect("serializable");
+        Self {
+            signature: sign(root, body.as_bytes()),
+            body,
+        }
+    }
+
+    /// Verifies the root's signature; returns the list and its keys, parsed.
+    pub fn open(
+        &self,
+        root: &ed25519_dalek::VerifyingKey,
+        topic: &str,
+    ) -> Result<(KeyList, Vec<ed25519_dalek::VerifyingKey>), ProtocolError> {
+        verify(std::slice::from_ref(root), self.body.as_bytes(), &self.signature)?;
+        let list: KeyList = serde_json::from_str(&self.body).map_err(|e| ProtocolError::Payload {
+            topic: topic.to_string(),
+            reason: e.to_string(),
+        })?;
+        let keys = list
+            .keys
+            .iter()
+            .map(|k| crate::signing::public_key(k, &format!("{topic}: key list v{}", list.version)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((list, keys))
     }
 }
 
@@ -330,13 +394,21 @@ pub struct Status {
     /// The registry version of the active model (`models:/NAME/VERSION`), from its manifest.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
+    /// The last desired state or key list this device refused by the replay, expiry, clear and
+    /// key-list rules, and why (the model it runs is unaffected).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
+    /// The version of the root-signed key list in force, when the device follows one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys_version: Option<u64>,
 }
 
 /// A transition, published as it happens.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DeviceEvent {
     pub device: String,
-    /// downloading | rejected | rolled-back | active
+    /// downloading | rejected | rolled-back | active | refused (a desired state, by the replay,
+    /// expiry and clear rules)
     pub kind: String,
     pub version: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -406,6 +478,30 @@ mod tests {
     }
 
     #[test]
+    fn key_lists_verify_with_the_root_only() {
+        let (root_sk, root_pk) = keypair_hex([3; 32]);
+        let (_, publisher) = keypair_hex([4; 32]);
+        let root_sk = secret_key(&root_sk, "root").unwrap();
+        let root_pk = public_key(&root_pk, "root").unwrap();
+        let list = KeyList {
+            version: 2,
+            keys: vec![publisher.clone()],
+            issued: 7,
+        };
+        let signed = SignedKeyList::new(&root_sk, &list);
+        let (back, keys) = signed.open(&root_pk, "k/keys").unwrap();
+        assert_eq!(back, list);
+        assert_eq!(keys, vec![public_key(&publisher, "p").unwrap()]);
+        // Signed by a publishing key instead of the root: refused.
+        let (pub_sk, _) = keypair_hex([4; 32]);
+        let by_publisher = SignedKeyList::new(&secret_key(&pub_sk, "p").unwrap(), &list);
+        assert!(matches!(
+            by_publisher.open(&root_pk, "k/keys"),
+            Err(ProtocolError::Signature(SignError::UnknownKey(_)))
+        ));
+    }
+
+    #[test]
     fn signed_desired_round_trip_and_rejections() {
         let (sk, pk) = keypair_hex([1; 32]);
         let (_, other) = keypair_hex([2; 32]);
@@ -418,6 +514,8 @@ mod tests {
             version: 2,
             rollback: false,
             issued: 5,
+            expires: None,
+            clear: false,
             rollout: None,
             source: None,
         };

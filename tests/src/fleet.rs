@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use kestrel_fleet::Conn;
 use kestrel_shared::mqtt::BrokerConfig;
-use kestrel_shared::now_unix;
+use kestrel_shared::issued_now;
 use kestrel_shared::protocol::{Desired, SignedDesired, Status, Target};
 use serde_json::Value;
 
@@ -262,12 +262,13 @@ pub fn fixture() -> &'static Fixture {
 
 /// The secret key in a `trainer keygen` directory.
 pub fn signing_key(dir: &Path) -> ed25519_dalek::SigningKey {
-    let p = dir.join("kestrel.key");
-    kestrel_shared::signing::secret_key(
-        &std::fs::read_to_string(&p).unwrap(),
-        &p.display().to_string(),
-    )
-    .unwrap()
+    signing_key_file(&dir.join("kestrel.key"))
+}
+
+/// The secret key in a `trainer keygen` key file.
+pub fn signing_key_file(p: &Path) -> ed25519_dalek::SigningKey {
+    kestrel_shared::signing::secret_key(&std::fs::read_to_string(p).unwrap(), &p.display().to_string())
+        .unwrap()
 }
 
 impl Fixture {
@@ -402,7 +403,9 @@ pub fn desired(device: &str, version: u64, rollback: bool) -> Desired {
         name: "lfw".into(),
         version,
         rollback,
-        issued: now_unix(),
+        issued: issued_now(),
+        expires: None,
+        clear: false,
         rollout: None,
         source: None,
     }

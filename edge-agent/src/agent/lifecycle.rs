@@ -1,9 +1,9 @@
 //! From a configuration to a running agent and back: open the store, journal and MQTT client,
 //! resume a journaled update, serve until a signal, stop cleanly; and the inference worker thread.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -14,22 +14,41 @@ use kestrel_shared::protocol::{ArtifactOffer, Desired, InferReply, Topics};
 use rumqttc::{AsyncClient, Event as MqttEvent, LastWill, QoS};
 use tokio::sync::mpsc;
 
-use super::{Agent, Done, Job, Journal};
+use super::{Agent, Done, Job, Journal, KEYS_FILE};
+use crate::desired::DesiredStates;
+use crate::trust::Trust;
 use crate::config::Config;
 use crate::outbox::{Message, Outbox};
 use crate::serve::{ModelCache, Shared};
 use crate::store::Store;
 use crate::update::Updater;
 
-/// The inference worker: takes jobs from the bounded queue, answers through `done`.
+/// How `[inference] threads` cores are used: (requests run at once, threads each request's
+/// engine gets). ONNX Runtime, and tract built with its multithreaded matrix products
+/// (`multicore`), run one request at a time on every thread; the default tract build runs
+/// `threads` requests side by side, one core each (the same cores without the 2.3 MB of
+/// per-kernel thread-pool code that `multicore` adds to the binary).
+pub fn inference_plan(engine: EngineKind, threads: usize) -> (usize, usize) {
+    let threads = threads.max(1);
+    if engine == EngineKind::Tract && !cfg!(feature = "multicore") {
+        (threads, 1)
+    } else {
+        (1, threads)
+    }
+}
+
+/// An inference worker: takes jobs from the bounded queue (shared by the workers), answers
+/// through `done`.
 fn inference_worker(
-    rx: std::sync::mpsc::Receiver<Job>,
+    rx: Arc<Mutex<std::sync::mpsc::Receiver<Job>>>,
     model: Shared<LoadedModel>,
     done: mpsc::UnboundedSender<Done>,
     device: String,
     top_k: usize,
 ) {
-    for job in rx {
+    loop {
+        let next = rx.lock().expect("lock").recv();
+        let Ok(job) = next else { return };
         let current = model.read().expect("lock").clone();
         let (prediction, error) = match current {
             None => (None, Some("no active model".to_string())),
@@ -65,10 +84,11 @@ pub fn run(cfg: Config, watch: Option<PathBuf>, simulate: Option<usize>) -> Resu
         }
         kestrel_models::engine::ort_ready().context("[inference] engine = \"ort\"")?;
     }
+    let (_, engine_threads) = inference_plan(cfg.inference.engine, cfg.inference.threads);
     let models = Arc::new(ModelCache::new(
         cfg.limits.max_artifact_bytes,
         cfg.inference.engine,
-        cfg.inference.threads,
+        engine_threads,
     ));
     rt.block_on(async move {
         let Some(n) = simulate else {
@@ -100,9 +120,9 @@ async fn run_device(cfg: Config, watch: Option<PathBuf>, models: Arc<ModelCache>
     agent.stop(&mut mqtt_rx).await
 }
 
-/// The journaled update machine (reconciled with the store and the configured limit) and the
-/// desired state it pursued.
-fn journaled(cfg: &Config, store: &Store) -> Result<(Updater, Option<Desired>)> {
+/// The journaled update machine (reconciled with the store and the configured limit), the
+/// desired state it pursued and the newest desired states accepted.
+fn journaled(cfg: &Config, store: &Store) -> Result<(Updater, Option<Desired>, DesiredStates)> {
     let journal: Journal = match std::fs::read(cfg.store.join("state.json")) {
         Ok(b) => serde_json::from_slice(&b)
             .with_context(|| format!("{}", cfg.store.join("state.json").display()))?,
@@ -115,7 +135,20 @@ fn journaled(cfg: &Config, store: &Store) -> Result<(Updater, Option<Desired>)> 
     // The store's links are the truth about what is installed.
     updater.active = store.active();
     updater.previous = store.previous();
-    Ok((updater, journal.wanted))
+    Ok((updater, journal.wanted, journal.desired))
+}
+
+/// The trusted keys: the configured ones, or the newest root-signed key list in the store.
+fn saved_trust(cfg: &Config) -> Result<Trust> {
+    let path = cfg.store.join(KEYS_FILE);
+    let saved = match std::fs::read(&path) {
+        Ok(b) => Some(
+            serde_json::from_slice(&b).with_context(|| format!("{}", path.display()))?,
+        ),
+        Err(_) => None,
+    };
+    Trust::new(cfg.root_key()?, cfg.keys()?, saved)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
 
 /// The accepted offer of the update in progress, as saved beside its download.
@@ -159,11 +192,11 @@ impl Agent {
         watch: Option<PathBuf>,
         models: Arc<ModelCache>,
     ) -> Result<(Self, rumqttc::EventLoop, mpsc::UnboundedReceiver<Done>)> {
-        let keys = cfg.keys()?;
+        let trust = saved_trust(&cfg)?;
         let store =
             Store::open(&cfg.store).with_context(|| format!("store {}", cfg.store.display()))?;
         let topics = Topics::new(&cfg.broker.prefix);
-        let (updater, wanted) = journaled(&cfg, &store)?;
+        let (updater, wanted, desired) = journaled(&cfg, &store)?;
         let mut opts = cfg
             .broker
             .options(&format!("kestrel-agent-{}", cfg.device_id), false)?;
@@ -177,14 +210,17 @@ impl Agent {
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let (jobs, jobs_rx) = std::sync::mpsc::sync_channel(cfg.limits.queue.max(1));
         let model: Shared<LoadedModel> = Arc::new(RwLock::new(None));
-        {
-            let (model, done, device, k) = (
+        let jobs_rx = Arc::new(Mutex::new(jobs_rx));
+        let (workers, _) = inference_plan(cfg.inference.engine, cfg.inference.threads);
+        for _ in 0..workers {
+            let (rx, model, done, device, k) = (
+                jobs_rx.clone(),
                 model.clone(),
                 done_tx.clone(),
                 cfg.device_id.clone(),
                 cfg.inference.top_k,
             );
-            std::thread::spawn(move || inference_worker(jobs_rx, model, done, device, k));
+            std::thread::spawn(move || inference_worker(rx, model, done, device, k));
         }
         if let Some(dir) = watch {
             std::fs::create_dir_all(&dir)
@@ -196,11 +232,12 @@ impl Agent {
         let offer = saved_offer(&store, &updater);
         let agent = Agent {
             topics,
-            keys,
+            trust,
             store,
             updater,
             wanted,
-            desired: BTreeMap::new(),
+            desired,
+            refused: None,
             offer,
             model,
             candidate: None,

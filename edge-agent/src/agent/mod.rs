@@ -4,27 +4,28 @@
 //! and reports back through a channel. Every updater event is journaled (`state.json`) before
 //! its actions run, so a restart continues where the agent stopped.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use ed25519_dalek::VerifyingKey;
 use kestrel_models::artifact::{self, LoadedModel};
 use kestrel_shared::fsutil::write_atomic;
 use kestrel_shared::manifest::Manifest;
-use kestrel_shared::now_rfc3339;
+use kestrel_shared::{now_rfc3339, now_unix};
 use kestrel_shared::protocol::{
-    ArtifactOffer, Desired, DeviceEvent, InferReply, LatencyStats, SignedDesired, Status, Target,
-    Topics, parse, sha256_hex,
+    ArtifactOffer, Desired, DeviceEvent, InferReply, LatencyStats, SignedDesired, SignedKeyList,
+    Status, Target, Topics, parse, sha256_hex,
 };
 use rumqttc::{AsyncClient, Event as MqttEvent, Outgoing, Packet, QoS};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use crate::config::Config;
+use crate::desired::{DesiredStates, Verdict};
+use crate::trust::{KeysVerdict, Trust};
 use crate::outbox::{Message, Outbox};
 use crate::serve::{ModelCache, Shared};
 use crate::store::Store;
@@ -34,12 +35,18 @@ mod lifecycle;
 
 pub use lifecycle::run;
 
-/// Journal of the update machine and the desired state being pursued.
+/// Journal of the update machine, the desired state being pursued and the newest desired state
+/// accepted per topic (replay protection).
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct Journal {
     updater: Option<Updater>,
     wanted: Option<Desired>,
+    #[serde(default)]
+    desired: DesiredStates,
 }
+
+/// The newest verified key list, in the store.
+const KEYS_FILE: &str = "keys.json";
 
 /// Results of work done off the event loop.
 enum Done {
@@ -56,12 +63,16 @@ struct Job {
 pub struct Agent {
     cfg: Config,
     topics: Topics,
-    keys: Vec<VerifyingKey>,
+    /// Whose signatures are accepted (configured keys, or the root-signed key list).
+    trust: Trust,
     store: Store,
     updater: Updater,
     wanted: Option<Desired>,
-    /// Valid desired states by topic (own and groups').
-    desired: BTreeMap<String, Desired>,
+    /// Valid desired states by topic (own and groups'), with the replay and expiry rules.
+    desired: DesiredStates,
+    /// The last desired state or key list refused by the replay, expiry and trust rules, and
+    /// why (in the status).
+    refused: Option<String>,
     /// The accepted offer of the version being downloaded.
     offer: Option<(ArtifactOffer, Manifest)>,
     model: Shared<LoadedModel>,
@@ -90,6 +101,7 @@ impl Agent {
         let j = Journal {
             updater: Some(self.updater.clone()),
             wanted: self.wanted.clone(),
+            desired: self.desired.clone(),
         };
         write_atomic(&self.journal_path(), &serde_json::to_vec_pretty(&j)?)
             .with_context(|| format!("writing {}", self.journal_path().display()))
@@ -132,6 +144,8 @@ impl Agent {
             },
             updated: now_rfc3339(),
             source: model.as_ref().and_then(|m| m.manifest.registry.clone()),
+            refused: self.refused.clone(),
+            keys_version: self.trust.version(),
         }
     }
 
@@ -184,9 +198,15 @@ impl Agent {
         self.publish_status();
     }
 
-    /// Subscriptions that follow from the state; sent again after every (re)connect.
+    /// Subscriptions that follow from the state; sent again after every (re)connect. The key
+    /// list first, so a rotated key list is in force before the states it signs arrive.
     async fn subscribe_all(&self) -> Result<()> {
         let id = &self.cfg.device_id;
+        if self.trust.has_root() {
+            self.client
+                .subscribe(self.topics.keys(), QoS::AtLeastOnce)
+                .await?;
+        }
         let mut filters = vec![
             self.topics.desired(&Target::Device(id.clone())),
             self.topics.infer_filter(id),
@@ -264,7 +284,10 @@ impl Agent {
                     self.client.unsubscribe(f).await?;
                 }
                 let (store, offer) = (self.store.clone(), self.offer.clone());
-                let (keys, max) = (self.keys.clone(), self.cfg.limits.max_artifact_bytes);
+                let (keys, max) = (
+                    self.trust.keys().to_vec(),
+                    self.cfg.limits.max_artifact_bytes,
+                );
                 let tx = self.done_tx.clone();
                 tokio::task::spawn_blocking(move || {
                     let r = match offer {
@@ -383,14 +406,15 @@ impl Agent {
         }
     }
 
-    /// A desired state arrived on one of our desired topics (empty payload: cleared).
+    /// A desired state arrived on one of our desired topics (an empty payload is an unsigned
+    /// clear, refused).
     async fn on_desired(&mut self, topic: &str, payload: &[u8]) -> Result<()> {
         if payload.is_empty() {
-            self.desired.remove(topic);
-            return Ok(());
+            let verdict = self.desired.unsigned_clear(topic);
+            return self.on_verdict(verdict, 0).await;
         }
         let d = parse::<SignedDesired>(topic, payload)
-            .and_then(|s| s.open(&self.keys, topic))
+            .and_then(|s| s.open(self.trust.keys(), topic))
             .map_err(|e| e.to_string())
             .and_then(|d| {
                 if self.topics.desired(&d.target) == topic {
@@ -404,8 +428,9 @@ impl Agent {
             });
         match d {
             Ok(d) => {
-                self.desired.insert(topic.to_string(), d);
-                self.choose().await
+                let version = d.version;
+                let verdict = self.desired.receive(topic, d, now_unix());
+                self.on_verdict(verdict, version).await
             }
             Err(reason) => {
                 // The version, if readable, only labels the report.
@@ -419,16 +444,56 @@ impl Agent {
         }
     }
 
-    /// Pursues the device's own desired state, else the newest of its groups'.
+    /// A key list arrived: a newer one is saved and in force at once, and the desired states
+    /// are asked for again (one signed by a key it adds may have been refused before).
+    async fn on_keys(&mut self, topic: &str, payload: &[u8]) -> Result<()> {
+        let verdict = match parse::<SignedKeyList>(topic, payload) {
+            Ok(signed) => self.trust.receive(signed, topic),
+            Err(e) => KeysVerdict::Refused(e.to_string()),
+        };
+        match verdict {
+            KeysVerdict::Same => Ok(()),
+            KeysVerdict::Refused(reason) => self.on_verdict(Verdict::Refused(reason), 0).await,
+            KeysVerdict::Updated(version) => {
+                let path = self.cfg.store.join(KEYS_FILE);
+                let saved = serde_json::to_vec(self.trust.saved().expect("just updated"))?;
+                write_atomic(&path, &saved)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                eprintln!("{}: key list v{version} in force", self.cfg.device_id);
+                self.publish_status();
+                self.subscribe_all().await
+            }
+        }
+    }
+
+    /// Journals what the replay and expiry rules decided, reports a refusal (status and event),
+    /// and pursues whatever is now wanted.
+    async fn on_verdict(&mut self, verdict: Verdict, version: u64) -> Result<()> {
+        if let Verdict::Refused(reason) = verdict {
+            eprintln!("{}: {reason}", self.cfg.device_id);
+            let ev = DeviceEvent {
+                device: self.cfg.device_id.clone(),
+                kind: "refused".into(),
+                version,
+                reason: Some(reason.clone()),
+                time: now_rfc3339(),
+            };
+            let topic = self.topics.events(&self.cfg.device_id);
+            self.publish_durable(topic, serde_json::to_string(&ev).expect("serializable"));
+            self.refused = Some(reason);
+            self.publish_status();
+            return Ok(());
+        }
+        self.save_journal()?;
+        self.choose().await
+    }
+
+    /// Pursues the device's own desired state, else the newest of its groups' (unexpired).
     async fn choose(&mut self) -> Result<()> {
         let own = self
             .topics
             .desired(&Target::Device(self.cfg.device_id.clone()));
-        let pick = self
-            .desired
-            .get(&own)
-            .or_else(|| self.desired.values().max_by_key(|d| d.issued))
-            .cloned();
+        let pick = self.desired.pick(&own, now_unix()).cloned();
         let Some(d) = pick else { return Ok(()) };
         let same = self.wanted.as_ref().is_some_and(|w| {
             w.name == d.name && w.version == d.version && w.rollback == d.rollback
@@ -464,7 +529,7 @@ impl Agent {
         let checked = parse::<ArtifactOffer>(topic, payload)
             .map_err(|e| e.to_string())
             .and_then(|o| {
-                let m = o.open(&self.keys).map_err(|e| e.to_string())?;
+                let m = o.open(self.trust.keys()).map_err(|e| e.to_string())?;
                 artifact::check_names(&m).map_err(|e| e.to_string())?;
                 if m.name != w.name || m.version != w.version {
                     return Err(format!(
@@ -595,6 +660,8 @@ impl Agent {
             }
         } else if rest.ends_with("/desired") {
             self.on_desired(topic, &payload).await
+        } else if topic == self.topics.keys() {
+            self.on_keys(topic, &payload).await
         } else if rest.starts_with("devices/") && rest.contains("/infer/") {
             self.on_infer(topic, payload);
             Ok(())

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
 use kestrel_shared::mqtt::BrokerConfig;
-use kestrel_shared::now_unix;
+use kestrel_shared::{issued_now, now_unix};
 use kestrel_shared::protocol::{Desired, SignedDesired, Status, Target, check_name, parse};
 
 use super::{Controller, DeviceState, Output, Plan, RolloutState};
@@ -42,34 +42,15 @@ fn execute(
 ) -> Result<(), FleetError> {
     let mut batch = Vec::new();
     for o in outputs {
-        match o {
+        let (device, name, version, rollback, clear) = match o {
             Output::Desired {
                 device,
                 name,
                 version,
                 rollback,
-            } => {
-                let target = Target::Device(device);
-                let d = Desired {
-                    target: target.clone(),
-                    name,
-                    version,
-                    rollback,
-                    issued: now_unix(),
-                    rollout: Some(c.name.clone()),
-                    source: source.filter(|_| version == c.version).map(String::from),
-                };
-                let payload =
-                    serde_json::to_vec(&SignedDesired::new(key, &d)).expect("serializable");
-                batch.push((conn.topics.desired(&target), payload, true));
-            }
-            Output::Clear { device } => {
-                batch.push((
-                    conn.topics.desired(&Target::Device(device)),
-                    Vec::new(),
-                    true,
-                ));
-            }
+            } => (device, name, version, rollback, false),
+            // A signed clear: devices ignore an unsigned (empty) one.
+            Output::Clear { device } => (device, c.model.clone(), c.version, false, true),
             Output::Save => {
                 // After the desired states it follows: a crash in between repeats them on resume.
                 batch.push((
@@ -78,9 +59,29 @@ fn execute(
                     true,
                 ));
                 conn.publish_all(std::mem::take(&mut batch), None)?;
+                continue;
             }
-            Output::Log(line) => log(line),
-        }
+            Output::Log(line) => {
+                log(line);
+                continue;
+            }
+        };
+        let target = Target::Device(device);
+        let d = Desired {
+            target: target.clone(),
+            name,
+            version,
+            rollback,
+            issued: issued_now(),
+            expires: None,
+            clear,
+            rollout: Some(c.name.clone()),
+            source: source
+                .filter(|_| version == c.version && !clear)
+                .map(String::from),
+        };
+        let payload = serde_json::to_vec(&SignedDesired::new(key, &d)).expect("serializable");
+        batch.push((conn.topics.desired(&target), payload, true));
     }
     conn.publish_all(batch, None)
 }

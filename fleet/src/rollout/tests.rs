@@ -16,6 +16,8 @@ fn status(id: &str, groups: &[&str], active: Option<u64>, failed: Option<u64>) -
         latency: LatencyStats::default(),
         updated: String::new(),
         source: None,
+        refused: None,
+        keys_version: None,
     }
 }
 

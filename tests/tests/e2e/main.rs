@@ -12,6 +12,7 @@ mod distributed;
 mod edge;
 mod export;
 mod fleet_status;
+mod hardening;
 mod inputs;
 mod mlflow;
 // Needs the trainer built with `--features kestrel-trainer/mpi` and Open MPI's `mpirun`.

@@ -532,17 +532,9 @@ fn connections_without_credentials_or_trust_are_refused(sb: &SecureBroker) {
 fn the_acl_keeps_devices_apart(sb: &SecureBroker, trainer: &BrokerConfig) {
     let mut t = Conn::connect(trainer, "acl").unwrap();
     let key = fixture().signing();
-    let d = |dev: &str| kestrel_shared::protocol::Desired {
-        target: Target::Device(dev.into()),
-        name: "lfw".into(),
-        version: 1,
-        rollback: false,
-        issued: 1,
-        rollout: None,
-        source: None,
-    };
     let signed = |dev: &str| {
-        serde_json::to_vec(&kestrel_shared::protocol::SignedDesired::new(&key, &d(dev))).unwrap()
+        let d = kestrel_tests::fleet::desired(dev, 1, false);
+        serde_json::to_vec(&kestrel_shared::protocol::SignedDesired::new(&key, &d)).unwrap()
     };
     t.publish_all(
         vec![(

@@ -9,16 +9,25 @@ use anyhow::{Context, Result, bail};
 use kestrel_shared::{fsutil, signing};
 use kestrel_trainer::distributed::Job;
 
-/// Generate an ed25519 signing key pair: DIR/kestrel.key (secret, mode 0600) and DIR/kestrel.pub.
+/// Generate an ed25519 signing key pair: DIR/kestrel.key (secret, mode 0600) and DIR/kestrel.pub,
+/// or with --root the fleet's root key pair DIR/root.key and DIR/root.pub.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Directory for kestrel.key and kestrel.pub.
+    /// Directory for the key pair.
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
+    /// The fleet's root key (root.key, root.pub): it signs only the key lists that name the
+    /// publishing keys (`trainer keys publish`). Keep root.key offline.
+    #[arg(long)]
+    root: bool,
 }
 
 pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
-    let (secret, public) = (a.out.join("kestrel.key"), a.out.join("kestrel.pub"));
+    let stem = if a.root { "root" } else { "kestrel" };
+    let (secret, public) = (
+        a.out.join(format!("{stem}.key")),
+        a.out.join(format!("{stem}.pub")),
+    );
     if secret.exists() {
         bail!(
             "{} exists: refusing to overwrite a signing key",

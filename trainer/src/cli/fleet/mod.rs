@@ -1,9 +1,10 @@
-//! The trainer binary's fleet commands, one file per command: `broker`, `publish`, `status`,
-//! `rollout`, `infer`. Each has its `Args`, one `run` and its output formatting; the operations
+//! The trainer binary's fleet commands, one file per command: `broker`, `publish`, `keys`,
+//! `status`, `rollout`, `infer`. Each has its `Args`, one `run` and its output formatting; the operations
 //! themselves are in the `kestrel_fleet` crate (the broker in the `kestrel-broker` binary).
 
 pub mod broker;
 pub mod infer;
+pub mod keys;
 pub mod publish;
 pub mod rollout;
 pub mod status;
@@ -102,6 +103,9 @@ pub enum FleetCmd {
     /// Publish a signed artifact (retained chunks + offer) and make it the desired model of a
     /// device or group. Versions only go up unless --rollback.
     Publish(publish::Args),
+    /// Publish the list of publishing keys devices accept, signed by the fleet's root key
+    /// (rotation and revocation: devices with `trusted_root` follow the newest list).
+    Keys(keys::Args),
     /// Show devices' retained status, or wait for a device to reach a state.
     Status(status::Args),
     /// Staged rollout of a signed artifact across the fleet (phases, thresholds, abort and roll
@@ -117,6 +121,7 @@ pub fn run(cmd: FleetCmd) -> Result<ExitCode> {
     match cmd {
         FleetCmd::Broker(args) => broker::run(args),
         FleetCmd::Publish(args) => publish::run(args),
+        FleetCmd::Keys(args) => keys::run(args),
         FleetCmd::Status(args) => status::run(args),
         FleetCmd::Rollout(args) => rollout::run(args),
         FleetCmd::Infer(args) => infer::run(args),

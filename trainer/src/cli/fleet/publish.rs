@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
-use kestrel_fleet::{Bundle, Published};
+use kestrel_fleet::{Bundle, PublishOptions, Published};
 use kestrel_shared::protocol::{DEFAULT_CHUNK_BYTES, Target};
 
 use super::{ArtifactArgs, BrokerArgs, secret_key};
@@ -24,6 +24,10 @@ pub struct Args {
     /// Allow a version older than the target's current desired one.
     #[arg(long)]
     rollback: bool,
+    /// Devices refuse the desired state once this many seconds have passed (freeze protection:
+    /// a state withheld and delivered late is reported instead of followed). Default: never.
+    #[arg(long, value_name = "SECONDS")]
+    expires_in: Option<u64>,
     /// Chunk size of the delivery, in bytes.
     #[arg(long, default_value_t = DEFAULT_CHUNK_BYTES)]
     chunk_bytes: usize,
@@ -42,8 +46,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
         &bundle,
         &sk,
         &args.target,
-        args.rollback,
-        None,
+        PublishOptions {
+            rollback: args.rollback,
+            rollout: None,
+            expires: args.expires_in.map(|s| kestrel_shared::now_unix() + s),
+        },
     )?;
     if args.json {
         println!("{}", serde_json::to_string(&p)?);

@@ -1,0 +1,183 @@
+//! Which signed desired states a device follows, as sans-IO logic: fed the desired states that
+//! arrived (signature already checked) and the time, it says whether each is accepted, clears its
+//! topic, or is refused and why. The IO layer persists [`DesiredStates::newest`] in the journal, so
+//! the rules hold across restarts.
+//!
+//! The rules (docs/PROTOCOL.md names the threat each one answers):
+//! - **replay / rollback**: a state whose `issued` is older than the newest accepted on the same
+//!   topic is refused. The same state delivered again (a retained message after a reconnect) has
+//!   the same `issued` and is accepted as it was.
+//! - **freeze**: a state whose `expires` has passed is refused; the model already active keeps
+//!   serving.
+//! - **clear**: only a signed state with `clear: true` removes a topic's desired state; an empty
+//!   (unsigned) payload is refused.
+
+use std::collections::BTreeMap;
+
+use kestrel_shared::protocol::Desired;
+use serde::{Deserialize, Serialize};
+
+/// What became of a desired state that arrived.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Accepted,
+    Cleared,
+    Refused(String),
+}
+
+/// The desired states held, by topic, and the newest `issued` accepted per topic.
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DesiredStates {
+    /// Not journaled: the broker delivers the retained states again after a restart.
+    #[serde(skip)]
+    states: BTreeMap<String, Desired>,
+    /// The newest `issued` accepted on each topic (journaled).
+    #[serde(default)]
+    pub newest: BTreeMap<String, u64>,
+}
+
+impl DesiredStates {
+    /// A desired state (signature checked) arrived on `topic` at `now` (Unix seconds).
+    pub fn receive(&mut self, topic: &str, d: Desired, now: u64) -> Verdict {
+        if let Some(&newest) = self.newest.get(topic)
+            && d.issued < newest
+        {
+            return Verdict::Refused(format!(
+                "{topic}: replayed or stale desired state (issued {} ms, older than the {newest} \
+                 ms already accepted here)",
+                d.issued
+            ));
+        }
+        if let Some(expires) = d.expires
+            && now >= expires
+        {
+            return Verdict::Refused(format!(
+                "{topic}: desired state for {} v{} expired at {}",
+                d.name,
+                d.version,
+                kestrel_shared::manifest::rfc3339(expires)
+            ));
+        }
+        self.newest.insert(topic.to_string(), d.issued);
+        if d.clear {
+            self.states.remove(topic);
+            Verdict::Cleared
+        } else {
+            self.states.insert(topic.to_string(), d);
+            Verdict::Accepted
+        }
+    }
+
+    /// An empty payload on `topic`: the unsigned clear, refused (the state held stays).
+    pub fn unsigned_clear(&self, topic: &str) -> Verdict {
+        Verdict::Refused(format!(
+            "{topic}: empty payload ignored (an unsigned clear; clearing takes a signed state \
+             with \"clear\": true)"
+        ))
+    }
+
+    /// The state to pursue at `now`: the one on `own` (the device's topic), else the newest of
+    /// the others (groups'); expired states are skipped.
+    pub fn pick(&self, own: &str, now: u64) -> Option<&Desired> {
+        let live = |d: &&Desired| d.expires.is_none_or(|e| now < e);
+        self.states
+            .get(own)
+            .filter(live)
+            .or_else(|| self.states.values().filter(live).max_by_key(|d| d.issued))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kestrel_shared::protocol::Target;
+
+    use super::*;
+
+    const OWN: &str = "k/devices/pi/desired";
+    const GROUP: &str = "k/groups/g/desired";
+
+    fn d(version: u64, issued: u64) -> Desired {
+        Desired {
+            target: Target::Device("pi".into()),
+            name: "m".into(),
+            version,
+            rollback: false,
+            issued,
+            expires: None,
+            clear: false,
+            rollout: None,
+            source: None,
+        }
+    }
+
+    #[test]
+    fn an_older_state_is_refused_and_the_same_one_again_accepted() {
+        let mut s = DesiredStates::default();
+        assert_eq!(s.receive(OWN, d(1, 100), 0), Verdict::Accepted);
+        assert_eq!(s.receive(OWN, d(2, 200), 0), Verdict::Accepted);
+        let v = s.receive(OWN, d(1, 100), 0);
+        assert!(
+            matches!(&v, Verdict::Refused(r) if r.contains("replayed") && r.contains(OWN)),
+            "{v:?}"
+        );
+        assert_eq!(s.pick(OWN, 0).map(|d| d.version), Some(2));
+        // Redelivered after a reconnect: same issued, accepted.
+        assert_eq!(s.receive(OWN, d(2, 200), 0), Verdict::Accepted);
+        // Topics are independent.
+        assert_eq!(s.receive(GROUP, d(1, 50), 0), Verdict::Accepted);
+    }
+
+    #[test]
+    fn the_high_water_mark_survives_a_restart() {
+        let mut s = DesiredStates::default();
+        s.receive(OWN, d(2, 200), 0);
+        let journaled = serde_json::to_string(&s).unwrap();
+        let mut back: DesiredStates = serde_json::from_str(&journaled).unwrap();
+        assert_eq!(back.pick(OWN, 0), None, "states come from the broker again");
+        assert!(matches!(
+            back.receive(OWN, d(1, 100), 0),
+            Verdict::Refused(_)
+        ));
+        assert_eq!(back.receive(OWN, d(2, 200), 0), Verdict::Accepted);
+    }
+
+    #[test]
+    fn expired_states_are_refused_and_not_pursued() {
+        let mut s = DesiredStates::default();
+        let mut late = d(3, 300);
+        late.expires = Some(1000);
+        let v = s.receive(OWN, late.clone(), 1000);
+        assert!(
+            matches!(&v, Verdict::Refused(r) if r.contains("expired")),
+            "{v:?}"
+        );
+        assert_eq!(s.pick(OWN, 1000), None);
+        assert_eq!(s.receive(OWN, late, 999), Verdict::Accepted);
+        assert_eq!(s.pick(OWN, 999).map(|d| d.version), Some(3));
+        assert_eq!(s.pick(OWN, 1000), None, "expired while held");
+    }
+
+    #[test]
+    fn only_a_signed_clear_clears() {
+        let mut s = DesiredStates::default();
+        s.receive(OWN, d(1, 100), 0);
+        assert!(matches!(s.unsigned_clear(OWN), Verdict::Refused(_)));
+        assert_eq!(s.pick(OWN, 0).map(|d| d.version), Some(1));
+        let mut clear = d(0, 150);
+        clear.clear = true;
+        assert_eq!(s.receive(OWN, clear, 0), Verdict::Cleared);
+        assert_eq!(s.pick(OWN, 0), None);
+        // The cleared state cannot be replayed back.
+        assert!(matches!(s.receive(OWN, d(1, 100), 0), Verdict::Refused(_)));
+    }
+
+    #[test]
+    fn the_own_topic_wins_else_the_newest_group_state() {
+        let mut s = DesiredStates::default();
+        s.receive(GROUP, d(1, 100), 0);
+        s.receive("k/groups/h/desired", d(2, 200), 0);
+        assert_eq!(s.pick(OWN, 0).map(|d| d.version), Some(2));
+        s.receive(OWN, d(3, 50), 0);
+        assert_eq!(s.pick(OWN, 0).map(|d| d.version), Some(3));
+    }
+}

@@ -1,0 +1,223 @@
+//! The update path against someone who can write the broker's topics but holds no signing key:
+//! replayed, expired and unsigned (empty) desired states are refused and reported, on the
+//! embedded broker and on Mosquitto, and the refusal survives an agent restart.
+
+use std::time::Duration;
+
+use kestrel_fleet::Conn;
+use kestrel_shared::protocol::{KeyList, SignedKeyList, Status};
+use kestrel_tests::fleet::{
+    Broker, BrokerKind, agent_config, desired, fixture, publish, publish_ok, publish_raw,
+    start_agent, wait_status,
+};
+use kestrel_tests::{Scratch, lfw, run_ok, s, stdout, trainer_ok};
+use serde_json::Value;
+
+#[test]
+fn replayed_expired_and_unsigned_desired_states_are_refused_on_rumqttd() {
+    refused_desired_states(BrokerKind::Rumqttd);
+}
+
+#[test]
+fn replayed_expired_and_unsigned_desired_states_are_refused_on_mosquitto() {
+    refused_desired_states(BrokerKind::Mosquitto);
+}
+
+/// Publish v1, v2, then v1 with `--rollback`; capture that retained, signed rollback state;
+/// publish v2 again; put the captured bytes back (retained) as an attacker with broker access
+/// would. The device stays on v2 and says why, also after a restart (the broker still holds
+/// the replayed state), then refuses an unsigned clear and an expired state, and keeps answering.
+fn refused_desired_states(kind: BrokerKind) {
+    let w = Scratch::new();
+    let f = fixture();
+    let b = Broker::start(kind, &w.join("broker"));
+    let device = "pi-replay";
+    let cfg = agent_config(&w.join(device), device, &b.url(), &f.keys, "");
+    let mut agent = start_agent(&cfg, &[]);
+    let target = format!("device/{device}");
+    let on = |v: u64, what: &str| {
+        wait_status(&b.config(), device, 90, what, |st| {
+            st.active == Some(v) && st.state == "idle"
+        })
+    };
+    publish_ok(&b, &f.v1, &f.key(), &target);
+    on(1, "v1 active");
+    publish_ok(&b, &f.v2, &f.key(), &target);
+    on(2, "v2 active");
+    let o = publish(&b, &f.v1, &f.key(), &target, &["--rollback"]);
+    assert!(o.status.success(), "{}", kestrel_tests::stderr(&o));
+    on(1, "rolled back to v1");
+    let topic = format!("kestrel/devices/{device}/desired");
+    let mut attacker = Conn::connect(&b.config(), "attacker").unwrap();
+    let captured = attacker
+        .retained(&topic, Duration::from_millis(700))
+        .unwrap()
+        .remove(&topic)
+        .expect("the retained rollback state");
+    publish_ok(&b, &f.v2, &f.key(), &target);
+    on(2, "v2 active again");
+
+    attacker
+        .publish_all(vec![(topic.clone(), captured, true)], None)
+        .unwrap();
+    let refused = |what: &str, needle: &'static str| {
+        wait_status(&b.config(), device, 30, what, move |st: &Status| {
+            st.refused
+                .as_deref()
+                .is_some_and(|r| r.contains(needle))
+        })
+    };
+    let st = refused("the replay refused", "replayed");
+    assert_eq!((st.active, st.failed_version), (Some(2), None), "{st:?}");
+
+    // Restarted, the device gets the replayed state again from the broker: still refused.
+    agent.kill();
+    agent = start_agent(&cfg, &[]);
+    let st = refused("the replay refused after a restart", "replayed");
+    assert_eq!(st.active, Some(2), "{st:?}");
+
+    attacker
+        .publish_all(vec![(topic.clone(), Vec::new(), false)], None)
+        .unwrap();
+    refused("the unsigned clear refused", "unsigned clear");
+
+    let mut late = desired(device, 1, true);
+    late.expires = Some(kestrel_shared::now_unix() - 1);
+    publish_raw(&b, Vec::new(), late);
+    refused("the expired state refused", "expired");
+
+    // The device, as `trainer status` shows it, and the active model still answering.
+    let url = b.url();
+    let line = trainer_ok(&[
+        "status", "--broker", &url, "--device", device, "--json",
+    ]);
+    let row: Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+    assert_eq!(row["active"], 2, "{row}");
+    assert!(
+        row["refused"]
+            .as_str()
+            .is_some_and(|r| r.contains("expired")),
+        "{row}"
+    );
+    let faces = std::path::Path::new(&lfw()).join("face");
+    let mut images: Vec<_> = std::fs::read_dir(&faces)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    images.sort();
+    let o = run_ok(
+        "trainer",
+        &[
+            "infer",
+            "--broker",
+            &url,
+            "--device",
+            device,
+            "--json",
+            &s(&images[0]),
+        ],
+    );
+    let first: Value = serde_json::from_str(stdout(&o).lines().next().unwrap()).unwrap();
+    assert_eq!(first["prediction"]["version"], 2, "{first}");
+    attacker.disconnect();
+    drop(agent);
+}
+
+/// A device that trusts the fleet's root key follows the root-signed key lists `trainer keys`
+/// publishes: rotated from key A to key B it accepts B's signatures and refuses A's, a lower
+/// list version is refused, and the list in force survives a restart.
+#[test]
+fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
+    let w = Scratch::new();
+    let f = fixture();
+    let b = Broker::start(BrokerKind::Mosquitto, &w.join("broker"));
+    let url = b.url();
+    let (root_dir, b_dir) = (w.join("root"), w.join("key-b"));
+    trainer_ok(&["keygen", "--root", "--out", &s(&root_dir)]);
+    trainer_ok(&["keygen", "--out", &s(&b_dir)]);
+    let root = s(&root_dir.join("root.key"));
+    let (pub_a, pub_b) = (s(&f.keys.join("kestrel.pub")), s(&b_dir.join("kestrel.pub")));
+    let device = "pi-keys";
+    let cfg = agent_config(&w.join(device), device, &url, &f.keys, "");
+    let text = std::fs::read_to_string(&cfg).unwrap().replacen(
+        "[broker]",
+        &format!(
+            "trusted_root = \"{}\"\n[broker]",
+            root_dir.join("root.pub").display()
+        ),
+        1,
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let mut agent = start_agent(&cfg, &[]);
+    let keys = |args: &[&str]| {
+        let mut all = vec!["keys", "--broker", &url, "--root", &root, "--json"];
+        all.extend_from_slice(args);
+        kestrel_tests::run("trainer", &all)
+    };
+    let o = keys(&["--key", &pub_a]);
+    assert!(o.status.success(), "{}", kestrel_tests::stderr(&o));
+    assert_eq!(kestrel_tests::json(&o)["version"], 1);
+    wait_status(&b.config(), device, 60, "key list v1", |st| {
+        st.keys_version == Some(1)
+    });
+    let target = format!("device/{device}");
+    publish_ok(&b, &f.v1, &f.key(), &target);
+    let active = |v: &str| {
+        trainer_ok(&[
+            "status", "--broker", &url, "--device", device, "--wait-active", v, "--timeout", "90",
+        ])
+    };
+    active("1");
+
+    // Rotation: B in, A out (the next version by default).
+    let o = keys(&["--key", &pub_b]);
+    assert!(o.status.success(), "{}", kestrel_tests::stderr(&o));
+    let p = kestrel_tests::json(&o);
+    assert_eq!((p["version"].as_u64(), p["replaced"].as_u64()), (Some(2), Some(1)));
+    wait_status(&b.config(), device, 60, "key list v2", |st| {
+        st.keys_version == Some(2)
+    });
+    publish_ok(&b, &f.v2, &f.key(), &target);
+    trainer_ok(&[
+        "status", "--broker", &url, "--device", device, "--wait-error", "unknown key",
+        "--timeout", "60",
+    ]);
+    let b_key = s(&b_dir.join("kestrel.key"));
+    let o = publish(&b, &f.v2, std::path::Path::new(&b_key), &target, &[]);
+    assert!(o.status.success(), "{}", kestrel_tests::stderr(&o));
+    active("2");
+
+    // A lower version: `trainer keys` refuses it, and so does the device when it is put on the
+    // broker anyway.
+    let o = keys(&["--key", &pub_a, "--version", "1"]);
+    assert!(!o.status.success());
+    assert!(kestrel_tests::stderr(&o).contains("v2"), "{}", kestrel_tests::stderr(&o));
+    let old = SignedKeyList::new(
+        &kestrel_tests::fleet::signing_key_file(&root_dir.join("root.key")),
+        &KeyList {
+            version: 1,
+            keys: vec![std::fs::read_to_string(&pub_a).unwrap().trim().to_string()],
+            issued: kestrel_shared::issued_now(),
+        },
+    );
+    let mut attacker = Conn::connect(&b.config(), "attacker").unwrap();
+    attacker
+        .publish_all(
+            vec![("kestrel/keys".into(), serde_json::to_vec(&old).unwrap(), true)],
+            None,
+        )
+        .unwrap();
+    let st = wait_status(&b.config(), device, 30, "downgrade refused", |st| {
+        st.refused.as_deref().is_some_and(|r| r.contains("downgrade"))
+    });
+    assert_eq!((st.keys_version, st.active), (Some(2), Some(2)), "{st:?}");
+
+    // Restarted with the downgraded list still retained: v2 stays in force (keys.json).
+    agent.kill();
+    let _agent = start_agent(&cfg, &[]);
+    let st = wait_status(&b.config(), device, 30, "downgrade refused after a restart", |st| {
+        st.refused.as_deref().is_some_and(|r| r.contains("downgrade"))
+    });
+    assert_eq!(st.keys_version, Some(2), "{st:?}");
+    attacker.disconnect();
+}
