@@ -9,14 +9,33 @@ cd "$here/.."
 # The ARM agent binaries (with the aarch64 ONNX Runtime variant) and .deb files (dist/) that tests/tests/e2e/arm.rs runs under qemu. Bounded, so a
 # cold cross build cannot hold the test command indefinitely (warm: seconds; cold: ~20-40 min on 2 cores).
 # KESTREL_SKIP_EDGE_BUILD=1 skips it (the ARM tests then skip, or test what dist/ already holds).
+# The slow optional steps (the ARM build, fuzzing) share one deadline, KESTREL_SLOW_DEADLINE seconds
+# after this script started (default 3600), so a cold run still leaves the tests their time.
+slow_budget() { # the smaller of $1 and what is left before the deadline (at least 60 s)
+  local left=$(( ${KESTREL_SLOW_DEADLINE:-3600} - SECONDS ))
+  [ "$left" -lt 60 ] && left=60
+  [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
+}
 if [ "${KESTREL_SKIP_EDGE_BUILD:-0}" != 1 ]; then
   log "ARM edge agent: scripts/build-edge.sh"
   rc=0
-  timeout "${KESTREL_EDGE_BUILD_TIMEOUT:-2400}" "$here/build-edge.sh" --ort || rc=$?
+  timeout "$(slow_budget "${KESTREL_EDGE_BUILD_TIMEOUT:-2400}")" "$here/build-edge.sh" --ort || rc=$?
   if [ "$rc" = 124 ]; then
     # Out of time (a cold cross build on a busy box): the ARM tests say they skip and why; the
     # next run continues from the partial build in $KESTREL_HOME/target-{aarch64,armv7}.
     log "WARNING: the ARM build ran out of its ${KESTREL_EDGE_BUILD_TIMEOUT:-2400} s: ARM tests will skip"
+  elif [ "$rc" != 0 ]; then
+    exit "$rc"
+  fi
+fi
+# Bounded fuzzing of the parsers untrusted bytes reach (fuzz/, scripts/fuzz.sh): a crash fails the
+# test command; running out of time (a cold build of the fuzz targets) only warns.
+if [ "${KESTREL_SKIP_FUZZ:-0}" != 1 ]; then
+  log "fuzzing: scripts/fuzz.sh, ${KESTREL_FUZZ_SECONDS:-20} s per target"
+  rc=0
+  timeout "$(slow_budget "${KESTREL_FUZZ_TIMEOUT:-1200}")" "$here/fuzz.sh" "${KESTREL_FUZZ_SECONDS:-20}" || rc=$?
+  if [ "$rc" = 124 ]; then
+    log "WARNING: fuzzing ran out of time (the next run continues the build in \$KESTREL_HOME/target-fuzz)"
   elif [ "$rc" != 0 ]; then
     exit "$rc"
   fi

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Bounded fuzzing of every target in fuzz/ (cargo fuzz, libFuzzer): each runs for SECONDS (default
+# 30) from its committed seeds (fuzz/corpus/<target>) plus what earlier runs found
+# ($KESTREL_HOME/fuzz/corpus/<target>, outside the clone). A crash, a timeout or an allocation over
+# the limit fails the run and leaves the input in $KESTREL_HOME/fuzz/artifacts/<target>/.
+#
+#   scripts/fuzz.sh [SECONDS] [TARGET...]
+#
+# Needs a nightly toolchain for AddressSanitizer (rustup's `nightly`); without one it fuzzes with
+# the stable toolchain and no sanitizer (`-s none`; Rust's own checks still catch overflows and
+# out-of-bounds accesses, as debug assertions are on).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/env.sh"
+secs="${1:-30}"
+shift || true
+CARGO_FUZZ_VERSION=0.13.2
+if ! cargo fuzz --version 2>/dev/null | grep -q "$CARGO_FUZZ_VERSION"; then
+  log "installing cargo-fuzz $CARGO_FUZZ_VERSION"
+  cargo install --quiet --locked cargo-fuzz --version "$CARGO_FUZZ_VERSION" >&2
+fi
+if rustup run nightly rustc --version >/dev/null 2>&1; then
+  toolchain=(+nightly); sanitizer=address
+else
+  log "no nightly toolchain: fuzzing without a sanitizer"
+  toolchain=(); sanitizer=none; export RUSTC_BOOTSTRAP=1
+fi
+export CARGO_TARGET_DIR="$KESTREL_HOME/target-fuzz"
+cd "$here/../fuzz"
+targets=("$@")
+[ ${#targets[@]} -eq 0 ] && mapfile -t targets < <(cargo "${toolchain[@]}" fuzz list)
+log "cargo fuzz build (-s $sanitizer): ${targets[*]}"
+cargo "${toolchain[@]}" fuzz build -a -s "$sanitizer" >&2
+status=0
+for t in "${targets[@]}"; do
+  work="$KESTREL_HOME/fuzz/corpus/$t" artifacts="$KESTREL_HOME/fuzz/artifacts/$t"
+  mkdir -p "$work" "$artifacts" "corpus/$t"
+  log "fuzz $t: $secs s"
+  out=$(mktemp)
+  if cargo "${toolchain[@]}" fuzz run -a -s "$sanitizer" "$t" "$work" "corpus/$t" -- \
+      -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=1024 \
+      -artifact_prefix="$artifacts/" -print_final_stats=1 >"$out" 2>&1; then
+    execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$out" | tail -1)
+    log "fuzz $t: ${execs:-?} executions, no crash"
+  else
+    status=1
+    tail -40 "$out" >&2
+    log "fuzz $t: FAILED (input in $artifacts/)"
+  fi
+  rm -f "$out"
+done
+exit $status
