@@ -120,7 +120,8 @@ echo "(tract runs the static int8 QDQ graph in float with extra Q/DQ work: slowe
 
 echo
 echo "# Edge agent, batch 1 (one image per request, as on the device): tract with 1 and 2 threads"
-echo "# (matrix products on a tract multithread-mm pool), p50 over the 200 LFW images of edge-agent predict's"
+echo "# (matrix products on a tract multithread-mm pool, as in an edge-agent built with \`multicore\`; the"
+echo "# default device build runs that many requests side by side instead), p50 over the 200 LFW images of edge-agent predict's"
 echo "# latency_ms (decode + preprocess + inference); ONNX Runtime's batch-1 latency (inference only) beside it"
 printf '%-14s%14s%14s%10s%12s%12s\n' form "tract 1t p50" "tract 2t p50" speedup "ort 1t ms" "ort 2t ms"
 lfw_all=("$KESTREL_HOME"/datasets/lfw/imagefolder/*/*.png)

@@ -33,7 +33,7 @@ pub fn publish_keys(
 ) -> Result<KeysPublished, FleetError> {
     if keys.is_empty() {
         return Err(FleetError::Refused(
-            "a key list needs at least one publishing key (--key)".into(),
+            "a key list needs at least one publishing key (--publisher)".into(),
         ));
     }
     let mut conn = Conn::connect(cfg, "keys")?;

@@ -2,12 +2,13 @@
 //! replayed, expired and unsigned (empty) desired states are refused and reported, on the
 //! embedded broker and on Mosquitto, and the refusal survives an agent restart.
 
+use std::path::Path;
 use std::time::Duration;
 
 use kestrel_fleet::Conn;
 use kestrel_shared::protocol::{KeyList, SignedKeyList, Status};
 use kestrel_tests::fleet::{
-    Broker, BrokerKind, agent_config, desired, fixture, publish, publish_ok, publish_raw,
+    Broker, BrokerKind, Proc, agent_config, desired, fixture, publish, publish_ok, publish_raw,
     start_agent, wait_status,
 };
 use kestrel_tests::{Scratch, lfw, run_ok, s, stdout, trainer_ok};
@@ -33,7 +34,7 @@ fn refused_desired_states(kind: BrokerKind) {
     let b = Broker::start(kind, &w.join("broker"));
     let device = "pi-replay";
     let cfg = agent_config(&w.join(device), device, &b.url(), &f.keys, "");
-    let mut agent = start_agent(&cfg, &[]);
+    let agent = start_agent(&cfg, &[]);
     let target = format!("device/{device}");
     let on = |v: u64, what: &str| {
         wait_status(&b.config(), device, 90, what, |st| {
@@ -48,8 +49,8 @@ fn refused_desired_states(kind: BrokerKind) {
     assert!(o.status.success(), "{}", kestrel_tests::stderr(&o));
     on(1, "rolled back to v1");
     let topic = format!("kestrel/devices/{device}/desired");
-    let mut attacker = Conn::connect(&b.config(), "attacker").unwrap();
-    let captured = attacker
+    let captured = Conn::connect(&b.config(), "attacker")
+        .unwrap()
         .retained(&topic, Duration::from_millis(700))
         .unwrap()
         .remove(&topic)
@@ -57,9 +58,7 @@ fn refused_desired_states(kind: BrokerKind) {
     publish_ok(&b, &f.v2, &f.key(), &target);
     on(2, "v2 active again");
 
-    attacker
-        .publish_all(vec![(topic.clone(), captured, true)], None)
-        .unwrap();
+    put(&b, &topic, captured.clone(), true);
     let refused = |what: &str, needle: &'static str| {
         wait_status(&b.config(), device, 30, what, move |st: &Status| {
             st.refused
@@ -70,15 +69,14 @@ fn refused_desired_states(kind: BrokerKind) {
     let st = refused("the replay refused", "replayed");
     assert_eq!((st.active, st.failed_version), (Some(2), None), "{st:?}");
 
-    // Restarted, the device gets the replayed state again from the broker: still refused.
-    agent.kill();
-    agent = start_agent(&cfg, &[]);
+    // Restarted (its journal holds the newest `issued`), the device is sent the replayed state
+    // again: still refused.
+    let agent = restarted(agent, &cfg, &b, device, &st);
+    put(&b, &topic, captured, true);
     let st = refused("the replay refused after a restart", "replayed");
     assert_eq!(st.active, Some(2), "{st:?}");
 
-    attacker
-        .publish_all(vec![(topic.clone(), Vec::new(), false)], None)
-        .unwrap();
+    put(&b, &topic, Vec::new(), false);
     refused("the unsigned clear refused", "unsigned clear");
 
     let mut late = desired(device, 1, true);
@@ -119,8 +117,29 @@ fn refused_desired_states(kind: BrokerKind) {
     );
     let first: Value = serde_json::from_str(stdout(&o).lines().next().unwrap()).unwrap();
     assert_eq!(first["prediction"]["version"], 2, "{first}");
-    attacker.disconnect();
     drop(agent);
+}
+
+/// SIGKILLs `agent` and starts it again; returns once the new process has published a status of
+/// its own (a fresh `refused`, a later `updated` than `last`), so the retained status of the killed
+/// one cannot answer for it.
+fn restarted(agent: Proc, cfg: &Path, b: &Broker, device: &str, last: &Status) -> Proc {
+    agent.kill();
+    std::thread::sleep(Duration::from_millis(1100)); // `updated` has whole seconds
+    let agent = start_agent(cfg, &[]);
+    wait_status(&b.config(), device, 60, "the restarted agent's status", |st| {
+        st.updated > last.updated
+    });
+    agent
+}
+
+/// One message on the broker from a client of its own (connected for it alone, so no idle
+/// connection outlives the broker's keep-alive), as an attacker with write access would send it.
+fn put(b: &Broker, topic: &str, payload: Vec<u8>, retain: bool) {
+    let mut c = Conn::connect(&b.config(), "attacker").unwrap();
+    c.publish_all(vec![(topic.to_string(), payload, retain)], None)
+        .unwrap();
+    c.disconnect();
 }
 
 /// A device that trusts the fleet's root key follows the root-signed key lists `trainer keys`
@@ -148,13 +167,13 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
         1,
     );
     std::fs::write(&cfg, text).unwrap();
-    let mut agent = start_agent(&cfg, &[]);
+    let agent = start_agent(&cfg, &[]);
     let keys = |args: &[&str]| {
-        let mut all = vec!["keys", "--broker", &url, "--root", &root, "--json"];
+        let mut all = vec!["keys", "--broker", &url, "--root-key", &root, "--json"];
         all.extend_from_slice(args);
         kestrel_tests::run("trainer", &all)
     };
-    let o = keys(&["--key", &pub_a]);
+    let o = keys(&["--publisher", &pub_a]);
     assert!(o.status.success(), "{}", kestrel_tests::stderr(&o));
     assert_eq!(kestrel_tests::json(&o)["version"], 1);
     wait_status(&b.config(), device, 60, "key list v1", |st| {
@@ -170,7 +189,7 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
     active("1");
 
     // Rotation: B in, A out (the next version by default).
-    let o = keys(&["--key", &pub_b]);
+    let o = keys(&["--publisher", &pub_b]);
     assert!(o.status.success(), "{}", kestrel_tests::stderr(&o));
     let p = kestrel_tests::json(&o);
     assert_eq!((p["version"].as_u64(), p["replaced"].as_u64()), (Some(2), Some(1)));
@@ -189,7 +208,7 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
 
     // A lower version: `trainer keys` refuses it, and so does the device when it is put on the
     // broker anyway.
-    let o = keys(&["--key", &pub_a, "--version", "1"]);
+    let o = keys(&["--publisher", &pub_a, "--list-version", "1"]);
     assert!(!o.status.success());
     assert!(kestrel_tests::stderr(&o).contains("v2"), "{}", kestrel_tests::stderr(&o));
     let old = SignedKeyList::new(
@@ -200,24 +219,18 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
             issued: kestrel_shared::issued_now(),
         },
     );
-    let mut attacker = Conn::connect(&b.config(), "attacker").unwrap();
-    attacker
-        .publish_all(
-            vec![("kestrel/keys".into(), serde_json::to_vec(&old).unwrap(), true)],
-            None,
-        )
-        .unwrap();
+    let old = serde_json::to_vec(&old).unwrap();
+    put(&b, "kestrel/keys", old.clone(), true);
     let st = wait_status(&b.config(), device, 30, "downgrade refused", |st| {
         st.refused.as_deref().is_some_and(|r| r.contains("downgrade"))
     });
     assert_eq!((st.keys_version, st.active), (Some(2), Some(2)), "{st:?}");
 
     // Restarted with the downgraded list still retained: v2 stays in force (keys.json).
-    agent.kill();
-    let _agent = start_agent(&cfg, &[]);
+    let _agent = restarted(agent, &cfg, &b, device, &st);
+    put(&b, "kestrel/keys", old, true);
     let st = wait_status(&b.config(), device, 30, "downgrade refused after a restart", |st| {
         st.refused.as_deref().is_some_and(|r| r.contains("downgrade"))
     });
     assert_eq!(st.keys_version, Some(2), "{st:?}");
-    attacker.disconnect();
 }

@@ -84,7 +84,8 @@ impl Mlflow {
             .unwrap();
             cmd.args(["--app-name", "basic-auth"])
                 .env("MLFLOW_AUTH_CONFIG_PATH", &ini)
-                .env("MLFLOW_AUTH_ADMIN_PASSWORD", password);
+                .env("MLFLOW_AUTH_ADMIN_PASSWORD", password)
+                .env("MLFLOW_FLASK_SERVER_SECRET_KEY", "kestrel-test-csrf-secret");
         }
         let mut p = Proc::spawn(&mut cmd, &log);
         let addr: SocketAddr = format!("127.0.0.1:{}", self.port).parse().unwrap();

@@ -17,7 +17,7 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
     /// The fleet's root key (root.key, root.pub): it signs only the key lists that name the
-    /// publishing keys (`trainer keys publish`). Keep root.key offline.
+    /// publishing keys (`trainer keys`). Keep root.key offline.
     #[arg(long)]
     root: bool,
 }

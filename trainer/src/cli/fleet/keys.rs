@@ -13,21 +13,21 @@ pub struct Args {
     broker: BrokerArgs,
     /// The fleet's root secret key (`trainer keygen --root`: DIR/root.key).
     #[arg(long, value_name = "ROOT_KEY")]
-    root: PathBuf,
+    root_key: PathBuf,
     /// A publishing public key the devices accept from now on (a kestrel.pub); repeat for
-    /// several. Keys left out are revoked.
-    #[arg(long = "key", value_name = "PUB", required = true)]
+    /// several. Publishing keys left out are revoked.
+    #[arg(long = "publisher", value_name = "PUB", required = true)]
     keys: Vec<PathBuf>,
     /// The list's version [default: the retained list's + 1, or 1]; must be above the retained one.
-    #[arg(long)]
-    version: Option<u64>,
+    #[arg(long, value_name = "N")]
+    list_version: Option<u64>,
     /// Print the result as one JSON object.
     #[arg(long)]
     json: bool,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    let root = secret_key(&args.root)?;
+    let root = secret_key(&args.root_key)?;
     let keys = args
         .keys
         .iter()
@@ -40,7 +40,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             )?)
         })
         .collect::<Result<Vec<_>>>()?;
-    let p = kestrel_fleet::publish_keys(&args.broker.config(), &root, &keys, args.version)?;
+    let p = kestrel_fleet::publish_keys(&args.broker.config(), &root, &keys, args.list_version)?;
     if args.json {
         println!("{}", serde_json::to_string(&p)?);
     } else {
