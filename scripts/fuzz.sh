@@ -17,7 +17,7 @@ shift || true
 CARGO_FUZZ_VERSION=0.13.2
 if ! cargo fuzz --version 2>/dev/null | grep -q "$CARGO_FUZZ_VERSION"; then
   log "installing cargo-fuzz $CARGO_FUZZ_VERSION"
-  cargo install --quiet --locked cargo-fuzz --version "$CARGO_FUZZ_VERSION" >&2
+  cargo install --quiet --locked cargo-fuzz --version "$CARGO_FUZZ_VERSION" >&2 || { log "could not install cargo-fuzz"; exit 3; }
 fi
 if rustup run nightly rustc --version >/dev/null 2>&1; then
   toolchain=(+nightly); sanitizer=address
@@ -30,7 +30,9 @@ cd "$here/../fuzz"
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && mapfile -t targets < <(cargo "${toolchain[@]}" fuzz list)
 log "cargo fuzz build (-s $sanitizer): ${targets[*]}"
-cargo "${toolchain[@]}" fuzz build -a -s "$sanitizer" >&2
+# Exit 3 when the targets cannot be built (no usable toolchain here, for one): scripts/test.sh
+# then warns instead of failing; a crash found while fuzzing exits 1.
+cargo "${toolchain[@]}" fuzz build -a -s "$sanitizer" >&2 || { log "cargo fuzz build failed"; exit 3; }
 status=0
 for t in "${targets[@]}"; do
   work="$KESTREL_HOME/fuzz/corpus/$t" artifacts="$KESTREL_HOME/fuzz/artifacts/$t"
