@@ -16,6 +16,12 @@ slow_budget() { # the smaller of $1 and what is left before the deadline (at lea
   [ "$left" -lt 60 ] && left=60
   [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
 }
+# qemu user mode runs the ARM binaries in tests/tests/e2e/arm.rs (they skip, saying so, without it).
+if ! command -v qemu-aarch64-static >/dev/null || ! command -v qemu-arm-static >/dev/null; then
+  log "installing qemu-user-static (the emulated ARM tests)"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user-static >&2) \
+    || log "WARNING: could not install qemu-user-static: the emulated ARM tests will skip"
+fi
 if [ "${KESTREL_SKIP_EDGE_BUILD:-0}" != 1 ]; then
   log "ARM edge agent: scripts/build-edge.sh"
   rc=0
