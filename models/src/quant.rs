@@ -28,22 +28,17 @@ pub enum Quant {
 
 /// Symmetric per-output-channel int8 quantization of a weight `[out, ...]`: `w ≈ q * scale[out]`.
 pub fn quantize_per_channel(t: &Tensor) -> (Vec<i8>, Vec<f32>) {
-    quantize_per_channel_levels(t, 127.0)
-}
-
-/// [`quantize_per_channel`] onto `-levels..=levels` (127 for 8 bits, 63 for 7).
-pub fn quantize_per_channel_levels(t: &Tensor, levels: f32) -> (Vec<i8>, Vec<f32>) {
     let out = t.shape[0];
     let per = t.numel() / out;
     let mut q = Vec::with_capacity(t.numel());
     let mut scales = Vec::with_capacity(out);
     for row in t.data.chunks(per) {
         let max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let s = if max > 0.0 { max / levels } else { 1.0 };
+        let s = if max > 0.0 { max / 127.0 } else { 1.0 };
         scales.push(s);
         q.extend(
             row.iter()
-                .map(|v| (v / s).round().clamp(-levels, levels) as i8),
+                .map(|v| (v / s).round().clamp(-127.0, 127.0) as i8),
         );
     }
     (q, scales)
@@ -67,24 +62,12 @@ fn typed_tensor(name: &str, dims: &[usize], dt: DataType, raw: Vec<u8>) -> Tenso
 }
 
 impl Quant {
-    /// The weight grid of this form: ±127 for int8-weights; ±63 (7 bits) for static int8, where
-    /// ONNX Runtime multiplies uint8 activations by int8 weights in integer kernels. On x86 CPUs
-    /// without VNNI those add pairs of u8·s8 products in saturating int16 (255·127·2 > 32767), and
-    /// on digits the 8-bit form lost 1.1 points there (AMD EPYC, AVX2); 7-bit weights cannot
-    /// saturate (255·63·2 < 32767), which is ONNX Runtime's own `reduce_range` advice.
-    pub fn weight_levels(&self) -> f32 {
-        match self {
-            Quant::Static(_) => 63.0,
-            _ => 127.0,
-        }
-    }
-
     /// Adds weight `w` (named `name`) and returns the tensor name a Conv/Gemm should read.
     pub fn weight(&self, g: &mut GraphBuilder, name: &str, w: &Tensor) -> String {
         match self {
             Quant::None => g.initializer(f32_tensor(name, &w.shape, &w.data)),
             Quant::Weights | Quant::Static(_) => {
-                let (q, scales) = quantize_per_channel_levels(w, self.weight_levels());
+                let (q, scales) = quantize_per_channel(w);
                 let qn = g.initializer(typed_tensor(
                     &format!("{name}.int8"),
                     &w.shape,

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use kestrel_models::Tensor;
 use kestrel_models::engine::TractEngine;
 use kestrel_models::onnx::{self, Linear, LowerOpts};
-use kestrel_models::quant::{Quant, quantize_per_channel_levels};
+use kestrel_models::quant::{Quant, quantize_per_channel};
 use kestrel_models::weights::FoldedConv;
 
 use super::trained::Trained;
@@ -61,8 +61,7 @@ pub(super) fn quantize(
     };
     let (mut qf, mut qh) = (folded.clone(), head.clone());
     let qcal = calibrate(&run.pp, &qf, &qh, &quant, &samples)?;
-    let levels = quant.weight_levels();
-    bias_correct(run.net(), (folded, head), (&mut qf, &mut qh), &qcal.means, levels);
+    bias_correct(run.net(), (folded, head), (&mut qf, &mut qh), &qcal.means);
     Ok(Quantized {
         quant,
         folded: qf,
@@ -164,9 +163,9 @@ fn channel_dot(w: &Tensor, groups: usize, mean: &[f64]) -> Vec<f64> {
         .collect()
 }
 
-/// The int8 weights (on a grid of ±`levels`) as the graph dequantizes them.
-fn dequantized(w: &Tensor, levels: f32) -> Tensor {
-    let (q, scales) = quantize_per_channel_levels(w, levels);
+/// The int8 weights as the graph dequantizes them.
+fn dequantized(w: &Tensor) -> Tensor {
+    let (q, scales) = quantize_per_channel(w);
     let per = w.numel() / w.shape[0];
     Tensor::new(
         w.shape.clone(),
@@ -188,12 +187,11 @@ fn bias_correct(
     float: (&[FoldedConv], &Linear),
     quant: (&mut [FoldedConv], &mut Linear),
     means: &BTreeMap<String, Vec<f64>>,
-    levels: f32,
 ) {
     let correct = |w: &Tensor, b: &[f32], groups: usize, name: &str, out: &mut Vec<f32>| {
         let Some(m) = means.get(name) else { return };
         let exact = channel_dot(w, groups, m);
-        let rounded = channel_dot(&dequantized(w, levels), groups, m);
+        let rounded = channel_dot(&dequantized(w), groups, m);
         for (o, v) in out.iter_mut().enumerate() {
             *v = (b[o] as f64 + exact[o] - rounded[o]) as f32;
         }

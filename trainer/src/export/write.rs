@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kestrel_models::onnx::{self, Linear};
-use kestrel_models::quant::quantize_per_channel_levels;
+use kestrel_models::quant::quantize_per_channel;
 use kestrel_models::weights::FoldedConv;
 use kestrel_models::{Network, Tensor};
 use kestrel_shared::manifest::{
@@ -86,7 +86,7 @@ fn write_files(
     ];
     if o.quantize != QuantForm::None {
         // The int8 weights and the (bias-corrected) biases that model.onnx carries.
-        let int8 = int8_entries(run.net(), &q.folded, &q.head, q.quant.weight_levels());
+        let int8 = int8_entries(run.net(), &q.folded, &q.head);
         write_tensors(&dir.join("model.int8.safetensors"), int8, meta.clone())?;
         names.push("model.int8.safetensors".into());
     }
@@ -214,12 +214,12 @@ fn named_params(net: &Network, folded: &[FoldedConv], head: &Linear) -> Vec<(Str
     out
 }
 
-/// Weights as int8 (on the form's grid, ±`levels`) with their per-channel `.scale`s; biases as f32.
-fn int8_entries(net: &Network, folded: &[FoldedConv], head: &Linear, levels: f32) -> Vec<Entry> {
+/// Weights as int8 with their per-channel `.scale`s; biases as f32.
+fn int8_entries(net: &Network, folded: &[FoldedConv], head: &Linear) -> Vec<Entry> {
     let mut q = Vec::new();
     for (n, t) in named_params(net, folded, head) {
         if n.ends_with(".weight") {
-            let (qw, scales) = quantize_per_channel_levels(&t, levels);
+            let (qw, scales) = quantize_per_channel(&t);
             q.push((
                 n.clone(),
                 Dtype::I8,
