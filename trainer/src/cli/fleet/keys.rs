@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 
-use super::{BrokerArgs, secret_key};
+use super::{BrokerArgs, public_key, secret_key};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -31,14 +31,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let keys = args
         .keys
         .iter()
-        .map(|p| {
-            let text =
-                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            Ok(kestrel_shared::signing::public_key(
-                &text,
-                &p.display().to_string(),
-            )?)
-        })
+        .map(|p| public_key(p))
         .collect::<Result<Vec<_>>>()?;
     let p = kestrel_fleet::publish_keys(&args.broker.config(), &root, &keys, args.list_version)?;
     if args.json {

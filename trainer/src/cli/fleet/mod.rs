@@ -137,3 +137,13 @@ pub fn secret_key(path: &Path) -> Result<ed25519_dalek::SigningKey> {
         &path.display().to_string(),
     )?)
 }
+
+/// The public key in a `trainer keygen` public key file.
+pub fn public_key(path: &Path) -> Result<ed25519_dalek::VerifyingKey> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(kestrel_shared::signing::public_key(
+        &text,
+        &path.display().to_string(),
+    )?)
+}
