@@ -164,7 +164,11 @@ impl Config {
 
     /// The root public key, read and parsed, when one is configured.
     pub fn root_key(&self) -> Result<Option<ed25519_dalek::VerifyingKey>, ConfigError> {
-        self.trusted_root.iter().map(read_public_key).next().transpose()
+        self.trusted_root
+            .iter()
+            .map(read_public_key)
+            .next()
+            .transpose()
     }
 
     /// The trusted public keys, read and parsed.

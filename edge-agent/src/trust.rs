@@ -159,7 +159,10 @@ mod tests {
             "{v:?}"
         );
         let other_v2 = list(&root, 2, &[&a]);
-        assert!(matches!(t.receive(other_v2, "k/keys"), KeysVerdict::Refused(_)));
+        assert!(matches!(
+            t.receive(other_v2, "k/keys"),
+            KeysVerdict::Refused(_)
+        ));
         assert_eq!(t.version(), Some(2));
     }
 
@@ -168,7 +171,10 @@ mod tests {
         let (root, a, rogue) = (key(1), key(2), key(9));
         let mut t = Trust::new(Some(root.verifying_key()), vec![a.verifying_key()], None).unwrap();
         let forged = list(&rogue, 5, &[&rogue]);
-        assert!(matches!(t.receive(forged.clone(), "k/keys"), KeysVerdict::Refused(_)));
+        assert!(matches!(
+            t.receive(forged.clone(), "k/keys"),
+            KeysVerdict::Refused(_)
+        ));
         assert!(matches!(
             t.receive(list(&root, 1, &[]), "k/keys"),
             KeysVerdict::Refused(_)

@@ -3,8 +3,8 @@
 use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
-use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::issued_now;
+use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{ArtifactOffer, Desired, SignedDesired, Target, parse};
 use serde::Serialize;
 

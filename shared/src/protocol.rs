@@ -335,11 +335,16 @@ impl SignedKeyList {
         root: &ed25519_dalek::VerifyingKey,
         topic: &str,
     ) -> Result<(KeyList, Vec<ed25519_dalek::VerifyingKey>), ProtocolError> {
-        verify(std::slice::from_ref(root), self.body.as_bytes(), &self.signature)?;
-        let list: KeyList = serde_json::from_str(&self.body).map_err(|e| ProtocolError::Payload {
-            topic: topic.to_string(),
-            reason: e.to_string(),
-        })?;
+        verify(
+            std::slice::from_ref(root),
+            self.body.as_bytes(),
+            &self.signature,
+        )?;
+        let list: KeyList =
+            serde_json::from_str(&self.body).map_err(|e| ProtocolError::Payload {
+                topic: topic.to_string(),
+                reason: e.to_string(),
+            })?;
         let keys = list
             .keys
             .iter()

@@ -10,8 +10,8 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use kestrel_fleet::Conn;
-use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::issued_now;
+use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{Desired, SignedDesired, Status, Target};
 use serde_json::Value;
 
@@ -267,8 +267,11 @@ pub fn signing_key(dir: &Path) -> ed25519_dalek::SigningKey {
 
 /// The secret key in a `trainer keygen` key file.
 pub fn signing_key_file(p: &Path) -> ed25519_dalek::SigningKey {
-    kestrel_shared::signing::secret_key(&std::fs::read_to_string(p).unwrap(), &p.display().to_string())
-        .unwrap()
+    kestrel_shared::signing::secret_key(
+        &std::fs::read_to_string(p).unwrap(),
+        &p.display().to_string(),
+    )
+    .unwrap()
 }
 
 impl Fixture {

@@ -15,12 +15,12 @@ use rumqttc::{AsyncClient, Event as MqttEvent, LastWill, QoS};
 use tokio::sync::mpsc;
 
 use super::{Agent, Done, Job, Journal, KEYS_FILE};
-use crate::desired::DesiredStates;
-use crate::trust::Trust;
 use crate::config::Config;
+use crate::desired::DesiredStates;
 use crate::outbox::{Message, Outbox};
 use crate::serve::{ModelCache, Shared};
 use crate::store::Store;
+use crate::trust::Trust;
 use crate::update::Updater;
 
 /// How `[inference] threads` cores are used: (requests run at once, threads each request's
@@ -142,9 +142,7 @@ fn journaled(cfg: &Config, store: &Store) -> Result<(Updater, Option<Desired>, D
 fn saved_trust(cfg: &Config) -> Result<Trust> {
     let path = cfg.store.join(KEYS_FILE);
     let saved = match std::fs::read(&path) {
-        Ok(b) => Some(
-            serde_json::from_slice(&b).with_context(|| format!("{}", path.display()))?,
-        ),
+        Ok(b) => Some(serde_json::from_slice(&b).with_context(|| format!("{}", path.display()))?),
         Err(_) => None,
     };
     Trust::new(cfg.root_key()?, cfg.keys()?, saved)

@@ -14,21 +14,21 @@ use anyhow::{Context, Result};
 use kestrel_models::artifact::{self, LoadedModel};
 use kestrel_shared::fsutil::write_atomic;
 use kestrel_shared::manifest::Manifest;
-use kestrel_shared::{now_rfc3339, now_unix};
 use kestrel_shared::protocol::{
     ArtifactOffer, Desired, DeviceEvent, InferReply, LatencyStats, SignedDesired, SignedKeyList,
     Status, Target, Topics, parse, sha256_hex,
 };
+use kestrel_shared::{now_rfc3339, now_unix};
 use rumqttc::{AsyncClient, Event as MqttEvent, Outgoing, Packet, QoS};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use crate::config::Config;
 use crate::desired::{DesiredStates, Verdict};
-use crate::trust::{KeysVerdict, Trust};
 use crate::outbox::{Message, Outbox};
 use crate::serve::{ModelCache, Shared};
 use crate::store::Store;
+use crate::trust::{KeysVerdict, Trust};
 use crate::update::{Action, Event, Offer, Phase, Report, Updater};
 
 mod lifecycle;

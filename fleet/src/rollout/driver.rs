@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
 use kestrel_shared::mqtt::BrokerConfig;
-use kestrel_shared::{issued_now, now_unix};
 use kestrel_shared::protocol::{Desired, SignedDesired, Status, Target, check_name, parse};
+use kestrel_shared::{issued_now, now_unix};
 
 use super::{Controller, DeviceState, Output, Plan, RolloutState};
 use crate::{Bundle, Conn, FleetError};

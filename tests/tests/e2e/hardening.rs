@@ -61,9 +61,7 @@ fn refused_desired_states(kind: BrokerKind) {
     put(&b, &topic, captured.clone(), true);
     let refused = |what: &str, needle: &'static str| {
         wait_status(&b.config(), device, 30, what, move |st: &Status| {
-            st.refused
-                .as_deref()
-                .is_some_and(|r| r.contains(needle))
+            st.refused.as_deref().is_some_and(|r| r.contains(needle))
         })
     };
     let st = refused("the replay refused", "replayed");
@@ -86,9 +84,7 @@ fn refused_desired_states(kind: BrokerKind) {
 
     // The device, as `trainer status` shows it, and the active model still answering.
     let url = b.url();
-    let line = trainer_ok(&[
-        "status", "--broker", &url, "--device", device, "--json",
-    ]);
+    let line = trainer_ok(&["status", "--broker", &url, "--device", device, "--json"]);
     let row: Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
     assert_eq!(row["active"], 2, "{row}");
     assert!(
@@ -127,9 +123,13 @@ fn restarted(agent: Proc, cfg: &Path, b: &Broker, device: &str, last: &Status) -
     agent.kill();
     std::thread::sleep(Duration::from_millis(1100)); // `updated` has whole seconds
     let agent = start_agent(cfg, &[]);
-    wait_status(&b.config(), device, 60, "the restarted agent's status", |st| {
-        st.updated > last.updated
-    });
+    wait_status(
+        &b.config(),
+        device,
+        60,
+        "the restarted agent's status",
+        |st| st.updated > last.updated,
+    );
     agent
 }
 
@@ -155,7 +155,10 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
     trainer_ok(&["keygen", "--root", "--out", &s(&root_dir)]);
     trainer_ok(&["keygen", "--out", &s(&b_dir)]);
     let root = s(&root_dir.join("root.key"));
-    let (pub_a, pub_b) = (s(&f.keys.join("kestrel.pub")), s(&b_dir.join("kestrel.pub")));
+    let (pub_a, pub_b) = (
+        s(&f.keys.join("kestrel.pub")),
+        s(&b_dir.join("kestrel.pub")),
+    );
     let device = "pi-keys";
     let cfg = agent_config(&w.join(device), device, &url, &f.keys, "");
     let text = std::fs::read_to_string(&cfg).unwrap().replacen(
@@ -183,7 +186,15 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
     publish_ok(&b, &f.v1, &f.key(), &target);
     let active = |v: &str| {
         trainer_ok(&[
-            "status", "--broker", &url, "--device", device, "--wait-active", v, "--timeout", "90",
+            "status",
+            "--broker",
+            &url,
+            "--device",
+            device,
+            "--wait-active",
+            v,
+            "--timeout",
+            "90",
         ])
     };
     active("1");
@@ -192,14 +203,24 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
     let o = keys(&["--publisher", &pub_b]);
     assert!(o.status.success(), "{}", kestrel_tests::stderr(&o));
     let p = kestrel_tests::json(&o);
-    assert_eq!((p["version"].as_u64(), p["replaced"].as_u64()), (Some(2), Some(1)));
+    assert_eq!(
+        (p["version"].as_u64(), p["replaced"].as_u64()),
+        (Some(2), Some(1))
+    );
     wait_status(&b.config(), device, 60, "key list v2", |st| {
         st.keys_version == Some(2)
     });
     publish_ok(&b, &f.v2, &f.key(), &target);
     trainer_ok(&[
-        "status", "--broker", &url, "--device", device, "--wait-error", "unknown key",
-        "--timeout", "60",
+        "status",
+        "--broker",
+        &url,
+        "--device",
+        device,
+        "--wait-error",
+        "unknown key",
+        "--timeout",
+        "60",
     ]);
     let b_key = s(&b_dir.join("kestrel.key"));
     let o = publish(&b, &f.v2, std::path::Path::new(&b_key), &target, &[]);
@@ -210,7 +231,11 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
     // broker anyway.
     let o = keys(&["--publisher", &pub_a, "--list-version", "1"]);
     assert!(!o.status.success());
-    assert!(kestrel_tests::stderr(&o).contains("v2"), "{}", kestrel_tests::stderr(&o));
+    assert!(
+        kestrel_tests::stderr(&o).contains("v2"),
+        "{}",
+        kestrel_tests::stderr(&o)
+    );
     let old = SignedKeyList::new(
         &kestrel_tests::fleet::signing_key_file(&root_dir.join("root.key")),
         &KeyList {
@@ -222,15 +247,25 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
     let old = serde_json::to_vec(&old).unwrap();
     put(&b, "kestrel/keys", old.clone(), true);
     let st = wait_status(&b.config(), device, 30, "downgrade refused", |st| {
-        st.refused.as_deref().is_some_and(|r| r.contains("downgrade"))
+        st.refused
+            .as_deref()
+            .is_some_and(|r| r.contains("downgrade"))
     });
     assert_eq!((st.keys_version, st.active), (Some(2), Some(2)), "{st:?}");
 
     // Restarted with the downgraded list still retained: v2 stays in force (keys.json).
     let _agent = restarted(agent, &cfg, &b, device, &st);
     put(&b, "kestrel/keys", old, true);
-    let st = wait_status(&b.config(), device, 30, "downgrade refused after a restart", |st| {
-        st.refused.as_deref().is_some_and(|r| r.contains("downgrade"))
-    });
+    let st = wait_status(
+        &b.config(),
+        device,
+        30,
+        "downgrade refused after a restart",
+        |st| {
+            st.refused
+                .as_deref()
+                .is_some_and(|r| r.contains("downgrade"))
+        },
+    );
     assert_eq!(st.keys_version, Some(2), "{st:?}");
 }
