@@ -161,15 +161,7 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
     );
     let device = "pi-keys";
     let cfg = agent_config(&w.join(device), device, &url, &f.keys, "");
-    let text = std::fs::read_to_string(&cfg).unwrap().replacen(
-        "[broker]",
-        &format!(
-            "trusted_root = \"{}\"\n[broker]",
-            root_dir.join("root.pub").display()
-        ),
-        1,
-    );
-    std::fs::write(&cfg, text).unwrap();
+    trust_root(&cfg, &root_dir.join("root.pub"));
     let agent = start_agent(&cfg, &[]);
     let keys = |args: &[&str]| {
         let mut all = vec!["keys", "--broker", &url, "--root-key", &root, "--json"];
@@ -184,20 +176,11 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
     });
     let target = format!("device/{device}");
     publish_ok(&b, &f.v1, &f.key(), &target);
-    let active = |v: &str| {
-        trainer_ok(&[
-            "status",
-            "--broker",
-            &url,
-            "--device",
-            device,
-            "--wait-active",
-            v,
-            "--timeout",
-            "90",
-        ])
+    let wait = |flag: &str, v: &str| {
+        let args = ["status", "--broker", &url, "--device", device, flag, v];
+        trainer_ok(&[&args[..], &["--timeout", "90"]].concat())
     };
-    active("1");
+    wait("--wait-active", "1");
 
     // Rotation: B in, A out (the next version by default).
     let o = keys(&["--publisher", &pub_b]);
@@ -211,21 +194,11 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
         st.keys_version == Some(2)
     });
     publish_ok(&b, &f.v2, &f.key(), &target);
-    trainer_ok(&[
-        "status",
-        "--broker",
-        &url,
-        "--device",
-        device,
-        "--wait-error",
-        "unknown key",
-        "--timeout",
-        "60",
-    ]);
+    wait("--wait-error", "unknown key");
     let b_key = s(&b_dir.join("kestrel.key"));
     let o = publish(&b, &f.v2, std::path::Path::new(&b_key), &target, &[]);
     assert!(o.status.success(), "{}", kestrel_tests::stderr(&o));
-    active("2");
+    wait("--wait-active", "2");
 
     // A lower version: `trainer keys` refuses it, and so does the device when it is put on the
     // broker anyway.
@@ -236,16 +209,29 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
         "{}",
         kestrel_tests::stderr(&o)
     );
+    downgrades_are_refused(&b, device, agent, &cfg, &root_dir, &pub_a);
+}
+
+/// A key list of a lower version put on the broker anyway: the device refuses it, before and
+/// after a restart (the list in force is kept in keys.json).
+fn downgrades_are_refused(
+    b: &Broker,
+    device: &str,
+    agent: Proc,
+    cfg: &Path,
+    root_dir: &Path,
+    pub_a: &str,
+) {
     let old = SignedKeyList::new(
         &kestrel_tests::fleet::signing_key_file(&root_dir.join("root.key")),
         &KeyList {
             version: 1,
-            keys: vec![std::fs::read_to_string(&pub_a).unwrap().trim().to_string()],
+            keys: vec![std::fs::read_to_string(pub_a).unwrap().trim().to_string()],
             issued: kestrel_shared::issued_now(),
         },
     );
     let old = serde_json::to_vec(&old).unwrap();
-    put(&b, "kestrel/keys", old.clone(), true);
+    put(b, "kestrel/keys", old.clone(), true);
     let st = wait_status(&b.config(), device, 30, "downgrade refused", |st| {
         st.refused
             .as_deref()
@@ -254,8 +240,8 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
     assert_eq!((st.keys_version, st.active), (Some(2), Some(2)), "{st:?}");
 
     // Restarted with the downgraded list still retained: v2 stays in force (keys.json).
-    let _agent = restarted(agent, &cfg, &b, device, &st);
-    put(&b, "kestrel/keys", old, true);
+    let _agent = restarted(agent, cfg, b, device, &st);
+    put(b, "kestrel/keys", old, true);
     let st = wait_status(
         &b.config(),
         device,
@@ -268,4 +254,14 @@ fn root_signed_key_lists_rotate_and_revoke_publishing_keys() {
         },
     );
     assert_eq!(st.keys_version, Some(2), "{st:?}");
+}
+
+/// Adds `trusted_root` to an agent config.
+fn trust_root(cfg: &Path, root_pub: &Path) {
+    let text = std::fs::read_to_string(cfg).unwrap().replacen(
+        "[broker]",
+        &format!("trusted_root = \"{}\"\n[broker]", root_pub.display()),
+        1,
+    );
+    std::fs::write(cfg, text).unwrap();
 }
