@@ -38,6 +38,7 @@ impl Outbox {
     /// Opens `dir`, queueing messages left by a previous run in their order.
     pub fn open(dir: &Path) -> io::Result<Self> {
         fs::create_dir_all(dir)?;
+        kestrel_shared::fsutil::remove_temp_files(dir)?; // writes a crash cut short
         let mut files: Vec<(u64, PathBuf)> = fs::read_dir(dir)?
             .filter_map(|e| e.ok())
             .filter_map(|e| {
@@ -65,16 +66,20 @@ impl Outbox {
         })
     }
 
-    /// Queues a message that must not be lost (written to disk first).
+    /// Queues a message that must not be lost (written to disk first). When the disk write fails
+    /// (a full store) the message is still queued, in memory only, and the error returned.
     pub fn push_durable(&mut self, msg: Message) -> io::Result<()> {
         let file = self.dir.join(format!("{:020}.json", self.next_seq));
         self.next_seq += 1;
-        kestrel_shared::fsutil::write_atomic(&file, &serde_json::to_vec(&msg)?)?;
-        self.queue.push_back(Item {
-            msg,
-            file: Some(file),
-        });
-        Ok(())
+        let written = serde_json::to_vec(&msg)
+            .map_err(io::Error::other)
+            .and_then(|b| kestrel_shared::fsutil::write_atomic(&file, &b));
+        let (file, result) = match written {
+            Ok(()) => (Some(file), Ok(())),
+            Err(e) => (None, Err(e)),
+        };
+        self.queue.push_back(Item { msg, file });
+        result
     }
 
     /// Queues a latest-value message (retained state): replaces a queued one on the same topic.
@@ -185,5 +190,17 @@ mod tests {
         let mut o = Outbox::open(dir.path()).unwrap();
         o.push_latest(m("status", "b"));
         assert_eq!(o.next().unwrap().payload, "b");
+    }
+
+    #[test]
+    fn a_failed_disk_write_still_queues_the_message() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("outbox");
+        let mut o = Outbox::open(&sub).unwrap();
+        fs::remove_dir(&sub).unwrap(); // every write now fails
+        assert!(o.push_durable(m("e", "1")).is_err());
+        assert_eq!(o.next().unwrap().payload, "1");
+        o.sent(3);
+        assert!(o.acked(3).unwrap(), "acknowledged with no file to delete");
     }
 }

@@ -8,7 +8,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use kestrel_models::artifact;
-use kestrel_shared::fsutil::write_atomic;
+use kestrel_shared::fsutil::{remove_temp_files, write_atomic};
 use kestrel_shared::manifest::{MANIFEST_FILE, Manifest};
 use kestrel_shared::protocol::{ArtifactOffer, device_files, sha256_hex};
 use kestrel_shared::signing::SIGNATURE_FILE;
@@ -23,9 +23,20 @@ fn sync_dir(dir: &Path) -> io::Result<()> {
 }
 
 impl Store {
+    /// Opens (creating) the store and removes the temporary files of writes a crash cut short
+    /// (the journal's, the keys', the chunks'), so that a crash loop leaves nothing growing.
     pub fn open(root: &Path) -> io::Result<Self> {
         for d in ["downloads", "staging", "versions"] {
             fs::create_dir_all(root.join(d))?;
+        }
+        remove_temp_files(root)?;
+        for e in fs::read_dir(root.join("downloads"))? {
+            let dir = e?.path();
+            for d in [dir.clone(), dir.join("chunks")] {
+                if d.is_dir() {
+                    remove_temp_files(&d)?;
+                }
+            }
         }
         Ok(Self {
             root: root.to_path_buf(),

@@ -152,12 +152,7 @@ pub fn summarise(device: &str, replies: &[InferReply], seconds: f64) -> Summary 
         .filter_map(|r| r.prediction.as_ref().map(|p| p.latency_ms))
         .collect();
     latencies.sort_by(f64::total_cmp);
-    let pct = |p: f64| {
-        latencies
-            .get(((latencies.len().max(1) - 1) as f64 * p).round() as usize)
-            .copied()
-            .unwrap_or(0.0)
-    };
+    let pct = |p: f64| quantile(&latencies, p);
     Summary {
         device: device.to_string(),
         requests: replies.len(),
@@ -186,4 +181,120 @@ pub fn labelled(replies: &[InferReply], truth: &[&str]) -> Labelled {
         predicted,
         truth: gold,
     }
+}
+
+/// What a paced load run added up to (`trainer infer --rate`): every request sent is answered
+/// (a prediction, or `busy` when the device's queue was full, or another error) or lost.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoadReport {
+    pub device: String,
+    /// Requests per second asked for, and reached while sending.
+    pub rate: f64,
+    pub sent_rate: f64,
+    pub seconds: f64,
+    pub sent: usize,
+    pub answered: usize,
+    pub busy: usize,
+    pub errors: usize,
+    pub lost: usize,
+    /// Round trip (publish to reply) of the answered requests, as the client sees it.
+    pub round_trip_p50_ms: f64,
+    pub round_trip_p99_ms: f64,
+    /// The device's own inference latency of the answered requests.
+    pub device_latency_p50_ms: f64,
+    pub device_latency_p99_ms: f64,
+}
+
+/// The `p` quantile (nearest rank) of sorted values; 0 when there are none.
+fn quantile(sorted: &[f64], p: f64) -> f64 {
+    sorted
+        .get(((sorted.len().max(1) - 1) as f64 * p).round() as usize)
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// Sends `images` round robin to `device` at `rate` requests per second for `duration` (no
+/// window: a device that cannot keep up must answer `busy`), then waits up to `timeout` after
+/// the last reply for the rest. Counts every reply by kind and every request without one.
+pub fn load(
+    cfg: &BrokerConfig,
+    device: &str,
+    images: &[Image],
+    rate: f64,
+    duration: Duration,
+    timeout: Duration,
+) -> Result<LoadReport, FleetError> {
+    let mut conn = Conn::connect(cfg, "load")?;
+    conn.subscribe(&conn.topics.result_filter(device))?;
+    let tag = format!("load-{}-{}", std::process::id(), now_unix() % 100_000);
+    let total = ((rate * duration.as_secs_f64()).round() as usize).max(1);
+    let mut sent_at: BTreeMap<String, Instant> = BTreeMap::new();
+    let mut replies: Vec<(InferReply, f64)> = Vec::new();
+    let pb = crate::progress(total as u64, "load");
+    let start = Instant::now();
+    let (mut next, mut last_reply, mut sending_took) = (0, Instant::now(), 0.0);
+    while replies.len() < total {
+        let due = start + Duration::from_secs_f64(next as f64 / rate);
+        if next < total && Instant::now() >= due {
+            let id = format!("{tag}-{next}");
+            let img = &images[next % images.len()];
+            conn.send(conn.topics.infer(device, &id), img.bytes.clone())?;
+            sent_at.insert(id, Instant::now());
+            next += 1;
+            if next == total {
+                sending_took = start.elapsed().as_secs_f64();
+                last_reply = Instant::now();
+            }
+            continue;
+        }
+        let wait = if next < total {
+            due.saturating_duration_since(Instant::now())
+        } else {
+            Duration::from_millis(200)
+        };
+        match conn.recv(wait)? {
+            Some((t, p)) => {
+                let r: InferReply = parse(&t, &p)?;
+                if let Some(at) = sent_at.remove(&r.request) {
+                    replies.push((r, at.elapsed().as_secs_f64() * 1e3));
+                    pb.inc(1);
+                    last_reply = Instant::now();
+                }
+            }
+            None if next == total && last_reply.elapsed() > timeout => break,
+            None => {}
+        }
+    }
+    pb.finish_and_clear();
+    conn.disconnect();
+    let busy = |r: &InferReply| r.error.as_deref().is_some_and(|e| e.contains("busy"));
+    let mut rtt: Vec<f64> = replies
+        .iter()
+        .filter(|(r, _)| r.prediction.is_some())
+        .map(|(_, ms)| *ms)
+        .collect();
+    let mut dev: Vec<f64> = replies
+        .iter()
+        .filter_map(|(r, _)| r.prediction.as_ref().map(|p| p.latency_ms))
+        .collect();
+    rtt.sort_by(f64::total_cmp);
+    dev.sort_by(f64::total_cmp);
+    Ok(LoadReport {
+        device: device.to_string(),
+        rate,
+        sent_rate: total as f64 / sending_took.max(1e-9),
+        seconds: start.elapsed().as_secs_f64(),
+        sent: total,
+        answered: rtt.len(),
+        busy: replies.iter().filter(|(r, _)| busy(r)).count(),
+        errors: replies
+            .iter()
+            .filter(|(r, _)| r.prediction.is_none() && !busy(r))
+            .count(),
+        lost: sent_at.len(),
+        round_trip_p50_ms: quantile(&rtt, 0.5),
+        round_trip_p99_ms: quantile(&rtt, 0.99),
+        device_latency_p50_ms: quantile(&dev, 0.5),
+        device_latency_p99_ms: quantile(&dev, 0.99),
+    })
 }

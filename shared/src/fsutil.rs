@@ -41,6 +41,22 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     }
 }
 
+/// Removes what [`write_atomic`] leaves in `dir` when its process is killed mid-write
+/// (`.<name>.tmp.<pid>.<n>`); returns how many. Call it on directories one process owns, at start.
+pub fn remove_temp_files(dir: &Path) -> io::Result<usize> {
+    let mut n = 0;
+    for e in fs::read_dir(dir)? {
+        let e = e?;
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with('.') && name.contains(".tmp.") && e.file_type()?.is_file() {
+            fs::remove_file(e.path())?;
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -53,6 +69,10 @@ mod tests {
         assert_eq!(std::fs::read(&p).unwrap(), b"two");
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
         assert!(super::write_atomic(&dir.join("missing/x"), b"").is_err());
+        std::fs::write(dir.join(".a.bin.tmp.1.0"), b"torn").unwrap();
+        std::fs::write(dir.join(".keep"), b"").unwrap();
+        assert_eq!(super::remove_temp_files(&dir).unwrap(), 1);
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

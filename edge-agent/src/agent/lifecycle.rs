@@ -249,6 +249,7 @@ impl Agent {
             status_dirty: true,
             connected: false,
             last_progress: Instant::now(),
+            store_error: None,
             pause: std::env::var("KESTREL_AGENT_PAUSE").ok(),
             cfg,
         };
@@ -262,7 +263,7 @@ impl Agent {
             self.load_active(v);
         }
         let resumed = self.updater.resume();
-        self.save_journal()?;
+        self.save_journal();
         for a in resumed {
             if let Some(ev) = self.act(a).await? {
                 self.feed(ev).await?;

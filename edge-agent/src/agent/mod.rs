@@ -5,7 +5,7 @@
 //! its actions run, so a restart continues where the agent stopped.
 
 use std::collections::VecDeque;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::time::{Duration, Instant};
@@ -87,6 +87,10 @@ pub struct Agent {
     status_dirty: bool,
     connected: bool,
     last_progress: Instant,
+    /// The last failed write to the store (a full disk) and the directory it failed in: shown
+    /// as the status's `last_error` until a write in or below that directory succeeds; the agent keeps
+    /// serving and retries meanwhile.
+    store_error: Option<(PathBuf, String)>,
     /// Test hook (`KESTREL_AGENT_PAUSE=download|activate`): stop at that point, still connected,
     /// so a test can kill the process there.
     pause: Option<String>,
@@ -97,14 +101,45 @@ impl Agent {
         self.cfg.store.join("state.json")
     }
 
-    fn save_journal(&self) -> Result<()> {
+    /// Writes the journal. A failure (a full disk) is reported, not fatal: the agent goes on
+    /// from memory and the next change writes it again; a crash meanwhile resumes from the
+    /// last journal written, whose actions are all safe to repeat.
+    fn save_journal(&mut self) {
         let j = Journal {
             updater: Some(self.updater.clone()),
             wanted: self.wanted.clone(),
             desired: self.desired.clone(),
         };
-        write_atomic(&self.journal_path(), &serde_json::to_vec_pretty(&j)?)
-            .with_context(|| format!("writing {}", self.journal_path().display()))
+        let bytes = serde_json::to_vec_pretty(&j).expect("serializable");
+        let path = self.journal_path();
+        let r = write_atomic(&path, &bytes);
+        self.stored(r, &path);
+    }
+
+    /// Records the outcome of a store write: a failure is logged and shown in the status until
+    /// a later write in or below the same directory succeeds. Returns whether it succeeded.
+    fn stored(&mut self, r: std::io::Result<()>, path: &Path) -> bool {
+        let dir = path.parent().unwrap_or(path).to_path_buf();
+        match r {
+            Ok(()) => {
+                if self
+                    .store_error
+                    .as_ref()
+                    .is_some_and(|(d, _)| dir.starts_with(d))
+                {
+                    self.store_error = None;
+                    self.status_dirty = true;
+                }
+                true
+            }
+            Err(e) => {
+                let msg = format!("store: writing {}: {e}; retrying", path.display());
+                eprintln!("{}: {msg}", self.cfg.device_id);
+                self.store_error = Some((dir, msg));
+                self.status_dirty = true;
+                false
+            }
+        }
     }
 
     fn status(&self) -> Status {
@@ -130,7 +165,11 @@ impl Agent {
             previous: self.updater.previous,
             target: self.updater.phase.target(),
             progress,
-            last_error: self.updater.last_error.clone(),
+            last_error: self
+                .store_error
+                .as_ref()
+                .map(|(_, e)| e.clone())
+                .or_else(|| self.updater.last_error.clone()),
             failed_version: self.updater.last_failed,
             latency: LatencyStats {
                 count: self.served,
@@ -235,7 +274,7 @@ impl Agent {
         while let Some(ev) = events.pop_front() {
             let before = self.updater.phase.name();
             let actions = self.updater.handle(ev);
-            self.save_journal()?;
+            self.save_journal();
             if self.updater.phase.name() != before {
                 self.status_dirty = true;
             }
@@ -457,8 +496,9 @@ impl Agent {
             KeysVerdict::Updated(version) => {
                 let path = self.cfg.store.join(KEYS_FILE);
                 let saved = serde_json::to_vec(self.trust.saved().expect("just updated"))?;
-                write_atomic(&path, &saved)
-                    .with_context(|| format!("writing {}", path.display()))?;
+                // Not written (a full disk): in force until a restart, which falls back to the
+                // last list saved; the retained list on the broker is verified again then.
+                self.stored(write_atomic(&path, &saved), &path);
                 eprintln!("{}: key list v{version} in force", self.cfg.device_id);
                 self.publish_status();
                 self.subscribe_all().await
@@ -484,7 +524,7 @@ impl Agent {
             self.publish_status();
             return Ok(());
         }
-        self.save_journal()?;
+        self.save_journal();
         self.choose().await
     }
 
@@ -509,7 +549,7 @@ impl Agent {
         }
         let t = self.topics.artifact_manifest(&d.name, d.version);
         self.wanted = Some(d);
-        self.save_journal()?;
+        self.save_journal();
         self.client.subscribe(t, QoS::AtLeastOnce).await?;
         Ok(())
     }
@@ -552,8 +592,11 @@ impl Agent {
             }
         };
         let dl = self.store.download_dir(o.version);
-        std::fs::create_dir_all(dl.join("chunks"))?;
-        write_atomic(&dl.join("offer.json"), payload)?;
+        // Not written (a full disk): the download goes on from memory (the chunk writes fail
+        // too until space returns); after a restart without offer.json it starts over.
+        let r = std::fs::create_dir_all(dl.join("chunks"))
+            .and_then(|_| write_atomic(&dl.join("offer.json"), payload));
+        self.stored(r, &dl.join("offer.json"));
         let offer = Offer {
             version: o.version,
             chunks: o.chunks.len() as u32,
@@ -594,7 +637,13 @@ impl Agent {
                 .download_dir(version)
                 .join("chunks")
                 .join(index.to_string());
-            write_atomic(&path, payload).with_context(|| format!("writing {}", path.display()))?;
+            // A failed write (a full disk) drops the chunk: the stalled download asks for the
+            // missing chunks again (on_tick), and the active model keeps serving meanwhile.
+            let r = std::fs::create_dir_all(path.parent().expect("chunks/"))
+                .and_then(|_| write_atomic(&path, payload));
+            if !self.stored(r, &path) {
+                return Ok(());
+            }
             self.last_progress = Instant::now();
             self.status_dirty = true;
             Event::ChunkStored { version, index }

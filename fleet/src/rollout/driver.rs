@@ -123,14 +123,42 @@ pub fn run(
         None => begin(&mut conn, &name, bundle, plan, log)?,
     };
     let signer = (key, bundle.manifest.registry.as_deref());
-    let outputs = c.start(now_unix());
-    execute(&mut conn, &c, signer, outputs, log)?;
-    conn.subscribe(&conn.topics.status_filter())?;
-    let mut last_tick = Instant::now();
     // Each device's latest status: after an abort, a device that never left its previous model
     // sends nothing new, and a broker need not resend retained messages to a subscription that
     // exists already (rumqttd does not), so the wait for the roll back starts from these.
     let mut latest: BTreeMap<String, Status> = BTreeMap::new();
+    // A lost broker (a restart, an outage) is waited for: reconnected, the controller goes on as
+    // a restarted one would (its phase's desired states again, all idempotent).
+    while let Err(e) = follow(&mut conn, &mut c, signer, &mut latest, log) {
+        let FleetError::Broker { .. } = e else {
+            return Err(e);
+        };
+        log(format!("{e}; reconnecting (for up to {RECONNECT_S} s)"));
+        conn = reconnect(cfg, e)?;
+    }
+    if let RolloutState::Aborted(_) = &c.state {
+        wait_rolled_back(&mut conn, &c, latest, log)?;
+    }
+    conn.disconnect();
+    Ok(c)
+}
+
+/// How long a rollout waits for a lost broker to come back.
+const RECONNECT_S: u64 = 120;
+
+/// The controller's current phase published again, then the devices' statuses and the clock
+/// fed to it until the rollout ends.
+fn follow(
+    conn: &mut Conn,
+    c: &mut Controller,
+    signer: (&SigningKey, Option<&str>),
+    latest: &mut BTreeMap<String, Status>,
+    log: &mut dyn FnMut(String),
+) -> Result<(), FleetError> {
+    let outputs = c.start(now_unix());
+    execute(conn, c, signer, outputs, log)?;
+    conn.subscribe(&conn.topics.status_filter())?;
+    let mut last_tick = Instant::now();
     while c.state == RolloutState::Running {
         if let Some((t, p)) = conn.recv(Duration::from_millis(250))?
             && !p.is_empty()
@@ -139,19 +167,34 @@ pub fn run(
             let s: Status = parse(&t, &p)?;
             let outputs = c.on_status(&s, now_unix());
             latest.insert(s.device.clone(), s);
-            execute(&mut conn, &c, signer, outputs, log)?;
+            execute(conn, c, signer, outputs, log)?;
         }
         if last_tick.elapsed() >= Duration::from_secs(1) {
             last_tick = Instant::now();
             let outputs = c.on_tick(now_unix());
-            execute(&mut conn, &c, signer, outputs, log)?;
+            execute(conn, c, signer, outputs, log)?;
         }
     }
-    if let RolloutState::Aborted(_) = &c.state {
-        wait_rolled_back(&mut conn, &c, latest, log)?;
+    Ok(())
+}
+
+/// A new connection to the broker, tried every 2 s for [`RECONNECT_S`]; else `lost` and the
+/// last failure.
+fn reconnect(cfg: &BrokerConfig, lost: FleetError) -> Result<Conn, FleetError> {
+    let deadline = Instant::now() + Duration::from_secs(RECONNECT_S);
+    loop {
+        std::thread::sleep(Duration::from_secs(2));
+        match Conn::connect(cfg, "rollout") {
+            Ok(c) => return Ok(c),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(FleetError::Broker {
+                    url: cfg.url.clone(),
+                    reason: format!("{lost}; not back within {RECONNECT_S} s: {e}"),
+                });
+            }
+            Err(_) => {}
+        }
     }
-    conn.disconnect();
-    Ok(c)
 }
 
 /// A new rollout `name`: the fleet (the plan's devices, else every device with a retained

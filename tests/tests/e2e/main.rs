@@ -6,6 +6,7 @@
 
 mod arm;
 mod backbone;
+mod chaos;
 mod cli;
 mod cross;
 mod distributed;

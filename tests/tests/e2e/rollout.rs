@@ -243,33 +243,7 @@ fn controller_killed_mid_rollout_resumes_and_completes(kind: BrokerKind) {
         &dir.join("controller-1.log"),
     );
     // Wait until the second phase has started (retained controller state), then SIGKILL.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let o = run(
-            "trainer",
-            &[
-                "rollout",
-                "status",
-                "--broker",
-                &b.url(),
-                "--name",
-                "resume",
-                "--json",
-            ],
-        );
-        let phase = serde_json::from_str::<Value>(stdout(&o).trim())
-            .ok()
-            .and_then(|c| c["phase"].as_u64());
-        if phase == Some(1) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the rollout never reached phase 1: {}",
-            ctl.output()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_phase(&b, "resume", 1, &ctl);
     ctl.kill();
     let active_before = statuses(&cfg, None)
         .unwrap()
@@ -292,6 +266,76 @@ fn controller_killed_mid_rollout_resumes_and_completes(kind: BrokerKind) {
             .iter()
             .all(|s| s.active == Some(1))
     );
+}
+
+/// Mosquitto restarted in the middle of a rollout: the controller and the devices reconnect
+/// (Mosquitto keeps the retained and session state it persisted) and the rollout completes.
+#[test]
+fn broker_restarted_mid_rollout_and_the_rollout_completes() {
+    let f = fixture();
+    let dir = f.dir.join("broker-restart");
+    let mut b = Broker::start(BrokerKind::Mosquitto, &dir.join("broker"));
+    let cfg = b.config();
+    let conf = agent_config(&dir.join("sim"), "br", &b.url(), &f.keys, "");
+    let _fleet = start_agent_with(&conf, &[], &["--simulate", "10"]);
+    wait_fleet(&cfg, 10);
+    let plan = write_plan(
+        &dir,
+        "restart",
+        "[[phases]]\nname = \"first\"\npercent = 30\nsoak_s = 2\n[[phases]]\nname = \"second\"\npercent = 60\nsoak_s = 8\n[[phases]]\nname = \"rest\"\npercent = 100\n",
+    );
+    let ctl = Proc::spawn(
+        &mut rollout_cmd(&b, &f.v1, &plan),
+        &dir.join("controller.log"),
+    );
+    wait_phase(&b, "restart", 1, &ctl);
+    b.restart();
+    let mut ctl = ctl;
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while ctl.is_running() {
+        assert!(
+            Instant::now() < deadline,
+            "rollout still running: {}",
+            ctl.output()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let status = ctl.child.wait().unwrap();
+    let out = ctl.output();
+    assert!(status.success(), "{out}");
+    assert!(
+        out.contains("reconnecting"),
+        "the broker was not lost: {out}"
+    );
+    let last = out.lines().rev().find(|l| l.starts_with('{')).unwrap();
+    let c: Value = serde_json::from_str(last).unwrap();
+    assert_eq!(c["state"]["state"], "completed", "{out}");
+    let all = statuses(&cfg, None).unwrap();
+    assert!(all.iter().all(|s| s.active == Some(1)), "{all:?}");
+}
+
+/// Polls `trainer rollout status` until the rollout `name` is in `phase`.
+fn wait_phase(b: &Broker, name: &str, phase: u64, ctl: &Proc) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let url = b.url();
+    loop {
+        let args = [
+            "rollout", "status", "--broker", &url, "--name", name, "--json",
+        ];
+        let o = run("trainer", &args);
+        let now = serde_json::from_str::<Value>(stdout(&o).trim())
+            .ok()
+            .and_then(|c| c["phase"].as_u64());
+        if now == Some(phase) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the rollout never reached phase {phase}: {}",
+            ctl.output()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// A Mosquitto with TLS, passwords and the repo's ACL (edge-agent/deploy/kestrel.acl).

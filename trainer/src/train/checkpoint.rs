@@ -24,9 +24,15 @@ fn run_err(run: &Path, reason: String) -> TrainError {
     }
 }
 
-/// Creates the run directory (and its `checkpoints/`).
+/// Creates the run directory (and its `checkpoints/`), removing the temporary files of writes
+/// that a kill cut short (so a run killed again and again leaves nothing growing).
 pub fn create(run: &Path) -> Result<(), TrainError> {
-    std::fs::create_dir_all(run.join("checkpoints")).map_err(|e| run_err(run, e.to_string()))
+    let ckpts = run.join("checkpoints");
+    std::fs::create_dir_all(&ckpts)
+        .and_then(|_| kestrel_shared::fsutil::remove_temp_files(run))
+        .and_then(|_| kestrel_shared::fsutil::remove_temp_files(&ckpts))
+        .map(|_| ())
+        .map_err(|e| run_err(run, e.to_string()))
 }
 
 /// The latest complete checkpoint (its `.json` is written last).

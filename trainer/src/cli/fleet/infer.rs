@@ -28,9 +28,22 @@ pub struct Args {
     /// Only the images of --data that a run held out for testing (its split.json).
     #[arg(long, requires = "data")]
     held_out: Option<PathBuf>,
-    /// Requests outstanding at once.
-    #[arg(long, default_value_t = 8)]
-    window: usize,
+    /// Requests outstanding at once [default: 8].
+    #[arg(long)]
+    window: Option<usize>,
+    /// Load mode: send the images round robin at this many requests per second (no window; a
+    /// device that cannot keep up answers `busy`) and print one report: answered, busy, errors,
+    /// lost, round-trip and device latency p50/p99. Fails when a request is lost or errors.
+    #[arg(long, value_name = "PER_SECOND", conflicts_with = "window")]
+    rate: Option<f64>,
+    /// Load mode: seconds to keep sending at --rate.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 10.0,
+        requires = "rate"
+    )]
+    duration: f64,
     /// Seconds to wait for the device before giving up.
     #[arg(long, default_value_t = 60)]
     timeout: u64,
@@ -58,11 +71,14 @@ pub fn run(args: Args) -> Result<ExitCode> {
         bail!("no images: pass image files or --data TABLE");
     }
     let timeout = Duration::from_secs(args.timeout);
+    if let Some(rate) = args.rate {
+        return load(&args, &images, rate, timeout);
+    }
     let out = kestrel_fleet::infer::classify(
         &args.broker.config(),
         &args.device,
         &images,
-        args.window,
+        args.window.unwrap_or(8),
         timeout,
     )?;
     for (img, r) in images.iter().zip(&out.replies) {
@@ -70,6 +86,48 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     print_summary(&out, args.json)?;
     Ok(if out.summary.errors > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// `--rate`: a paced load run and its report.
+fn load(args: &Args, images: &[Image], rate: f64, timeout: Duration) -> Result<ExitCode> {
+    if !(rate > 0.0 && args.duration > 0.0) {
+        bail!("--rate and --duration must be positive");
+    }
+    let duration = Duration::from_secs_f64(args.duration);
+    let r = kestrel_fleet::infer::load(
+        &args.broker.config(),
+        &args.device,
+        images,
+        rate,
+        duration,
+        timeout,
+    )?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "{}: {} requests in {:.1} s ({:.0}/s asked, {:.0}/s sent): {} answered, {} busy, \
+             {} errors, {} lost; round trip p50 {:.1} ms p99 {:.1} ms; device p50 {:.1} ms p99 {:.1} ms",
+            r.device,
+            r.sent,
+            r.seconds,
+            r.rate,
+            r.sent_rate,
+            r.answered,
+            r.busy,
+            r.errors,
+            r.lost,
+            r.round_trip_p50_ms,
+            r.round_trip_p99_ms,
+            r.device_latency_p50_ms,
+            r.device_latency_p99_ms
+        );
+    }
+    Ok(if r.lost > 0 || r.errors > 0 {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
