@@ -288,6 +288,7 @@ impl FitArgs {
         };
         Ok(FitParams {
             data: data.path()?,
+            cache: Some(data.cache.root()),
             source: data.source(),
             backbone: self.backbone.backbone.clone(),
             arch: self.backbone.arch.map(|a| a.name().to_string()),

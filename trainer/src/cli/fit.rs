@@ -30,7 +30,8 @@ pub struct Args {
     /// Run directory (params.json, metrics.jsonl, summary.json, checkpoints/, *.png).
     #[arg(long, required_unless_present = "resume")]
     out: Option<PathBuf>,
-    /// Continue RUN_DIR from its last checkpoint with its saved parameters.
+    /// Continue RUN_DIR from its last checkpoint with its saved parameters (and cache, unless
+    /// --cache is given).
     #[arg(long, value_name = "RUN_DIR", conflicts_with = "out")]
     resume: Option<PathBuf>,
     /// Print summary.json on stdout.
@@ -44,11 +45,22 @@ pub fn job_opts(a: &Args) -> Result<JobOpts> {
         ..a.engine.job_opts()
     })?;
     Ok(match &a.resume {
-        // A resumed run keeps its worker count (under mpirun: the ranks).
-        Some(dir) => JobOpts {
-            workers: saved_params(dir)?.workers,
-            ..opts
-        },
+        // A resumed run keeps its worker count (under mpirun: the ranks) and, unless --cache
+        // says otherwise, its cache.
+        Some(dir) => {
+            let saved = saved_params(dir)?;
+            JobOpts {
+                workers: saved.workers,
+                cache_root: a
+                    .data
+                    .cache
+                    .cache
+                    .clone()
+                    .or(saved.cache)
+                    .unwrap_or(opts.cache_root),
+                ..opts
+            }
+        }
         None => opts,
     })
 }

@@ -57,6 +57,11 @@ pub enum LrScaling {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FitParams {
     pub data: PathBuf,
+    /// The sample and feature cache the run was prepared from, so that a resumed run reads the
+    /// same features (the cache is shared by the engines, whose features differ in the last
+    /// bits, and a run resumed on other features would not continue bit for bit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<PathBuf>,
     pub source: SourceOpts,
     pub backbone: String,
     pub arch: Option<String>,

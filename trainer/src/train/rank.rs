@@ -141,7 +141,7 @@ pub fn train_rank(
     }))
 }
 
-/// Same parameters and data on every rank (the table path may differ between hosts).
+/// Same parameters and data on every rank (the table and cache paths may differ between hosts).
 fn check_same_everywhere(
     p: &FitParams,
     pp: &Prepped,
@@ -149,6 +149,7 @@ fn check_same_everywhere(
 ) -> Result<(), TrainError> {
     let same = FitParams {
         data: PathBuf::new(),
+        cache: None,
         ..p.clone()
     };
     comm.check_same(
