@@ -85,20 +85,27 @@ fn journal_phase(store: &Path, version: u64) -> String {
     }
 }
 
-/// Waits (polling the agent's journal) until the update to `version` has begun: the journal
-/// names a phase other than idle, or `version` active already. Returns when it saw that.
-fn update_started(store: &Path, version: u64) -> Instant {
+/// The update machine's phases, in order, as [`journal_phase`] names them.
+const PHASES: [&str; 6] = [
+    "downloading",
+    "verifying",
+    "staging",
+    "checking",
+    "activating",
+    "idle, activated",
+];
+
+/// Polls the agent's journal (every 0.2 ms) until the update to `version` is in phase `aim` or
+/// past it.
+fn reach_phase(store: &Path, version: u64, aim: &str) {
+    let rank = |p: &str| PHASES.iter().position(|q| *q == p);
     let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let phase = journal_phase(store, version);
-        if !phase.starts_with("idle, before") && phase != "no journal yet" {
-            return Instant::now();
-        }
+    while rank(&journal_phase(store, version)) < rank(aim) {
         assert!(
             Instant::now() < deadline,
-            "the update to v{version} never began"
+            "the update to v{version} never reached {aim}"
         );
-        std::thread::sleep(Duration::from_millis(1));
+        std::thread::sleep(Duration::from_micros(200));
     }
 }
 
@@ -151,10 +158,10 @@ fn publish_in_background(
     })
 }
 
-/// The agent SIGKILLed at a random moment of each of `KESTREL_CHAOS_KILLS` updates (from the
-/// start of `trainer publish` to just past the activation) and started again: every time the new
-/// version ends up active, complete and verified, with no download, staging directory or
-/// temporary file left over.
+/// The agent SIGKILLed at a random moment of each of `KESTREL_CHAOS_KILLS` updates (in a phase
+/// chosen at random: download, verification, staging, health check, activation, just after) and
+/// started again: every time the new version ends up active, complete and verified, with no
+/// download, staging directory or temporary file left over.
 #[test]
 fn agent_killed_at_random_moments_restarts_onto_a_complete_model() {
     let kills = knob("KESTREL_CHAOS_KILLS", 6);
@@ -167,22 +174,21 @@ fn agent_killed_at_random_moments_restarts_onto_a_complete_model() {
     let store = w.join(device).join("store");
     let mut agent = start_agent(&cfg, &[]);
     let target = format!("device/{device}");
-    // One update without a kill: how long an update takes (from the offer to the activation)
-    // sets the window of the kill moments.
-    let publisher = publish_in_background(b.url(), &f.v1, &f.key(), target.clone());
-    let t0 = update_started(&store, 1);
+    let p = publish_in_background(b.url(), &f.v1, &f.key(), target.clone()).join();
+    assert!(p.unwrap().status.success());
     wait_status(&b.config(), device, 120, "v1 active", |st| {
         st.active == Some(1) && st.state == "idle"
     });
-    let window = t0.elapsed().mul_f64(1.1);
-    assert!(publisher.join().unwrap().status.success());
     let mut moments: BTreeMap<String, u64> = BTreeMap::new();
     for i in 0..kills {
         let version = i + 2;
         let art = f.variant(&f.v1, version, |_| {});
         let publisher = publish_in_background(b.url(), &art, &f.key(), target.clone());
-        let started = update_started(&store, version);
-        std::thread::sleep(window.mul_f64(rng.unit()).saturating_sub(started.elapsed()));
+        // A phase chosen at random, and a random moment (0-20 ms) once the journal shows it;
+        // a phase too short to be seen is passed, and the kill lands where the update is then.
+        let aim = PHASES[(rng.unit() * PHASES.len() as f64) as usize];
+        reach_phase(&store, version, aim);
+        std::thread::sleep(Duration::from_micros((rng.unit() * 20_000.0) as u64));
         agent.kill();
         let killed_at = now_rfc3339();
         *moments.entry(journal_phase(&store, version)).or_default() += 1;
@@ -195,10 +201,7 @@ fn agent_killed_at_random_moments_restarts_onto_a_complete_model() {
         });
         check_store(&store, &f.keys, version);
     }
-    eprintln!(
-        "agent crash loop: {kills}/{kills} kills survived (window {:.1} s); killed while: {moments:?}",
-        window.as_secs_f64()
-    );
+    eprintln!("agent crash loop: {kills}/{kills} kills survived; killed while: {moments:?}");
 }
 
 /// `trainer fit` SIGKILLed `KESTREL_CHAOS_FIT_KILLS` times at random moments of its epoch loop
