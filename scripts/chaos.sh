@@ -7,21 +7,22 @@
 #     lost, RSS, p50/p99;
 #   - a store on a tmpfs that fills up during a download; Mosquitto restarted mid-rollout.
 # Prints one line per figure (the README's "Hardening" table); KESTREL_CHAOS_SEED replays a run.
-#   scripts/chaos.sh
+#   scripts/chaos.sh [TEST_FILTER...]   # default: all of them; the whole output in $KESTREL_HOME/chaos.log
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
 "$here/setup.sh" >&2
 cd "$here/.."
-log="$(mktemp)"
-trap 'rm -f "$log"' EXIT
+log="$KESTREL_HOME/chaos.log"
+filters=("$@")
+[ ${#filters[@]} -eq 0 ] && filters=(chaos:: rollout::broker_restarted)
 echo "# Crash loops, load and faults, $(date -u +%Y-%m-%d) on $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'))"
 # shellcheck disable=SC2086
 KESTREL_CHAOS_KILLS="${CHAOS_KILLS:-100}" KESTREL_CHAOS_FIT_KILLS="${CHAOS_FIT_KILLS:-100}" \
 KESTREL_LOAD_RATE="${LOAD_RATE:-200}" KESTREL_LOAD_SECONDS="${LOAD_SECONDS:-60}" \
-  cargo test --release --locked -p kestrel-tests --test e2e $KESTREL_FEATURES -- \
-  --test-threads 1 --nocapture chaos:: rollout::broker_restarted >"$log" 2>&1 || status=$?
-grep -E '^(agent crash loop|fit crash loop|load):|KESTREL_CHAOS_SEED|^test .* (ok|FAILED)$|SKIP' "$log" || true
+  cargo test --release --locked --workspace --test e2e $KESTREL_FEATURES -- \
+  --test-threads 1 --nocapture "${filters[@]}" >"$log" 2>&1 || status=$?
+grep -oE '(agent crash loop|fit crash loop|load): .*|KESTREL_CHAOS_SEED=[0-9]+|test [a-z_:]+ \.\.\. (ok|FAILED)|SKIP: .*' "$log" || true
 if [ "${status:-0}" != 0 ]; then
   tail -60 "$log" >&2
   exit "$status"

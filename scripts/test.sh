@@ -10,9 +10,9 @@ cd "$here/.."
 # cold cross build cannot hold the test command indefinitely (warm: seconds; cold: ~20-40 min on 2 cores).
 # KESTREL_SKIP_EDGE_BUILD=1 skips it (the ARM tests then skip, or test what dist/ already holds).
 # The slow optional steps (the ARM build, fuzzing) share one deadline, KESTREL_SLOW_DEADLINE seconds
-# after this script started (default 2700), so a cold run still leaves the tests (~30 min) their time.
+# after this script started (default 2100), so a cold run still leaves the tests (~35 min on 2 cores) their time.
 slow_budget() { # the smaller of $1 and what is left before the deadline (at least 60 s)
-  local left=$(( ${KESTREL_SLOW_DEADLINE:-2700} - SECONDS ))
+  local left=$(( ${KESTREL_SLOW_DEADLINE:-2100} - SECONDS ))
   [ "$left" -lt 60 ] && left=60
   [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
 }

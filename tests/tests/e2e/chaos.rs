@@ -164,7 +164,7 @@ fn publish_in_background(
 /// download, staging directory or temporary file left over.
 #[test]
 fn agent_killed_at_random_moments_restarts_onto_a_complete_model() {
-    let kills = knob("KESTREL_CHAOS_KILLS", 6);
+    let kills = knob("KESTREL_CHAOS_KILLS", 4);
     let mut rng = Rng::new("agent crash loop");
     let w = Scratch::new();
     let f = fixture();
