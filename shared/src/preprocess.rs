@@ -280,10 +280,19 @@ pub fn decode(
     l.max_image_height = Some(limits.max_height);
     l.max_alloc = Some(limits.max_alloc);
     reader.limits(l);
-    reader.decode().map_err(|e| PreprocessError::Decode {
-        source_name,
+    let img = reader.decode().map_err(|e| PreprocessError::Decode {
+        source_name: source_name.clone(),
         reason: e.to_string(),
-    })
+    })?;
+    // An image with no pixels (a GIF's 4x0 screen, found by fuzzing) would scale to an endless
+    // size in the resize.
+    if img.width() == 0 || img.height() == 0 {
+        return Err(PreprocessError::Decode {
+            source_name,
+            reason: format!("image {}x{} has no pixels", img.width(), img.height()),
+        });
+    }
+    Ok(img)
 }
 
 impl PreprocessSpec {
@@ -502,6 +511,21 @@ mod tests {
         let e = spec.run_bytes(&good, "d.png", &small).unwrap_err();
         assert!(
             matches!(e, PreprocessError::TooLarge { width: 64, .. }),
+            "{e}"
+        );
+    }
+
+    /// Fuzzing found it (fuzz/fuzz_targets/image_preprocess.rs): a 79-byte GIF with a 4x0 screen
+    /// asked the resize for an endless allocation.
+    #[test]
+    fn an_image_without_pixels_is_refused() {
+        let gif = b"GIF87a\x04\x00\x00\x00\x81?\x00\x01\xf2\x03\x00\x00\x00\x00\x00\x00\x00\x00\x00,\x00\x00\x00\x00\x04\x00\x04\x00i\x08q\x142\x81\x91\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x81\x00\x00\x01\x02\x03\x00\x00\x00\x00\x00\x00\x00\x89/PNG\r\x00\x04\x00\x80\x00;";
+        assert_eq!(gif.len(), 79);
+        let e = PreprocessSpec::tf_inception()
+            .run_bytes(gif, "zero.gif", &ImageLimits::default())
+            .unwrap_err();
+        assert!(
+            matches!(e, PreprocessError::Decode { .. }) && e.to_string().contains("zero.gif"),
             "{e}"
         );
     }
