@@ -18,6 +18,13 @@ pub struct Store {
     root: PathBuf,
 }
 
+/// [`write_atomic`], creating the parent directory first (a download's directories are made
+/// as its files come; a full disk may have refused them before).
+fn write_creating(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    fs::create_dir_all(path.parent().expect("a store path"))?;
+    write_atomic(path, bytes)
+}
+
 fn sync_dir(dir: &Path) -> io::Result<()> {
     fs::File::open(dir)?.sync_all()
 }
@@ -46,6 +53,28 @@ impl Store {
     /// Where the chunks of `version` and its offer are journaled while downloading.
     pub fn download_dir(&self, version: u64) -> PathBuf {
         self.root.join("downloads").join(version.to_string())
+    }
+
+    /// The accepted offer of a download, journaled beside its chunks.
+    pub fn offer_path(&self, version: u64) -> PathBuf {
+        self.download_dir(version).join("offer.json")
+    }
+
+    /// Where chunk `index` of a download is journaled.
+    pub fn chunk_path(&self, version: u64, index: u32) -> PathBuf {
+        self.download_dir(version)
+            .join("chunks")
+            .join(index.to_string())
+    }
+
+    /// Journals the accepted offer (its raw bytes) of a download.
+    pub fn write_offer(&self, version: u64, offer: &[u8]) -> io::Result<()> {
+        write_creating(&self.offer_path(version), offer)
+    }
+
+    /// Journals one verified chunk of a download.
+    pub fn write_chunk(&self, version: u64, index: u32, bytes: &[u8]) -> io::Result<()> {
+        write_creating(&self.chunk_path(version, index), bytes)
     }
 
     /// Where the files of `version` are assembled from its chunks.
@@ -134,10 +163,9 @@ impl Store {
     /// Splits the downloaded chunks into the device files under `staging/<v>` with the signed
     /// manifest and its signature; returns that directory.
     pub fn assemble(&self, o: &ArtifactOffer, m: &Manifest) -> Result<PathBuf, String> {
-        let dl = self.download_dir(o.version).join("chunks");
         let mut bundle = Vec::with_capacity(o.total_bytes as usize);
         for i in 0..o.chunks.len() {
-            let p = dl.join(i.to_string());
+            let p = self.chunk_path(o.version, i as u32);
             let bytes = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?;
             if sha256_hex(&bytes) != o.chunks[i] {
                 return Err(format!("chunk {i}: sha256 mismatch on disk"));

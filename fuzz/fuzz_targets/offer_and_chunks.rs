@@ -38,10 +38,8 @@ fuzz_target!(|data: &[u8]| {
     }
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path()).unwrap();
-    let chunks = store.download_dir(offer.version).join("chunks");
-    std::fs::create_dir_all(&chunks).unwrap();
     for (i, c) in bundle.chunks(chunk_bytes).enumerate() {
-        std::fs::write(chunks.join(i.to_string()), c).unwrap();
+        store.write_chunk(offer.version, i as u32, c).unwrap();
     }
     if let Ok(staged) = store.assemble(&offer, &m) {
         for f in walk(&staged) {

@@ -152,7 +152,7 @@ fn saved_trust(cfg: &Config) -> Result<Trust> {
 /// The accepted offer of the update in progress, as saved beside its download.
 fn saved_offer(store: &Store, updater: &Updater) -> Option<(ArtifactOffer, Manifest)> {
     updater.phase.target().and_then(|v| {
-        let p = store.download_dir(v).join("offer.json");
+        let p = store.offer_path(v);
         let o: ArtifactOffer = serde_json::from_slice(&std::fs::read(p).ok()?).ok()?;
         let m = serde_json::from_str(&o.manifest).ok()?;
         Some((o, m))

@@ -3,6 +3,9 @@
 //! state; blocking work (verification, the tract health check, inference) runs on other threads
 //! and reports back through a channel. Every updater event is journaled (`state.json`) before
 //! its actions run, so a restart continues where the agent stopped.
+//!
+//! Here: the journal, status, actions and message dispatch; [`wanted`]: desired states and key
+//! lists; [`download`]: offers and chunks; [`lifecycle`]: start, serve, stop.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -14,24 +17,25 @@ use anyhow::{Context, Result};
 use kestrel_models::artifact::{self, LoadedModel};
 use kestrel_shared::fsutil::write_atomic;
 use kestrel_shared::manifest::Manifest;
+use kestrel_shared::now_rfc3339;
 use kestrel_shared::protocol::{
-    ArtifactOffer, Desired, DeviceEvent, InferReply, LatencyStats, SignedDesired, SignedKeyList,
-    Status, Target, Topics, parse, sha256_hex,
+    ArtifactOffer, Desired, DeviceEvent, InferReply, LatencyStats, Status, Target, Topics,
 };
-use kestrel_shared::{now_rfc3339, now_unix};
 use rumqttc::{AsyncClient, Event as MqttEvent, Outgoing, Packet, QoS};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use crate::config::Config;
-use crate::desired::{DesiredStates, Verdict};
+use crate::desired::DesiredStates;
 use crate::outbox::{Message, Outbox};
 use crate::serve::{ModelCache, Shared};
 use crate::store::Store;
-use crate::trust::{KeysVerdict, Trust};
-use crate::update::{Action, Event, Offer, Phase, Report, Updater};
+use crate::trust::Trust;
+use crate::update::{Action, Event, Phase, Report, Updater};
 
+mod download;
 mod lifecycle;
+mod wanted;
 
 pub use lifecycle::run;
 
@@ -443,215 +447,6 @@ impl Agent {
                 Ok(())
             }
         }
-    }
-
-    /// A desired state arrived on one of our desired topics (an empty payload is an unsigned
-    /// clear, refused).
-    async fn on_desired(&mut self, topic: &str, payload: &[u8]) -> Result<()> {
-        if payload.is_empty() {
-            let verdict = self.desired.unsigned_clear(topic);
-            return self.on_verdict(verdict, 0).await;
-        }
-        let d = parse::<SignedDesired>(topic, payload)
-            .and_then(|s| s.open(self.trust.keys(), topic))
-            .map_err(|e| e.to_string())
-            .and_then(|d| {
-                if self.topics.desired(&d.target) == topic {
-                    Ok(d)
-                } else {
-                    Err(format!(
-                        "{topic}: desired state for {} on the wrong topic",
-                        d.target
-                    ))
-                }
-            });
-        match d {
-            Ok(d) => {
-                let version = d.version;
-                let verdict = self.desired.receive(topic, d, now_unix());
-                self.on_verdict(verdict, version).await
-            }
-            Err(reason) => {
-                // The version, if readable, only labels the report.
-                let version = parse::<SignedDesired>(topic, payload)
-                    .ok()
-                    .and_then(|s| serde_json::from_str::<Desired>(&s.body).ok())
-                    .map_or(0, |d| d.version);
-                let reason = format!("desired state refused: {reason}");
-                self.feed(Event::Refused { version, reason }).await
-            }
-        }
-    }
-
-    /// A key list arrived: a newer one is saved and in force at once, and the desired states
-    /// are asked for again (one signed by a key it adds may have been refused before).
-    async fn on_keys(&mut self, topic: &str, payload: &[u8]) -> Result<()> {
-        let verdict = match parse::<SignedKeyList>(topic, payload) {
-            Ok(signed) => self.trust.receive(signed, topic),
-            Err(e) => KeysVerdict::Refused(e.to_string()),
-        };
-        match verdict {
-            KeysVerdict::Same => Ok(()),
-            KeysVerdict::Refused(reason) => self.on_verdict(Verdict::Refused(reason), 0).await,
-            KeysVerdict::Updated(version) => {
-                let path = self.cfg.store.join(KEYS_FILE);
-                let saved = serde_json::to_vec(self.trust.saved().expect("just updated"))?;
-                // Not written (a full disk): in force until a restart, which falls back to the
-                // last list saved; the retained list on the broker is verified again then.
-                self.stored(write_atomic(&path, &saved), &path);
-                eprintln!("{}: key list v{version} in force", self.cfg.device_id);
-                self.publish_status();
-                self.subscribe_all().await
-            }
-        }
-    }
-
-    /// Journals what the replay and expiry rules decided, reports a refusal (status and event),
-    /// and pursues whatever is now wanted.
-    async fn on_verdict(&mut self, verdict: Verdict, version: u64) -> Result<()> {
-        if let Verdict::Refused(reason) = verdict {
-            eprintln!("{}: {reason}", self.cfg.device_id);
-            let ev = DeviceEvent {
-                device: self.cfg.device_id.clone(),
-                kind: "refused".into(),
-                version,
-                reason: Some(reason.clone()),
-                time: now_rfc3339(),
-            };
-            let topic = self.topics.events(&self.cfg.device_id);
-            self.publish_durable(topic, serde_json::to_string(&ev).expect("serializable"));
-            self.refused = Some(reason);
-            self.publish_status();
-            return Ok(());
-        }
-        self.save_journal();
-        self.choose().await
-    }
-
-    /// Pursues the device's own desired state, else the newest of its groups' (unexpired).
-    async fn choose(&mut self) -> Result<()> {
-        let own = self
-            .topics
-            .desired(&Target::Device(self.cfg.device_id.clone()));
-        let pick = self.desired.pick(&own, now_unix()).cloned();
-        let Some(d) = pick else { return Ok(()) };
-        let same = self.wanted.as_ref().is_some_and(|w| {
-            w.name == d.name && w.version == d.version && w.rollback == d.rollback
-        });
-        if same && self.updater.phase != Phase::Idle {
-            return Ok(());
-        }
-        if let Some(old) = &self.wanted
-            && (old.name != d.name || old.version != d.version)
-        {
-            let t = self.topics.artifact_manifest(&old.name, old.version);
-            self.client.unsubscribe(t).await?;
-        }
-        let t = self.topics.artifact_manifest(&d.name, d.version);
-        self.wanted = Some(d);
-        self.save_journal();
-        self.client.subscribe(t, QoS::AtLeastOnce).await?;
-        Ok(())
-    }
-
-    async fn on_offer(&mut self, topic: &str, payload: &[u8]) -> Result<()> {
-        let Some(w) = self.wanted.clone() else {
-            return Ok(());
-        };
-        if topic != self.topics.artifact_manifest(&w.name, w.version) || payload.is_empty() {
-            return Ok(());
-        }
-        if self.updater.phase.target() == Some(w.version)
-            || (self.updater.active == Some(w.version) && self.updater.phase == Phase::Idle)
-        {
-            return Ok(()); // redelivery
-        }
-        let checked = parse::<ArtifactOffer>(topic, payload)
-            .map_err(|e| e.to_string())
-            .and_then(|o| {
-                let m = o.open(self.trust.keys()).map_err(|e| e.to_string())?;
-                artifact::check_names(&m).map_err(|e| e.to_string())?;
-                if m.name != w.name || m.version != w.version {
-                    return Err(format!(
-                        "offer is {} v{}, wanted {} v{}",
-                        m.name, m.version, w.name, w.version
-                    ));
-                }
-                Ok((o, m))
-            });
-        let (o, m) = match checked {
-            Ok(x) => x,
-            Err(reason) => {
-                let reason = format!("artifact refused: {reason}");
-                return self
-                    .feed(Event::Refused {
-                        version: w.version,
-                        reason,
-                    })
-                    .await;
-            }
-        };
-        let dl = self.store.download_dir(o.version);
-        // Not written (a full disk): the download goes on from memory (the chunk writes fail
-        // too until space returns); after a restart without offer.json it starts over.
-        let r = std::fs::create_dir_all(dl.join("chunks"))
-            .and_then(|_| write_atomic(&dl.join("offer.json"), payload));
-        self.stored(r, &dl.join("offer.json"));
-        let offer = Offer {
-            version: o.version,
-            chunks: o.chunks.len() as u32,
-            total_bytes: o.total_bytes,
-            rollback: w.rollback,
-        };
-        let version = o.version;
-        self.offer = Some((o, m));
-        self.feed(Event::Offered(offer)).await?;
-        if self.updater.phase.target() != Some(version) {
-            // Refused (too large, a downgrade): nothing of it stays on disk.
-            let _ = std::fs::remove_dir_all(self.store.download_dir(version));
-            self.offer = None;
-        }
-        Ok(())
-    }
-
-    async fn on_chunk(&mut self, topic: &str, payload: &[u8]) -> Result<()> {
-        let Some((o, _)) = &self.offer else {
-            return Ok(());
-        };
-        let Some(index) = self.topics.parse_chunk(topic, &o.name, o.version) else {
-            return Ok(());
-        };
-        let version = o.version;
-        let Phase::Downloading { offer, have, .. } = &self.updater.phase else {
-            return Ok(());
-        };
-        if offer.version != version || have.contains(&index) || index >= offer.chunks {
-            return Ok(());
-        }
-        if self.pause.as_deref() == Some("download") && have.len() >= 2 {
-            return Ok(());
-        }
-        let ev = if sha256_hex(payload) == o.chunks[index as usize] {
-            let path = self
-                .store
-                .download_dir(version)
-                .join("chunks")
-                .join(index.to_string());
-            // A failed write (a full disk) drops the chunk: the stalled download asks for the
-            // missing chunks again (on_tick), and the active model keeps serving meanwhile.
-            let r = std::fs::create_dir_all(path.parent().expect("chunks/"))
-                .and_then(|_| write_atomic(&path, payload));
-            if !self.stored(r, &path) {
-                return Ok(());
-            }
-            self.last_progress = Instant::now();
-            self.status_dirty = true;
-            Event::ChunkStored { version, index }
-        } else {
-            eprintln!("{}: {topic}: sha256 mismatch", self.cfg.device_id);
-            Event::ChunkCorrupt { version, index }
-        };
-        self.feed(ev).await
     }
 
     fn on_infer(&mut self, topic: &str, payload: Vec<u8>) {

@@ -1,0 +1,105 @@
+//! Downloads: a signed offer for the wanted version checked and journaled, its chunks checked
+//! against their sha256 and journaled in the store, each fed to the update machine.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use kestrel_models::artifact;
+use kestrel_shared::protocol::{ArtifactOffer, parse, sha256_hex};
+
+use super::Agent;
+use crate::update::{Event, Offer, Phase};
+
+impl Agent {
+    pub(super) async fn on_offer(&mut self, topic: &str, payload: &[u8]) -> Result<()> {
+        let Some(w) = self.wanted.clone() else {
+            return Ok(());
+        };
+        if topic != self.topics.artifact_manifest(&w.name, w.version) || payload.is_empty() {
+            return Ok(());
+        }
+        if self.updater.phase.target() == Some(w.version)
+            || (self.updater.active == Some(w.version) && self.updater.phase == Phase::Idle)
+        {
+            return Ok(()); // redelivery
+        }
+        let checked = parse::<ArtifactOffer>(topic, payload)
+            .map_err(|e| e.to_string())
+            .and_then(|o| {
+                let m = o.open(self.trust.keys()).map_err(|e| e.to_string())?;
+                artifact::check_names(&m).map_err(|e| e.to_string())?;
+                if m.name != w.name || m.version != w.version {
+                    return Err(format!(
+                        "offer is {} v{}, wanted {} v{}",
+                        m.name, m.version, w.name, w.version
+                    ));
+                }
+                Ok((o, m))
+            });
+        let (o, m) = match checked {
+            Ok(x) => x,
+            Err(reason) => {
+                let reason = format!("artifact refused: {reason}");
+                return self
+                    .feed(Event::Refused {
+                        version: w.version,
+                        reason,
+                    })
+                    .await;
+            }
+        };
+        // Not written (a full disk): the download goes on from memory (the chunk writes fail
+        // too until space returns); after a restart without offer.json it starts over.
+        let r = self.store.write_offer(o.version, payload);
+        self.stored(r, &self.store.offer_path(o.version));
+        let offer = Offer {
+            version: o.version,
+            chunks: o.chunks.len() as u32,
+            total_bytes: o.total_bytes,
+            rollback: w.rollback,
+        };
+        let version = o.version;
+        self.offer = Some((o, m));
+        self.feed(Event::Offered(offer)).await?;
+        if self.updater.phase.target() != Some(version) {
+            // Refused (too large, a downgrade): nothing of it stays on disk.
+            let _ = std::fs::remove_dir_all(self.store.download_dir(version));
+            self.offer = None;
+        }
+        Ok(())
+    }
+
+    pub(super) async fn on_chunk(&mut self, topic: &str, payload: &[u8]) -> Result<()> {
+        let Some((o, _)) = &self.offer else {
+            return Ok(());
+        };
+        let Some(index) = self.topics.parse_chunk(topic, &o.name, o.version) else {
+            return Ok(());
+        };
+        let version = o.version;
+        let Phase::Downloading { offer, have, .. } = &self.updater.phase else {
+            return Ok(());
+        };
+        if offer.version != version || have.contains(&index) || index >= offer.chunks {
+            return Ok(());
+        }
+        if self.pause.as_deref() == Some("download") && have.len() >= 2 {
+            return Ok(());
+        }
+        let ev = if sha256_hex(payload) == o.chunks[index as usize] {
+            // A failed write (a full disk) drops the chunk: the stalled download asks for the
+            // missing chunks again (on_tick), and the active model keeps serving meanwhile.
+            let r = self.store.write_chunk(version, index, payload);
+            if !self.stored(r, &self.store.chunk_path(version, index)) {
+                return Ok(());
+            }
+            self.last_progress = Instant::now();
+            self.status_dirty = true;
+            Event::ChunkStored { version, index }
+        } else {
+            eprintln!("{}: {topic}: sha256 mismatch", self.cfg.device_id);
+            Event::ChunkCorrupt { version, index }
+        };
+        self.feed(ev).await
+    }
+}
