@@ -21,6 +21,7 @@ mod mlflow;
 mod mpi;
 mod mqtt;
 mod rollout;
+mod secure_broker;
 mod tables;
 mod training;
 mod tune;

@@ -1,0 +1,289 @@
+//! Mosquitto as edge-agent/deploy/ configures it: TLS (the broker's CA pinned), passwords and the
+//! repo's ACL, with the real binaries: a device installs a model over it, connections without
+//! credentials or trust are refused, and the ACL keeps devices apart.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use kestrel_fleet::Conn;
+use kestrel_shared::mqtt::BrokerConfig;
+use kestrel_shared::protocol::Target;
+use kestrel_tests::fleet::{Proc, fixture, free_port, start_agent_with, wait_status};
+use kestrel_tests::{run, s, stderr};
+
+/// A Mosquitto with TLS, passwords and the repo's ACL (edge-agent/deploy/kestrel.acl).
+struct SecureBroker {
+    proc: Proc,
+    port: u16,
+    dir: std::path::PathBuf,
+}
+
+fn openssl(args: &[&str], dir: &Path) {
+    let o = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "openssl {args:?}: {}", stderr(&o));
+}
+
+fn self_signed_ca(dir: &Path, cn: &str, key: &str, cert: &str) {
+    let subj = format!("/CN={cn}");
+    let args = [
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", &subj,
+    ];
+    openssl(&[&args[..], &["-keyout", key, "-out", cert]].concat(), dir);
+}
+
+fn secure_broker(dir: &Path) -> SecureBroker {
+    std::fs::create_dir_all(dir).unwrap();
+    self_signed_ca(dir, "kestrel-test-ca", "ca.key", "ca.pem");
+    openssl(
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ],
+        dir,
+    );
+    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    openssl(
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            "-out",
+            "server.pem",
+        ],
+        dir,
+    );
+    // A second CA the devices do not trust.
+    self_signed_ca(dir, "other-ca", "other.key", "other.pem");
+    let passwd = dir.join("passwd");
+    for (i, (user, pw)) in [
+        ("kestrel-trainer", "t-secret"),
+        ("pi-a", "a-secret"),
+        ("pi-b", "b-secret"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut c = Command::new("mosquitto_passwd");
+        if i == 0 {
+            c.arg("-c");
+        }
+        let o = c.arg("-b").arg(&passwd).args([user, pw]).output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        std::fs::write(dir.join(format!("{user}.pw")), pw).unwrap();
+    }
+    let repo_acl = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../edge-agent/deploy/kestrel.acl"
+    );
+    let acl = std::fs::read_to_string(repo_acl).unwrap()
+        + "\nuser pi-a\ntopic read kestrel/groups/lab/desired\n";
+    std::fs::write(dir.join("acl"), acl).unwrap();
+    let port = free_port();
+    let d = dir.display();
+    std::fs::write(
+        dir.join("mosquitto.conf"),
+        format!(
+            "per_listener_settings false\nlistener {port} 127.0.0.1\ncafile {d}/ca.pem\ncertfile {d}/server.pem\n\
+             keyfile {d}/server.key\ntls_version tlsv1.2\nallow_anonymous false\npassword_file {d}/passwd\n\
+             acl_file {d}/acl\nuser root\npersistence false\n"
+        ),
+    )
+    .unwrap();
+    let exe = if Path::new("/usr/sbin/mosquitto").exists() {
+        "/usr/sbin/mosquitto"
+    } else {
+        "mosquitto"
+    };
+    let mut proc = Proc::spawn(
+        Command::new(exe).arg("-c").arg(dir.join("mosquitto.conf")),
+        &dir.join("mosquitto.log"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            proc.is_running() && Instant::now() < deadline,
+            "{}",
+            proc.output()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    SecureBroker {
+        proc,
+        port,
+        dir: dir.to_path_buf(),
+    }
+}
+
+impl SecureBroker {
+    fn config(&self, user: Option<&str>, ca: &str) -> BrokerConfig {
+        let mut c = BrokerConfig::new(&format!("mqtts://127.0.0.1:{}", self.port));
+        c.ca_file = Some(self.dir.join(ca));
+        if let Some(u) = user {
+            c.username = Some(u.into());
+            c.password_file = Some(self.dir.join(format!("{u}.pw")));
+        }
+        c
+    }
+}
+
+#[test]
+fn tls_credentials_and_acl_on_mosquitto() {
+    let f = fixture();
+    let dir = f.dir.join("secure");
+    let sb = secure_broker(&dir.join("broker"));
+    let trainer = sb.config(Some("kestrel-trainer"), "ca.pem");
+    let _agent = a_device_with_tls_and_credentials_installs_a_model(&sb, &trainer, &dir);
+    connections_without_credentials_or_trust_are_refused(&sb);
+    the_acl_keeps_devices_apart(&sb, &trainer);
+    drop(sb.proc);
+}
+
+/// A device with TLS (CA pinned) and its credentials installs a model; returns its agent.
+fn a_device_with_tls_and_credentials_installs_a_model(
+    sb: &SecureBroker,
+    trainer: &BrokerConfig,
+    dir: &Path,
+) -> Proc {
+    let f = fixture();
+    let conf = dir.join("pi-a/agent.toml");
+    std::fs::create_dir_all(conf.parent().unwrap()).unwrap();
+    std::fs::write(
+        &conf,
+        format!(
+            "device_id = \"pi-a\"\ngroups = [\"lab\"]\nstore = \"store\"\ntrusted_keys = [\"{}\"]\n[broker]\n\
+             url = \"mqtts://127.0.0.1:{}\"\nca_file = \"{}\"\nusername = \"pi-a\"\npassword_file = \"{}\"\n",
+            f.keys.join("kestrel.pub").display(),
+            sb.port,
+            sb.dir.join("ca.pem").display(),
+            sb.dir.join("pi-a.pw").display()
+        ),
+    )
+    .unwrap();
+    let agent = start_agent_with(&conf, &[], &[]);
+    let o = run(
+        "trainer",
+        &[
+            "publish",
+            "--broker",
+            &trainer.url,
+            "--ca-file",
+            &s(&sb.dir.join("ca.pem")),
+            "--username",
+            "kestrel-trainer",
+            "--password-file",
+            &s(&sb.dir.join("kestrel-trainer.pw")),
+            "--artifact",
+            &s(&f.v1),
+            "--key",
+            &s(&f.key()),
+            "--target",
+            "device/pi-a",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_status(trainer, "pi-a", 120, "v1 active over TLS", |s| {
+        s.active == Some(1) && s.state == "idle"
+    });
+    assert!(
+        agent.output().contains("connected to mqtts://"),
+        "{}",
+        agent.output()
+    );
+    agent
+}
+
+/// Refused: no credentials, a wrong password, a CA the broker's certificate does not chain to,
+/// and plain MQTT on the TLS port.
+fn connections_without_credentials_or_trust_are_refused(sb: &SecureBroker) {
+    let refused = |c: &BrokerConfig, what: &str| {
+        let e = match Conn::connect(c, "probe") {
+            Ok(_) => panic!("{what}: connected"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(&c.url), "{what}: {e}");
+        e
+    };
+    let e = refused(&sb.config(None, "ca.pem"), "no credentials");
+    assert!(
+        e.to_lowercase().contains("refused")
+            || e.contains("NotAuthorized")
+            || e.contains("BadUserName"),
+        "{e}"
+    );
+    let mut wrong = sb.config(Some("pi-b"), "ca.pem");
+    wrong.password_file = Some(sb.dir.join("pi-a.pw"));
+    refused(&wrong, "wrong password");
+    let e = refused(&sb.config(Some("pi-a"), "other.pem"), "untrusted CA");
+    assert!(
+        e.to_lowercase().contains("certificate") || e.contains("Tls"),
+        "{e}"
+    );
+    let mut plain = sb.config(Some("pi-a"), "ca.pem");
+    plain.url = format!("mqtt://127.0.0.1:{}", sb.port);
+    refused(&plain, "plain MQTT on the TLS port");
+}
+
+/// ACL: pi-a reads its own desired state but not pi-b's, and cannot write pi-b's status.
+fn the_acl_keeps_devices_apart(sb: &SecureBroker, trainer: &BrokerConfig) {
+    let mut t = Conn::connect(trainer, "acl").unwrap();
+    let key = fixture().signing();
+    let signed = |dev: &str| {
+        let d = kestrel_tests::fleet::desired(dev, 1, false);
+        serde_json::to_vec(&kestrel_shared::protocol::SignedDesired::new(&key, &d)).unwrap()
+    };
+    t.publish_all(
+        vec![(
+            t.topics.desired(&Target::Device("pi-b".into())),
+            signed("pi-b"),
+            true,
+        )],
+        None,
+    )
+    .unwrap();
+    let mut a = Conn::connect(&sb.config(Some("pi-a"), "ca.pem"), "acl-a").unwrap();
+    let own = a
+        .retained("kestrel/devices/pi-a/desired", Duration::from_millis(700))
+        .unwrap();
+    assert_eq!(own.len(), 1, "pi-a reads its own desired state");
+    let other = a
+        .retained("kestrel/devices/pi-b/#", Duration::from_millis(700))
+        .unwrap();
+    assert!(
+        other.is_empty(),
+        "pi-a must not read pi-b's topics: {:?}",
+        other.keys()
+    );
+    let forged = br#"{"device":"pi-b","forged":true}"#.to_vec();
+    a.publish_all(
+        vec![("kestrel/devices/pi-b/status".into(), forged, true)],
+        None,
+    )
+    .unwrap();
+    let st = t
+        .retained("kestrel/devices/pi-b/status", Duration::from_millis(700))
+        .unwrap();
+    assert!(st.is_empty(), "pi-a wrote pi-b's status: {st:?}");
+}
