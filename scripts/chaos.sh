@@ -22,7 +22,7 @@ KESTREL_CHAOS_KILLS="${CHAOS_KILLS:-100}" KESTREL_CHAOS_FIT_KILLS="${CHAOS_FIT_K
 KESTREL_LOAD_RATE="${LOAD_RATE:-200}" KESTREL_LOAD_SECONDS="${LOAD_SECONDS:-60}" \
   cargo test --release --locked --workspace --test e2e $KESTREL_FEATURES -- \
   --test-threads 1 --nocapture "${filters[@]}" >"$log" 2>&1 || status=$?
-grep -oE '(agent crash loop|fit crash loop|load): .*|KESTREL_CHAOS_SEED=[0-9]+|test [a-z_:]+ \.\.\. (ok|FAILED)|SKIP: .*' "$log" || true
+grep -oE '(agent crash loop|fit crash loop|load|load \([A-Za-z]+\)): .*|KESTREL_CHAOS_SEED=[0-9]+|test [a-z_:]+ \.\.\. (ok|FAILED)|SKIP: .*' "$log" || true
 if [ "${status:-0}" != 0 ]; then
   tail -60 "$log" >&2
   exit "$status"

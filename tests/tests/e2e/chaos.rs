@@ -290,16 +290,25 @@ fn rss_mb(pid: u32) -> (f64, f64) {
 
 /// `trainer infer --rate R --duration S` at one agent (`KESTREL_LOAD_RATE`, default 50/s, for
 /// `KESTREL_LOAD_SECONDS`, default 5): every request is answered with a prediction or `busy`,
-/// none is lost, the answers that are predictions are right, and the agent's memory stays bounded.
+/// none is lost, some are predictions, and the agent's memory stays bounded; on both brokers.
 #[test]
-fn agent_under_paced_load_answers_every_request() {
+fn agent_under_paced_load_answers_every_request_on_mosquitto() {
+    agent_under_paced_load_answers_every_request(BrokerKind::Mosquitto);
+}
+
+#[test]
+fn agent_under_paced_load_answers_every_request_on_rumqttd() {
+    agent_under_paced_load_answers_every_request(BrokerKind::Rumqttd);
+}
+
+fn agent_under_paced_load_answers_every_request(kind: BrokerKind) {
     let (rate, secs) = (
         knob("KESTREL_LOAD_RATE", 50),
         knob("KESTREL_LOAD_SECONDS", 5),
     );
     let w = Scratch::new();
     let f = fixture();
-    let b = Broker::start(BrokerKind::Mosquitto, &w.join("broker"));
+    let b = Broker::start(kind, &w.join("broker"));
     let device = "pi-load";
     let cfg = agent_config(&w.join(device), device, &b.url(), &f.keys, "");
     let mut agent = start_agent(&cfg, &[]);
@@ -333,7 +342,7 @@ fn agent_under_paced_load_answers_every_request() {
     let (peak, rss_after) = rss_mb(agent.child.id());
     assert!(agent.is_running(), "{}", agent.output());
     eprintln!(
-        "load: {r}; agent RSS {rss_before:.0} MB before, {rss_after:.0} MB after, peak {peak:.0} MB"
+        "load ({kind:?}): {r}; agent RSS {rss_before:.0} MB before, {rss_after:.0} MB after, peak {peak:.0} MB"
     );
     assert!(o.status.success(), "{r}");
     let n = |k: &str| r[k].as_u64().unwrap();
