@@ -7,6 +7,7 @@ use crate::arch::{ConvBn, Network};
 use crate::depthwise::{Depthwise, depthwise};
 use crate::engine::{Engine, EngineError, EngineKind};
 use crate::onnx::LowerOpts;
+use crate::planes::{BiasAct, Planes, bias_act};
 use crate::tensor::Tensor;
 use crate::weights::FoldedConv;
 
@@ -52,12 +53,35 @@ impl ConvLayer {
 
 impl Module for ConvLayer {
     fn forward(&self, x: &CTensor) -> candle_core::Result<CTensor> {
+        self.forward_planes(x, Planes::Nchw)
+    }
+}
+
+impl ConvLayer {
+    fn is_pointwise(&self) -> bool {
         let c = &self.spec;
-        let y = if c.kernel == 1 && c.stride == 1 && c.groups == 1 && c.pads == [0; 4] {
-            self.pointwise(x)?
-        } else if c.groups == c.cin && c.cin == c.cout && c.groups > 1 {
-            self.depthwise(x)?
+        c.kernel == 1 && c.stride == 1 && c.groups == 1 && c.pads == [0; 4]
+    }
+
+    fn is_depthwise(&self) -> bool {
+        let c = &self.spec;
+        c.groups == c.cin && c.cin == c.cout && c.groups > 1
+    }
+
+    /// The conv on `x` laid out as `planes` says (only pointwise and depthwise convs take
+    /// [`Planes::Cnhw`]).
+    fn forward_planes(&self, x: &CTensor, planes: Planes) -> candle_core::Result<CTensor> {
+        let c = &self.spec;
+        let y = if self.is_pointwise() {
+            self.pointwise(x, planes)?
+        } else if self.is_depthwise() {
+            self.depthwise(x, planes)?
         } else {
+            assert_eq!(
+                planes,
+                Planes::Nchw,
+                "a full convolution takes [n, c, h, w]"
+            );
             let [t, l, b, r] = c.pads;
             let (x, pad) = if t == b && l == r && t == l {
                 (x.clone(), t)
@@ -66,24 +90,36 @@ impl Module for ConvLayer {
             };
             x.conv2d(&self.weight, pad, c.stride, 1, c.groups)?
         };
-        let y = y.broadcast_add(&self.bias)?;
-        if c.relu6 { y.clamp(0f32, 6f32) } else { Ok(y) }
+        let op = BiasAct {
+            relu6: c.relu6,
+            planes,
+        };
+        bias_act(&y, &self.bias, op)
     }
-}
 
-impl ConvLayer {
-    /// A 1x1 convolution as one batched matrix product, `[cout, cin] x [n, cin, h*w]` (candle's
-    /// conv2d would unfold the input first, and its backward pass is slower still).
-    fn pointwise(&self, x: &CTensor) -> candle_core::Result<CTensor> {
-        let (n, cin, h, w) = x.dims4()?;
-        let wt = self.weight.reshape((1, self.spec.cout, cin))?;
-        wt.broadcast_matmul(&x.reshape((n, cin, h * w))?)?
-            .reshape((n, self.spec.cout, h, w))
+    /// A 1x1 convolution as a matrix product (candle's conv2d would unfold the input first, and
+    /// its backward pass is slower still): on `[c, n, h, w]` one product over the whole batch,
+    /// `[cout, cin] x [cin, n*h*w]`; on `[n, c, h, w]` one per sample.
+    fn pointwise(&self, x: &CTensor, planes: Planes) -> candle_core::Result<CTensor> {
+        let (d0, d1, h, w) = x.dims4()?;
+        let cout = self.spec.cout;
+        match planes {
+            Planes::Cnhw => {
+                let wt = self.weight.reshape((cout, d0))?;
+                wt.matmul(&x.reshape((d0, d1 * h * w))?)?
+                    .reshape((cout, d1, h, w))
+            }
+            Planes::Nchw => {
+                let wt = self.weight.reshape((1, cout, d1))?;
+                wt.broadcast_matmul(&x.reshape((d0, d1, h * w))?)?
+                    .reshape((d0, cout, h, w))
+            }
+        }
     }
 
     /// A depthwise convolution: [`crate::depthwise`] (candle's grouped conv2d runs one
     /// convolution per channel, forward and backward, which made fine-tuning crawl).
-    fn depthwise(&self, x: &CTensor) -> candle_core::Result<CTensor> {
+    fn depthwise(&self, x: &CTensor, planes: Planes) -> candle_core::Result<CTensor> {
         let c = &self.spec;
         let op = Depthwise {
             kernel: c.kernel,
@@ -91,6 +127,7 @@ impl ConvLayer {
             top: c.pads[0],
             left: c.pads[1],
             out_hw: c.out_hw,
+            planes,
         };
         depthwise(x, &self.weight, op)
     }
@@ -99,6 +136,9 @@ impl ConvLayer {
 /// The lowered blocks (+ pool + classifier) as a candle module.
 pub struct CandleNet {
     blocks: Vec<(Vec<ConvLayer>, bool)>,
+    /// How the blocks lay out activations: [`Planes::Cnhw`] when every conv is pointwise or
+    /// depthwise (the unfrozen end of a backbone, where training spends its time).
+    planes: Planes,
     pool: bool,
     classifier: Option<(CTensor, CTensor)>,
     input_shape: Vec<usize>,
@@ -172,7 +212,16 @@ impl CandleNet {
             }
             None => None,
         };
+        let all_cnhw = blocks
+            .iter()
+            .flat_map(|(layers, _)| layers)
+            .all(|l| l.is_pointwise() || l.is_depthwise());
         Ok(Self {
+            planes: if all_cnhw && !blocks.is_empty() {
+                Planes::Cnhw
+            } else {
+                Planes::Nchw
+            },
             blocks,
             pool: opts.pool,
             classifier,
@@ -184,20 +233,27 @@ impl CandleNet {
 impl CandleNet {
     /// The blocks (and pooling), without the classifier.
     pub fn features(&self, x: &CTensor) -> candle_core::Result<CTensor> {
-        let mut x = x.clone();
+        let cnhw = self.planes == Planes::Cnhw;
+        let mut x = if cnhw {
+            x.transpose(0, 1)?.contiguous()?
+        } else {
+            x.clone()
+        };
         for (layers, residual) in &self.blocks {
             let input = x.clone();
             for l in layers {
-                x = l.forward(&x)?;
+                x = l.forward_planes(&x, self.planes)?;
             }
             if *residual {
                 x = (x + input)?;
             }
         }
-        if self.pool {
-            x = x.flatten_from(2)?.mean(2)?;
+        match (self.pool, cnhw) {
+            (true, true) => x.flatten_from(2)?.mean(2)?.t()?.contiguous(),
+            (true, false) => x.flatten_from(2)?.mean(2),
+            (false, true) => x.transpose(0, 1)?.contiguous(),
+            (false, false) => Ok(x),
         }
-        Ok(x)
     }
 }
 
@@ -300,6 +356,11 @@ mod tests {
             let layer = ConvLayer::new(&spec, &f, &dev, None).unwrap();
             let x = CTensor::randn(0f32, 1f32, (2, cin, hw, hw), &dev).unwrap();
             let got = layer.forward(&x).unwrap();
+            let cnhw = (layer.is_pointwise() || layer.is_depthwise()).then(|| {
+                let xt = x.transpose(0, 1).unwrap().contiguous().unwrap();
+                let y = layer.forward_planes(&xt, Planes::Cnhw).unwrap();
+                y.transpose(0, 1).unwrap().contiguous().unwrap()
+            });
             let [t, l, b, r] = pads;
             let want = x
                 .pad_with_zeros(2, t, b)
@@ -313,7 +374,7 @@ mod tests {
                 .clamp(0f32, 6f32)
                 .unwrap();
             assert_eq!(got.dims(), want.dims(), "case k{k} s{s} g{g}");
-            let diff = (got - want)
+            let diff = (&got - &want)
                 .unwrap()
                 .abs()
                 .unwrap()
@@ -325,82 +386,101 @@ mod tests {
                 diff < 1e-4,
                 "case k{k} s{s} g{g} pads {pads:?}: max diff {diff}"
             );
+            let cnhw = cnhw.expect("every case is pointwise or depthwise");
+            let diff = (cnhw - &got)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(
+                diff < 1e-5,
+                "case k{k} s{s} g{g}: [c, n, h, w] differs by {diff}"
+            );
         }
     }
 
-    /// The depthwise op's gradients equal finite differences of its forward pass.
+    /// The depthwise and bias ops' gradients equal finite differences of their forward passes,
+    /// in both layouts.
     #[test]
-    fn depthwise_gradients_match_finite_differences() {
+    fn fused_op_gradients_match_finite_differences() {
         let dev = Device::Cpu;
-        let op = Depthwise {
-            kernel: 3,
-            stride: 2,
-            top: 0,
-            left: 1,
-            out_hw: [3, 3],
-        };
-        let x = Var::from_tensor(&CTensor::randn(0f32, 1f32, (2, 3, 6, 6), &dev).unwrap()).unwrap();
-        let w = Var::from_tensor(&CTensor::randn(0f32, 1f32, (3, 1, 3, 3), &dev).unwrap()).unwrap();
-        let r = CTensor::randn(0f32, 1f32, (2, 3, 3, 3), &dev).unwrap();
-        let loss = |x: &CTensor, w: &CTensor| -> f64 {
-            (depthwise(x, w, op).unwrap() * &r)
+        for planes in [Planes::Nchw, Planes::Cnhw] {
+            let dw = Depthwise {
+                kernel: 3,
+                stride: 2,
+                top: 0,
+                left: 1,
+                out_hw: [3, 3],
+                planes,
+            };
+            // x [2, 3, 6, 6] is [n, c, ..] or [c, n, ..]: 3 channels either way for the weight.
+            let (xs, c) = match planes {
+                Planes::Nchw => ((2, 3, 6, 6), 3),
+                Planes::Cnhw => ((3, 2, 6, 6), 3),
+            };
+            let x = CTensor::randn(0f32, 1f32, xs, &dev).unwrap();
+            let w = CTensor::randn(0f32, 1f32, (c, 1, 3, 3), &dev).unwrap();
+            check_gradients("depthwise", &[x, w], |v| depthwise(&v[0], &v[1], dw));
+            for relu6 in [false, true] {
+                // Values below, inside and above (0, 6), each at least 0.5 from an edge (with
+                // the bias), so that the differences do not cross one.
+                let n = 2 * 3 * 36;
+                let levels =
+                    (0..n).map(|i| [-1.0f32, 3.0, 7.0][i * 37 % 3] + (i % 5) as f32 * 0.05);
+                let x = CTensor::from_vec(levels.collect(), xs, &dev).unwrap();
+                let b = (CTensor::randn(0f32, 1f32, (1, c, 1, 1), &dev).unwrap() * 0.1).unwrap();
+                let op = BiasAct { relu6, planes };
+                check_gradients("bias", &[x, b], |v| bias_act(&v[0], &v[1], op));
+            }
+        }
+    }
+
+    /// For every input, the analytic gradient of `sum(f(inputs) * r)` at a few coordinates
+    /// equals the central difference.
+    fn check_gradients(
+        what: &str,
+        inputs: &[CTensor],
+        f: impl Fn(&[CTensor]) -> candle_core::Result<CTensor>,
+    ) {
+        let vars: Vec<Var> = inputs
+            .iter()
+            .map(|t| Var::from_tensor(t).unwrap())
+            .collect();
+        let ts: Vec<CTensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let out = f(&ts).unwrap();
+        let r = CTensor::randn(0f32, 1f32, out.dims(), &Device::Cpu).unwrap();
+        let loss = |ts: &[CTensor]| -> f64 {
+            (f(ts).unwrap() * &r)
                 .unwrap()
                 .sum_all()
                 .unwrap()
                 .to_scalar::<f32>()
                 .unwrap() as f64
         };
-        let l = (depthwise(x.as_tensor(), w.as_tensor(), op).unwrap() * &r)
-            .unwrap()
-            .sum_all()
-            .unwrap();
-        let grads = l.backward().unwrap();
-        for (var, at) in [
-            (&x, [1usize, 2, 3, 4]),
-            (&w, [2, 0, 1, 2]),
-            (&x, [0, 0, 0, 1]),
-        ] {
+        let grads = (out * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        for (k, var) in vars.iter().enumerate() {
             let g = grads.get(var.as_tensor()).unwrap();
-            let analytic = g
-                .get(at[0])
-                .unwrap()
-                .get(at[1])
-                .unwrap()
-                .get(at[2])
-                .unwrap()
-                .get(at[3])
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap() as f64;
-            let eps = 1e-2f32;
-            let bump = |d: f32| {
-                let mut v = var
-                    .as_tensor()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap();
-                let dims = var.dims();
-                let i = ((at[0] * dims[1] + at[1]) * dims[2] + at[2]) * dims[3] + at[3];
-                v[i] += d;
-                CTensor::from_vec(v, dims, &dev).unwrap()
-            };
-            let (plus, minus) = if std::ptr::eq(var, &x) {
-                (
-                    loss(&bump(eps), w.as_tensor()),
-                    loss(&bump(-eps), w.as_tensor()),
-                )
-            } else {
-                (
-                    loss(x.as_tensor(), &bump(eps)),
-                    loss(x.as_tensor(), &bump(-eps)),
-                )
-            };
-            let numeric = (plus - minus) / (2.0 * eps as f64);
-            assert!(
-                (analytic - numeric).abs() < 1e-2 * (1.0 + numeric.abs()),
-                "at {at:?}: analytic {analytic}, numeric {numeric}"
-            );
+            let g = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let v0 = ts[k].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for i in [0, v0.len() / 3, v0.len() / 2 + 1, v0.len() - 1] {
+                let eps = 1e-2f32;
+                let bumped = |d: f32| {
+                    let mut v = v0.clone();
+                    v[i] += d;
+                    let mut all = ts.clone();
+                    all[k] = CTensor::from_vec(v, ts[k].dims(), &Device::Cpu).unwrap();
+                    loss(&all)
+                };
+                let numeric = (bumped(eps) - bumped(-eps)) / (2.0 * eps as f64);
+                let analytic = g[i] as f64;
+                assert!(
+                    (analytic - numeric).abs() < 1e-2 * (1.0 + numeric.abs()),
+                    "{what}: input {k} at {i}: analytic {analytic}, numeric {numeric}"
+                );
+            }
         }
     }
 }

@@ -8,8 +8,10 @@
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::planes::{Planes, slice};
+
 /// A depthwise convolution: `weight [c, 1, k, k]`, zero padding `top`/`left` (bottom and right
-/// follow from `out_hw`).
+/// follow from `out_hw`), on activations laid out as `planes` says.
 #[derive(Debug, Clone, Copy)]
 pub struct Depthwise {
     pub kernel: usize,
@@ -17,18 +19,13 @@ pub struct Depthwise {
     pub top: usize,
     pub left: usize,
     pub out_hw: [usize; 2],
+    pub planes: Planes,
 }
 
-/// `x [n, c, h, w]` convolved with `weight [c, 1, k, k]`: `[n, c, oh, ow]`.
+/// `x [n, c, h, w]` (or `[c, n, h, w]`) convolved with `weight [c, 1, k, k]`: `[n, c, oh, ow]`
+/// (or `[c, n, oh, ow]`).
 pub fn depthwise(x: &Tensor, weight: &Tensor, op: Depthwise) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&weight.contiguous()?, op)
-}
-
-fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("depthwise: non-contiguous operand".into()))?;
-    Ok(&s.as_slice::<f32>()?[a..b])
 }
 
 impl Depthwise {
@@ -68,17 +65,18 @@ impl CustomOp2 for Depthwise {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (n, c, h, w) = l1.shape().dims4()?;
-        let (x, wt) = (slice(s1, l1)?, slice(s2, l2)?);
+        let (d0, d1, h, w) = l1.shape().dims4()?;
+        let (x, wt) = (slice(s1, l1, "depthwise")?, slice(s2, l2, "depthwise")?);
         let [oh, ow] = self.out_hw;
         let kk = self.kernel * self.kernel;
-        let mut y = vec![0f32; n * c * oh * ow];
+        let mut y = vec![0f32; d0 * d1 * oh * ow];
         y.par_chunks_mut(oh * ow).enumerate().for_each(|(p, yp)| {
             let xp = &x[p * h * w..(p + 1) * h * w];
-            let wc = &wt[(p % c) * kk..(p % c + 1) * kk];
+            let ch = self.planes.channel(p, d1);
+            let wc = &wt[ch * kk..(ch + 1) * kk];
             self.taps([h, w], |xi, yi, t| yp[yi] += xp[xi] * wc[t]);
         });
-        Ok((CpuStorage::F32(y), Shape::from((n, c, oh, ow))))
+        Ok((CpuStorage::F32(y), Shape::from((d0, d1, oh, ow))))
     }
 
     fn bwd(
@@ -88,7 +86,7 @@ impl CustomOp2 for Depthwise {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (n, c, h, w) = x.dims4()?;
+        let (d0, d1, h, w) = x.dims4()?;
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
         let ws = weight.flatten_all()?.to_vec1::<f32>()?;
         let gs = grad.flatten_all()?.to_vec1::<f32>()?;
@@ -97,13 +95,13 @@ impl CustomOp2 for Depthwise {
         let mut gx = vec![0f32; xs.len()];
         gx.par_chunks_mut(h * w).enumerate().for_each(|(p, gxp)| {
             let gp = &gs[p * oh * ow..(p + 1) * oh * ow];
-            let wc = &ws[(p % c) * kk..(p % c + 1) * kk];
+            let ch = self.planes.channel(p, d1);
+            let wc = &ws[ch * kk..(ch + 1) * kk];
             self.taps([h, w], |xi, yi, t| gxp[xi] += gp[yi] * wc[t]);
         });
         let mut gw = vec![0f32; ws.len()];
         gw.par_chunks_mut(kk).enumerate().for_each(|(ch, gwc)| {
-            for s in 0..n {
-                let p = s * c + ch;
+            for p in self.planes.planes_of(ch, [d0, d1]) {
                 let xp = &xs[p * h * w..(p + 1) * h * w];
                 let gp = &gs[p * oh * ow..(p + 1) * oh * ow];
                 self.taps([h, w], |xi, yi, t| gwc[t] += gp[yi] * xp[xi]);

@@ -19,6 +19,8 @@ pub mod candle;
 #[cfg(feature = "candle")]
 pub mod depthwise;
 #[cfg(feature = "candle")]
+pub mod planes;
+#[cfg(feature = "candle")]
 pub mod torch;
 
 pub use arch::{Arch, Network};

@@ -206,7 +206,7 @@ pub struct FitArgs {
     /// Global batch size of sgd/adamw (split evenly over workers).
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
-    /// Learning rate of sgd/adamw (default: sgd 0.01, adamw 0.001, the --fine-tune stage 0.0001).
+    /// Learning rate of sgd/adamw (default: sgd 0.01, adamw 0.001).
     #[arg(long)]
     pub lr: Option<f64>,
     /// SGD momentum.
@@ -225,7 +225,8 @@ pub struct FitArgs {
     #[arg(long, value_name = "L2")]
     pub l2: Option<f64>,
     /// Two stages: the head to convergence (lbfgs), then the last N blocks and the head with
-    /// adamw at a lower learning rate, stopping early on validation loss.
+    /// adamw, starting from that head with its logits scaled by 0.1, stopping early on
+    /// validation loss.
     #[arg(long, value_name = "N", conflicts_with = "unfreeze_last")]
     pub fine_tune: Option<usize>,
     /// Per-class loss weights: none | balanced (every class weighs the same in total).
@@ -278,7 +279,6 @@ impl FitArgs {
             Optimizer::Adamw
         });
         let lr = self.lr.unwrap_or(match optimizer {
-            _ if fine_tune > 0 => 1e-4,
             Optimizer::Sgd => 0.01,
             Optimizer::Adamw | Optimizer::Lbfgs => 1e-3,
         });
