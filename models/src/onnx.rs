@@ -43,6 +43,9 @@ pub struct LowerOpts {
     /// Calibration probe: also output the input of every Conv/Gemm (as the layer reads it, after
     /// any activation quantization) as `act:<layer>`.
     pub probe: bool,
+    /// With a classifier: also output the pooled features it reads (float, `[N, feature_dim]`)
+    /// under this name, as the graph's second output (what a device's drift statistic reads).
+    pub features_output: Option<String>,
 }
 
 impl LowerOpts {
@@ -55,6 +58,7 @@ impl LowerOpts {
             output_name: "features".into(),
             quant: Quant::None,
             probe: false,
+            features_output: None,
         }
     }
 
@@ -237,6 +241,11 @@ pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProt
         x = g.node("GlobalAveragePool", "pool", &[&x], vec![], None);
         x = g.node("Flatten", "pool", &[&x], vec![attr_int("axis", 1)], None);
     }
+    let mut extra = Vec::new();
+    if let (Some(name), Some(_)) = (&opts.features_output, &opts.classifier) {
+        g.node("Identity", "features", &[&x], vec![], Some(name));
+        extra.push(value_info(name, &[net.feature_dim]));
+    }
     if let Some(l) = &opts.classifier {
         let w = q.weight(&mut g, "classifier.weight", &l.weight);
         let b = g.initializer(f32_tensor("classifier.bias", &[l.bias.len()], &l.bias));
@@ -259,6 +268,7 @@ pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProt
         .expect("a lowered graph has nodes");
     last.output[0] = opts.output_name.clone();
     let mut output = vec![value_info(&opts.output_name, &opts.output_shape(net))];
+    output.extend(extra);
     output.extend(probes.iter().map(|p| float_value_info(p, None)));
     let graph = GraphProto {
         name: format!("kestrel-{}", net.arch),

@@ -4,6 +4,7 @@
 //!   and the one implementation of it, used by both binaries.
 //! - [`manifest`], [`signing`]: the artifact manifest and its ed25519 signatures.
 //! - [`protocol`]: the MQTT topics and messages between trainer and devices.
+//! - [`quality`]: model quality without labels (reference profile, live-window statistics).
 //! - [`time`]: wall-clock helpers ([`now_unix`]).
 
 pub mod fsutil;
@@ -12,6 +13,7 @@ pub mod manifest;
 pub mod mqtt;
 pub mod preprocess;
 pub mod protocol;
+pub mod quality;
 pub mod signing;
 pub mod time;
 

@@ -34,6 +34,11 @@ pub struct Manifest {
     /// it was (`trainer export --register`); devices report it with their active model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub registry: Option<String>,
+    /// What the model does on its validation split (predicted classes, top-1 confidences, pooled
+    /// features), for label-free quality telemetry on the device; absent in artifacts exported
+    /// before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<crate::quality::QualityReference>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

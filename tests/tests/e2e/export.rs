@@ -87,6 +87,7 @@ pub(crate) fn three_forms_pass_the_gates(name: &str, classes: usize, run_dir: &P
             q["f32_accuracy"], m["files"]
         );
         assert_eq!(m["labels"].as_array().unwrap().len(), classes);
+        check_reference(&m, classes);
         assert_eq!(m["input"]["shape"], serde_json::json!(["N", 3, 224, 224]));
         let checks = m["verification"].as_array().unwrap();
         assert_eq!(
@@ -158,6 +159,35 @@ pub(crate) fn three_forms_pass_the_gates(name: &str, classes: usize, run_dir: &P
             ),
         }
     }
+}
+
+/// The manifest's quality reference: the graph's `features` output (1280 pooled features) profiled
+/// on the whole validation split, distributions that sum to 1, and a spread for every projection.
+fn check_reference(m: &Value, classes: usize) {
+    let r = &m["reference"];
+    let val = m["verification"][0]["samples"].as_u64().unwrap();
+    assert_eq!(r["samples"].as_u64(), Some(val), "{r}");
+    for (key, len) in [
+        ("class_distribution", classes),
+        ("confidence_histogram", 10),
+    ] {
+        let v: Vec<f64> = r[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(v.len(), len, "{key}: {v:?}");
+        assert!((v.iter().sum::<f64>() - 1.0).abs() < 1e-9, "{key}: {v:?}");
+    }
+    let f = &r["features"];
+    assert_eq!(
+        (f["output"].as_str(), f["dim"].as_u64()),
+        (Some("features"), Some(1280))
+    );
+    let std = f["std"].as_array().unwrap();
+    assert_eq!(std.len(), 16);
+    assert!(std.iter().all(|s| s.as_f64().unwrap() > 0.0), "{f}");
 }
 
 #[test]

@@ -82,6 +82,7 @@ pub fn frozen_opts(b: &Backbone, boundary: usize) -> LowerOpts {
         output_name: "features".into(),
         quant: Default::default(),
         probe: false,
+        features_output: None,
     }
 }
 

@@ -1,11 +1,15 @@
 //! Stage 3: the (quantized) network lowered to one ONNX graph — backbone + head, symbolic batch,
-//! float logits — carrying the artifact's description as metadata properties.
+//! float logits, and the pooled features as a second output — carrying the artifact's description as metadata properties.
 
 use kestrel_models::onnx::{self, LowerOpts};
 
 use super::ExportOpts;
 use super::calibrate::Quantized;
 use super::trained::Trained;
+
+/// The exported graph's second output: the pooled features the classifier reads (the device's
+/// drift statistic projects them; [`kestrel_shared::quality`]).
+pub const FEATURES_OUTPUT: &str = "features";
 
 pub(super) struct Lowered {
     /// The artifact's name.
@@ -23,6 +27,7 @@ pub(super) fn lower(run: &Trained, q: &Quantized, o: &ExportOpts, name: String) 
     let net = run.net();
     let opts = LowerOpts {
         quant: q.quant.clone(),
+        features_output: Some(FEATURES_OUTPUT.into()),
         ..LowerOpts::logits(net, q.head.clone())
     };
     let mut model = onnx::lower(net, &q.folded, &opts);
@@ -42,6 +47,7 @@ pub(super) fn lower(run: &Trained, q: &Quantized, o: &ExportOpts, name: String) 
         ("kestrel.quantization", o.quantize.name().to_string()),
         ("kestrel.input", onnx::INPUT_NAME.to_string()),
         ("kestrel.output", opts.output_name.clone()),
+        ("kestrel.features", FEATURES_OUTPUT.to_string()),
     ];
     onnx::set_metadata(
         &mut model,

@@ -5,7 +5,8 @@
 //!
 //! [`export`] runs as stages, each a function from one value to the next:
 //! `trained` (the run as the trainer sees it) → `calibrate` (quantized forms) → `lower`
-//! (the ONNX graph) → `verify` (every runtime against the trainer, with the gates) → `golden`
+//! (the ONNX graph) → `verify` (every runtime against the trainer, with the gates) → `reference`
+//! (the quality profile of the exported graph on the validation split) → `golden`
 //! (sample images and their expected outputs) → `write` (files and manifest, atomically).
 //! `evaluate` runs exported artifacts (`trainer evaluate --model`, `trainer latency`).
 
@@ -17,6 +18,7 @@ mod calibrate;
 mod evaluate;
 mod golden;
 mod lower;
+mod reference;
 mod trained;
 mod verify;
 mod write;
@@ -163,6 +165,7 @@ pub fn export(
     let lowered = lower::lower(&run, &quantized, o, artifact_name(run_dir, o));
     let engines = verify::engines(&lowered, job.threads(), log)?;
     let mut verification = verify::verify(&run, &engines, o, log)?;
+    verification.reference = Some(reference::profile(&run, &lowered, job.threads(), log)?);
     let golden = golden::golden(&run, &engines, o.golden, &mut verification.checks)?;
     write::write(out, &run, &quantized, &lowered, verification, golden, o)
 }

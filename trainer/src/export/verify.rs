@@ -8,6 +8,7 @@ use kestrel_models::artifact::argmax;
 use kestrel_models::engine::{Engine, OrtEngine, TractEngine};
 use kestrel_shared::PreprocessSpec;
 use kestrel_shared::manifest::RuntimeCheck;
+use kestrel_shared::quality::QualityReference;
 
 use super::lower::Lowered;
 use super::trained::Trained;
@@ -22,6 +23,8 @@ pub(super) struct Verification {
     pub f32_accuracy: f64,
     /// One per runtime, in the order of [`Engines`] (`golden_top1_match` is the golden stage's).
     pub checks: Vec<RuntimeCheck>,
+    /// The quality reference profile (the reference stage's).
+    pub reference: Option<QualityReference>,
 }
 
 /// Loads `model.onnx` in tract and, when its library loads, in ONNX Runtime.
@@ -84,6 +87,7 @@ pub(super) fn verify(
     Ok(Verification {
         f32_accuracy,
         checks,
+        reference: None,
     })
 }
 

@@ -129,6 +129,7 @@ fn manifest(
     let Verification {
         f32_accuracy,
         checks,
+        reference,
     } = verification;
     let accuracy_tract = checks[0].accuracy;
     let shape = |dims: &[usize]| -> Vec<serde_json::Value> {
@@ -190,6 +191,7 @@ fn manifest(
                 .unwrap_or(0),
         ),
         registry: o.registry.clone(),
+        reference,
     }
 }
 

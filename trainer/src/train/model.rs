@@ -56,6 +56,7 @@ impl Trainable {
             output_name: "logits".into(),
             quant: Default::default(),
             probe: false,
+            features_output: None,
         };
         let (cnet, vars) = CandleNet::trainable(net, &folded, &opts, &Device::Cpu)?;
         let mut this = Self {

@@ -1,0 +1,438 @@
+//! Model quality without labels: a reference profile of a model's outputs and pooled features on
+//! its validation split (made at export, carried in the signed manifest), and the statistics a
+//! device computes over a window of its live requests against it.
+//!
+//! The drift statistic is a per-direction mean-shift test over a fixed random projection of the
+//! pooled features:
+//! - the features (`dim` values) are projected on [`PROJECTIONS`] Gaussian directions drawn from
+//!   the reference's seed ([`Projection`]; the same on every machine, no table to ship);
+//! - the reference holds each projection's mean `mu_j` and standard deviation `sigma_j` over the
+//!   validation split;
+//! - a window of `n` requests has projected means `m_j`; under no drift
+//!   `z_j = (m_j - mu_j) * sqrt(n) / sigma_j` is about standard normal;
+//! - the p-value is Bonferroni's over the directions, `min(1, k * P(|Z| >= max_j |z_j|))`, valid
+//!   whatever the correlation between directions; a window is flagged below [`DRIFT_ALPHA`].
+//!
+//! The top-1 confidence histogram and the predicted-class distribution are kept too, but inputs a
+//! model stays confident on (an inverted or blurred camera, a new background) move the features
+//! without moving those: the test is on the features.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+/// Directions of the feature projection.
+pub const PROJECTIONS: usize = 16;
+/// Bins of the top-1 confidence histogram, equal widths over [0, 1].
+pub const CONFIDENCE_BINS: usize = 10;
+/// A window is flagged as drifted when its p-value is below this.
+pub const DRIFT_ALPHA: f64 = 0.01;
+
+/// What the exported model does on its validation split (the manifest's `reference`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QualityReference {
+    /// Validation samples the profile was computed on.
+    pub samples: usize,
+    /// Share of the samples predicted as each class (in label order).
+    pub class_distribution: Vec<f64>,
+    /// Share of the samples per top-1 confidence bin ([`CONFIDENCE_BINS`] over [0, 1]).
+    pub confidence_histogram: Vec<f64>,
+    pub features: FeatureReference,
+}
+
+/// The pooled features' reference: the graph output that carries them and their projection's
+/// mean and standard deviation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FeatureReference {
+    /// The graph output with the pooled features, `[N, dim]`.
+    pub output: String,
+    pub dim: usize,
+    pub projection_seed: u64,
+    pub mean: Vec<f64>,
+    pub std: Vec<f64>,
+}
+
+/// [`PROJECTIONS`] directions in feature space, each `dim` values drawn N(0, 1/dim) from `seed`
+/// (splitmix64 and Box-Muller, written out so that every build draws the same).
+pub struct Projection {
+    dim: usize,
+    rows: Vec<f64>,
+}
+
+impl Projection {
+    pub fn new(seed: u64, dim: usize) -> Self {
+        let mut state = seed;
+        let mut next = move || {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            // 53 random bits in (0, 1].
+            ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64 + f64::EPSILON / 2.0
+        };
+        let scale = 1.0 / (dim as f64).sqrt();
+        let rows = (0..PROJECTIONS * dim)
+            .map(|_| {
+                let (u, v) = (next(), next());
+                (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos() * scale
+            })
+            .collect();
+        Projection { dim, rows }
+    }
+
+    /// The projections of one feature vector (`dim` values).
+    pub fn project(&self, features: &[f32]) -> [f64; PROJECTIONS] {
+        let mut out = [0.0; PROJECTIONS];
+        for (o, row) in out.iter_mut().zip(self.rows.chunks(self.dim)) {
+            *o = row.iter().zip(features).map(|(w, &x)| w * x as f64).sum();
+        }
+        out
+    }
+}
+
+/// The top-1 class and its softmax probability.
+pub fn top1(logits: &[f32]) -> (usize, f64) {
+    let (best, max) =
+        logits
+            .iter()
+            .enumerate()
+            .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+                if v > bv { (i, v) } else { (bi, bv) }
+            });
+    let sum: f64 = logits.iter().map(|&v| ((v - max) as f64).exp()).sum();
+    (best, 1.0 / sum)
+}
+
+fn confidence_bin(c: f64) -> usize {
+    ((c * CONFIDENCE_BINS as f64) as usize).min(CONFIDENCE_BINS - 1)
+}
+
+impl QualityReference {
+    /// The profile of `(logits, features)` rows (the exported graph's two outputs on every
+    /// validation sample); the features are named `output` in the graph.
+    pub fn build<'a>(
+        rows: impl IntoIterator<Item = (&'a [f32], &'a [f32])>,
+        classes: usize,
+        output: &str,
+        projection_seed: u64,
+    ) -> Option<Self> {
+        let mut rows = rows.into_iter().peekable();
+        let dim = rows.peek()?.1.len();
+        let proj = Projection::new(projection_seed, dim);
+        let mut class = vec![0.0; classes];
+        let mut conf = vec![0.0; CONFIDENCE_BINS];
+        let (mut sum, mut sq) = ([0.0; PROJECTIONS], [0.0; PROJECTIONS]);
+        let mut n = 0usize;
+        for (logits, features) in rows {
+            let (c, p) = top1(logits);
+            class[c.min(classes - 1)] += 1.0;
+            conf[confidence_bin(p)] += 1.0;
+            for (j, v) in proj.project(features).into_iter().enumerate() {
+                sum[j] += v;
+                sq[j] += v * v;
+            }
+            n += 1;
+        }
+        let nf = n as f64;
+        let mean: Vec<f64> = sum.iter().map(|s| s / nf).collect();
+        let std = sq
+            .iter()
+            .zip(&mean)
+            .map(|(q, m)| ((q / nf - m * m).max(0.0) * nf / (nf - 1.0).max(1.0)).sqrt())
+            .collect();
+        Some(QualityReference {
+            samples: n,
+            class_distribution: class.iter().map(|c| c / nf).collect(),
+            confidence_histogram: conf.iter().map(|c| c / nf).collect(),
+            features: FeatureReference {
+                output: output.into(),
+                dim,
+                projection_seed,
+                mean,
+                std,
+            },
+        })
+    }
+}
+
+/// One live request as the window keeps it.
+#[derive(Debug, Clone, Copy)]
+struct Seen {
+    class: usize,
+    confidence: f64,
+    projected: [f64; PROJECTIONS],
+    latency_ms: f64,
+}
+
+/// The last `size` requests of a device, judged against a reference.
+pub struct QualityWindow {
+    reference: QualityReference,
+    projection: Projection,
+    size: usize,
+    seen: VecDeque<Seen>,
+    /// Requests since the window was created (not only those in it).
+    pub total: u64,
+}
+
+/// A window's statistics (what `P/devices/<id>/quality` carries).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QualityReport {
+    /// Requests in the window.
+    pub requests: usize,
+    /// Requests since the model became active.
+    pub total_requests: u64,
+    pub mean_confidence: f64,
+    /// Share of the window per confidence bin, as the reference's.
+    pub confidence_histogram: Vec<f64>,
+    /// Share of the window predicted as each class.
+    pub class_distribution: Vec<f64>,
+    /// Total variation distance between the window's and the reference's class distributions.
+    pub class_distance: f64,
+    /// The reference's mean confidence, for comparison.
+    pub reference_confidence: f64,
+    pub drift: Drift,
+    pub latency_p50_ms: f64,
+    pub latency_p99_ms: f64,
+}
+
+/// The feature drift test of a window (see the module docs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Drift {
+    /// The largest standardized mean shift over the projections.
+    pub max_z: f64,
+    pub p_value: f64,
+    pub flagged: bool,
+}
+
+impl QualityWindow {
+    pub fn new(reference: QualityReference, size: usize) -> Self {
+        let projection =
+            Projection::new(reference.features.projection_seed, reference.features.dim);
+        QualityWindow {
+            reference,
+            projection,
+            size: size.max(1),
+            seen: VecDeque::new(),
+            total: 0,
+        }
+    }
+
+    /// Records one request: the model's logits, its pooled features, and how long it took.
+    pub fn push(&mut self, logits: &[f32], features: &[f32], latency_ms: f64) {
+        let (class, confidence) = top1(logits);
+        if self.seen.len() == self.size {
+            self.seen.pop_front();
+        }
+        self.seen.push_back(Seen {
+            class,
+            confidence,
+            projected: self.projection.project(features),
+            latency_ms,
+        });
+        self.total += 1;
+    }
+
+    /// The statistics of the requests in the window; `None` while it is empty.
+    pub fn report(&self) -> Option<QualityReport> {
+        let n = self.seen.len();
+        if n == 0 {
+            return None;
+        }
+        let nf = n as f64;
+        let r = &self.reference;
+        let classes = r.class_distribution.len().max(1);
+        let mut class = vec![0.0; classes];
+        let mut conf = vec![0.0; CONFIDENCE_BINS];
+        let mut sum = [0.0; PROJECTIONS];
+        for s in &self.seen {
+            class[s.class.min(classes - 1)] += 1.0;
+            conf[confidence_bin(s.confidence)] += 1.0;
+            for (a, v) in sum.iter_mut().zip(s.projected) {
+                *a += v;
+            }
+        }
+        let max_z = sum
+            .iter()
+            .zip(&r.features.mean)
+            .zip(&r.features.std)
+            .map(|((s, mu), sd)| ((s / nf - mu) * nf.sqrt() / sd.max(1e-12)).abs())
+            .fold(0.0, f64::max);
+        let (class, conf): (Vec<f64>, Vec<f64>) = (
+            class.iter().map(|c| c / nf).collect(),
+            conf.iter().map(|c| c / nf).collect(),
+        );
+        let p_value = (PROJECTIONS as f64 * erfc(max_z / std::f64::consts::SQRT_2)).min(1.0);
+        let mut lat: Vec<f64> = self.seen.iter().map(|s| s.latency_ms).collect();
+        lat.sort_by(f64::total_cmp);
+        let pct = |q: f64| lat[((q * (n - 1) as f64).round() as usize).min(n - 1)];
+        let bin_centre = |i: usize| (i as f64 + 0.5) / CONFIDENCE_BINS as f64;
+        Some(QualityReport {
+            requests: n,
+            total_requests: self.total,
+            mean_confidence: self.seen.iter().map(|s| s.confidence).sum::<f64>() / nf,
+            class_distance: 0.5
+                * class
+                    .iter()
+                    .zip(&r.class_distribution)
+                    .map(|(a, b)| (a - b).abs())
+                    .sum::<f64>(),
+            confidence_histogram: conf,
+            class_distribution: class,
+            reference_confidence: r
+                .confidence_histogram
+                .iter()
+                .enumerate()
+                .map(|(i, share)| share * bin_centre(i))
+                .sum(),
+            drift: Drift {
+                max_z,
+                p_value,
+                flagged: p_value < DRIFT_ALPHA,
+            },
+            latency_p50_ms: pct(0.5),
+            latency_p99_ms: pct(0.99),
+        })
+    }
+}
+
+/// The complementary error function (Numerical Recipes' Chebyshev fit, relative error below
+/// 1.2e-7 everywhere): `P(|Z| >= z) = erfc(z / sqrt 2)` for a standard normal Z.
+pub fn erfc(x: f64) -> f64 {
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let poly = -z * z - 1.265_512_23
+        + t * (1.000_023_68
+            + t * (0.374_091_96
+                + t * (0.096_784_18
+                    + t * (-0.186_288_06
+                        + t * (0.278_868_07
+                            + t * (-1.135_203_98
+                                + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
+    let r = t * poly.exp();
+    if x >= 0.0 { r } else { 2.0 - r }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn erfc_matches_known_values() {
+        for (x, want) in [
+            (0.0, 1.0),
+            (0.5, 0.479_500_122),
+            (1.0, 0.157_299_207),
+            (2.0, 0.004_677_735),
+            (3.0, 2.209_049_7e-5),
+            (-1.0, 1.842_700_793),
+        ] {
+            let got = erfc(x);
+            assert!(
+                ((got - want) / want).abs() < 1e-6,
+                "erfc({x}) = {got}, want {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn projections_are_fixed_by_the_seed() {
+        let (a, b) = (Projection::new(7, 32), Projection::new(7, 32));
+        assert_eq!(a.rows, b.rows);
+        assert_ne!(a.rows, Projection::new(8, 32).rows);
+        // N(0, 1/dim): each direction's squared norm is about 1.
+        let norms: Vec<f64> = a
+            .rows
+            .chunks(32)
+            .map(|r| r.iter().map(|v| v * v).sum())
+            .collect();
+        assert!(norms.iter().all(|n| (0.3..3.0).contains(n)), "{norms:?}");
+    }
+
+    #[test]
+    fn top1_is_the_softmax_maximum() {
+        let (c, p) = top1(&[1.0, 3.0, 0.0]);
+        assert_eq!(c, 1);
+        let want = 3f64.exp() / (1f64.exp() + 3f64.exp() + 1.0);
+        assert!((p - want).abs() < 1e-6);
+    }
+
+    /// Features drawn from the reference's distribution are not flagged; the same features
+    /// shifted by half a standard deviation along every axis are, while the class distribution
+    /// and confidence (the logits are the same) do not move at all.
+    #[test]
+    fn a_mean_shift_is_flagged_and_the_same_distribution_is_not() {
+        let dim = 64;
+        let mut draw = {
+            // Independent uniform features with a per-feature offset (not centred, not scaled).
+            let mut state = 12345u64;
+            move || {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                ((state >> 33) as f64 / (1u64 << 31) as f64) as f32
+            }
+        };
+        let sample = |draw: &mut dyn FnMut() -> f32, shift: f32| -> Vec<f32> {
+            (0..dim).map(|i| i as f32 * 0.1 + draw() + shift).collect()
+        };
+        let logits = [2.0f32, 0.5];
+        let val: Vec<Vec<f32>> = (0..2000).map(|_| sample(&mut draw, 0.0)).collect();
+        let reference = QualityReference::build(
+            val.iter().map(|f| (&logits[..], f.as_slice())),
+            2,
+            "features",
+            42,
+        )
+        .unwrap();
+        assert_eq!(reference.samples, 2000);
+        assert_eq!(reference.class_distribution, vec![1.0, 0.0]);
+        let windows = |shift: f32, draw: &mut dyn FnMut() -> f32| -> Vec<QualityReport> {
+            (0..40)
+                .map(|_| {
+                    let mut w = QualityWindow::new(reference.clone(), 50);
+                    for _ in 0..50 {
+                        w.push(&logits, &sample(draw, shift), 1.0);
+                    }
+                    w.report().unwrap()
+                })
+                .collect()
+        };
+        let same = windows(0.0, &mut draw);
+        let flagged = same.iter().filter(|r| r.drift.flagged).count();
+        assert!(
+            flagged <= 2,
+            "{flagged} of 40 windows of the same distribution flagged"
+        );
+        // Uniform(0, 1) has std 0.29: a shift of 0.15 is half of it.
+        let shifted = windows(0.15, &mut draw);
+        let flagged = shifted.iter().filter(|r| r.drift.flagged).count();
+        assert!(
+            flagged >= 38,
+            "only {flagged} of 40 shifted windows flagged"
+        );
+        for r in same.iter().chain(&shifted) {
+            assert_eq!(r.class_distance, 0.0);
+            assert_eq!(r.confidence_histogram, reference.confidence_histogram);
+        }
+    }
+
+    #[test]
+    fn the_window_keeps_the_last_requests() {
+        let reference =
+            QualityReference::build([(&[1.0f32, 0.0][..], &[0.5f32; 4][..])], 2, "features", 1)
+                .unwrap();
+        let mut w = QualityWindow::new(reference, 3);
+        assert!(w.report().is_none());
+        for (i, logits) in [[1.0f32, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]
+            .iter()
+            .enumerate()
+        {
+            w.push(logits, &[0.5; 4], i as f64);
+        }
+        let r = w.report().unwrap();
+        assert_eq!((r.requests, r.total_requests), (3, 4));
+        assert_eq!(r.class_distribution, vec![0.0, 1.0]);
+        assert_eq!(r.class_distance, 1.0);
+        assert_eq!((r.latency_p50_ms, r.latency_p99_ms), (2.0, 3.0));
+    }
+}
