@@ -374,32 +374,24 @@ mod tests {
                 .clamp(0f32, 6f32)
                 .unwrap();
             assert_eq!(got.dims(), want.dims(), "case k{k} s{s} g{g}");
-            let diff = (&got - &want)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let diff = max_diff(&got, &want);
             assert!(
                 diff < 1e-4,
                 "case k{k} s{s} g{g} pads {pads:?}: max diff {diff}"
             );
             let cnhw = cnhw.expect("every case is pointwise or depthwise");
-            let diff = (cnhw - &got)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let diff = max_diff(&cnhw, &got);
             assert!(
                 diff < 1e-5,
                 "case k{k} s{s} g{g}: [c, n, h, w] differs by {diff}"
             );
         }
+    }
+
+    fn max_diff(a: &CTensor, b: &CTensor) -> f32 {
+        (a - b)
+            .and_then(|d| d.abs()?.max_all()?.to_scalar::<f32>())
+            .unwrap()
     }
 
     /// The depthwise and bias ops' gradients equal finite differences of their forward passes,
