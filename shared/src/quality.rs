@@ -37,6 +37,8 @@ pub struct QualityReference {
     pub class_distribution: Vec<f64>,
     /// Share of the samples per top-1 confidence bin ([`CONFIDENCE_BINS`] over [0, 1]).
     pub confidence_histogram: Vec<f64>,
+    /// Mean top-1 confidence.
+    pub mean_confidence: f64,
     pub features: FeatureReference,
 }
 
@@ -107,6 +109,26 @@ fn confidence_bin(c: f64) -> usize {
     ((c * CONFIDENCE_BINS as f64) as usize).min(CONFIDENCE_BINS - 1)
 }
 
+/// The predicted-class shares, confidence-histogram shares and mean confidence of
+/// `(top-1 class, confidence)` pairs (reference and window count them alike).
+fn output_shares(
+    top: impl IntoIterator<Item = (usize, f64)>,
+    classes: usize,
+) -> (Vec<f64>, Vec<f64>, f64) {
+    let classes = classes.max(1);
+    let (mut class, mut conf) = (vec![0.0; classes], vec![0.0; CONFIDENCE_BINS]);
+    let (mut n, mut sum) = (0usize, 0.0);
+    for (c, p) in top {
+        class[c.min(classes - 1)] += 1.0;
+        conf[confidence_bin(p)] += 1.0;
+        sum += p;
+        n += 1;
+    }
+    let nf = n.max(1) as f64;
+    let share = |v: Vec<f64>| v.into_iter().map(|c| c / nf).collect();
+    (share(class), share(conf), sum / nf)
+}
+
 impl QualityReference {
     /// The profile of `(logits, features)` rows (the exported graph's two outputs on every
     /// validation sample); the features are named `output` in the graph.
@@ -119,14 +141,11 @@ impl QualityReference {
         let mut rows = rows.into_iter().peekable();
         let dim = rows.peek()?.1.len();
         let proj = Projection::new(projection_seed, dim);
-        let mut class = vec![0.0; classes];
-        let mut conf = vec![0.0; CONFIDENCE_BINS];
         let (mut sum, mut sq) = ([0.0; PROJECTIONS], [0.0; PROJECTIONS]);
+        let mut top = Vec::new();
         let mut n = 0usize;
         for (logits, features) in rows {
-            let (c, p) = top1(logits);
-            class[c.min(classes - 1)] += 1.0;
-            conf[confidence_bin(p)] += 1.0;
+            top.push(top1(logits));
             for (j, v) in proj.project(features).into_iter().enumerate() {
                 sum[j] += v;
                 sq[j] += v * v;
@@ -140,10 +159,13 @@ impl QualityReference {
             .zip(&mean)
             .map(|(q, m)| ((q / nf - m * m).max(0.0) * nf / (nf - 1.0).max(1.0)).sqrt())
             .collect();
+        let (class_distribution, confidence_histogram, mean_confidence) =
+            output_shares(top, classes);
         Some(QualityReference {
             samples: n,
-            class_distribution: class.iter().map(|c| c / nf).collect(),
-            confidence_histogram: conf.iter().map(|c| c / nf).collect(),
+            class_distribution,
+            confidence_histogram,
+            mean_confidence,
             features: FeatureReference {
                 output: output.into(),
                 dim,
@@ -240,13 +262,12 @@ impl QualityWindow {
         }
         let nf = n as f64;
         let r = &self.reference;
-        let classes = r.class_distribution.len().max(1);
-        let mut class = vec![0.0; classes];
-        let mut conf = vec![0.0; CONFIDENCE_BINS];
+        let (class, conf, mean_confidence) = output_shares(
+            self.seen.iter().map(|s| (s.class, s.confidence)),
+            r.class_distribution.len(),
+        );
         let mut sum = [0.0; PROJECTIONS];
         for s in &self.seen {
-            class[s.class.min(classes - 1)] += 1.0;
-            conf[confidence_bin(s.confidence)] += 1.0;
             for (a, v) in sum.iter_mut().zip(s.projected) {
                 *a += v;
             }
@@ -257,19 +278,14 @@ impl QualityWindow {
             .zip(&r.features.std)
             .map(|((s, mu), sd)| ((s / nf - mu) * nf.sqrt() / sd.max(1e-12)).abs())
             .fold(0.0, f64::max);
-        let (class, conf): (Vec<f64>, Vec<f64>) = (
-            class.iter().map(|c| c / nf).collect(),
-            conf.iter().map(|c| c / nf).collect(),
-        );
         let p_value = (PROJECTIONS as f64 * erfc(max_z / std::f64::consts::SQRT_2)).min(1.0);
         let mut lat: Vec<f64> = self.seen.iter().map(|s| s.latency_ms).collect();
         lat.sort_by(f64::total_cmp);
         let pct = |q: f64| lat[((q * (n - 1) as f64).round() as usize).min(n - 1)];
-        let bin_centre = |i: usize| (i as f64 + 0.5) / CONFIDENCE_BINS as f64;
         Some(QualityReport {
             requests: n,
             total_requests: self.total,
-            mean_confidence: self.seen.iter().map(|s| s.confidence).sum::<f64>() / nf,
+            mean_confidence,
             class_distance: 0.5
                 * class
                     .iter()
@@ -278,12 +294,7 @@ impl QualityWindow {
                     .sum::<f64>(),
             confidence_histogram: conf,
             class_distribution: class,
-            reference_confidence: r
-                .confidence_histogram
-                .iter()
-                .enumerate()
-                .map(|(i, share)| share * bin_centre(i))
-                .sum(),
+            reference_confidence: r.mean_confidence,
             drift: Drift {
                 max_z,
                 p_value,

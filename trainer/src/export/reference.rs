@@ -48,11 +48,7 @@ pub(super) fn profile(
     .ok_or_else(|| ExportError::RunLacks("validation samples".into()))?;
     log(format!(
         "quality reference: {} validation samples, mean top-1 confidence {:.3}",
-        reference.samples,
-        rows.iter()
-            .map(|(l, _)| kestrel_shared::quality::top1(l).1)
-            .sum::<f64>()
-            / rows.len().max(1) as f64
+        reference.samples, reference.mean_confidence
     ));
     Ok(reference)
 }
