@@ -89,6 +89,48 @@ impl Default for Inference {
     }
 }
 
+fn default_window() -> usize {
+    100
+}
+fn default_period() -> u64 {
+    10
+}
+fn default_every() -> u64 {
+    1
+}
+fn yes() -> bool {
+    true
+}
+
+/// Quality telemetry over live requests (`[quality]`) and shadow models' share of the CPU.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quality {
+    /// Off: no window, no `P/devices/<id>/quality`, no shadow model.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Requests in the sliding window (and in each judged window).
+    #[serde(default = "default_window")]
+    pub window: usize,
+    /// Seconds between quality reports (a report goes out only when requests came in).
+    #[serde(default = "default_period")]
+    pub period_s: u64,
+    /// A shadow model runs on every k-th request, and never while requests are waiting.
+    #[serde(default = "default_every")]
+    pub shadow_every: u64,
+}
+
+impl Default for Quality {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            window: default_window(),
+            period_s: default_period(),
+            shadow_every: default_every(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -109,6 +151,8 @@ pub struct Config {
     pub limits: Limits,
     #[serde(default)]
     pub inference: Inference,
+    #[serde(default)]
+    pub quality: Quality,
 }
 
 impl Config {
@@ -143,6 +187,11 @@ impl Config {
             ));
         }
         c.broker.endpoint().map_err(|e| invalid(e.to_string()))?;
+        if c.quality.window == 0 || c.quality.period_s == 0 || c.quality.shadow_every == 0 {
+            return Err(invalid(
+                "[quality] window, period_s and shadow_every must be at least 1".into(),
+            ));
+        }
         match c.inference.engine {
             EngineKind::Tract => {}
             EngineKind::Ort if kestrel_models::engine::ORT_COMPILED => {}

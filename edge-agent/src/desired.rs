@@ -107,6 +107,7 @@ mod tests {
             clear: false,
             rollout: None,
             source: None,
+            shadow: None,
         }
     }
 

@@ -83,6 +83,14 @@ enum Cmd {
         /// sharing one model cache: for fleet tests and benchmarks.
         #[arg(long, value_name = "N", conflicts_with = "watch")]
         simulate: Option<usize>,
+        /// Live traffic from a directory of images, as a camera would send it: answered and
+        /// judged by quality telemetry like MQTT requests, not published. Repeatable with
+        /// --simulate: device i gets the (i mod count)-th feed and, with GROUP=, joins GROUP.
+        #[arg(long, value_name = "[GROUP=]DIR", value_parser = parse_feed)]
+        feed: Vec<(Option<String>, PathBuf)>,
+        /// Requests per second of each fed device.
+        #[arg(long, value_name = "HZ", default_value_t = 5.0, requires = "feed")]
+        feed_rate: f64,
     },
     /// Classify images with an artifact (verified and health-checked first), as the agent serves them.
     Predict {
@@ -115,6 +123,13 @@ enum Cmd {
     },
 }
 
+fn parse_feed(s: &str) -> Result<(Option<String>, PathBuf), String> {
+    match s.split_once('=') {
+        Some((g, dir)) if !g.contains('/') => Ok((Some(g.to_string()), dir.into())),
+        _ => Ok((None, s.into())),
+    }
+}
+
 fn parse_engine(s: &str) -> Result<EngineKind, String> {
     match s.parse() {
         Ok(EngineKind::Candle) => Err("the agent runs tract or ort".into()),
@@ -139,9 +154,23 @@ fn run(cli: Cli) -> Result<ExitCode> {
             config,
             watch,
             simulate,
+            feed,
+            feed_rate,
         } => {
             let cfg = edge_agent::config::Config::load(&config)?;
-            edge_agent::agent::run(cfg, watch, simulate)?;
+            anyhow::ensure!(
+                feed_rate > 0.0 && feed_rate.is_finite(),
+                "--feed-rate {feed_rate}: give requests per second above 0"
+            );
+            let feeds: Vec<edge_agent::agent::Feed> = feed
+                .into_iter()
+                .map(|(group, dir)| edge_agent::agent::Feed {
+                    dir,
+                    rate: feed_rate,
+                    group,
+                })
+                .collect();
+            edge_agent::agent::run(cfg, watch, simulate, &feeds)?;
         }
         Cmd::Predict {
             model,

@@ -14,6 +14,14 @@ use kestrel_shared::protocol::sha256_hex;
 /// The active model of a device, swapped atomically for readers.
 pub type Shared<T> = Arc<RwLock<Option<Arc<T>>>>;
 
+/// A shadow model as the inference workers see it: it runs on every `every`-th request the
+/// active model answered (`turn` counts them), after the reply is on its way.
+pub struct ShadowModel {
+    pub model: Arc<LoadedModel>,
+    pub every: u64,
+    pub turn: std::sync::atomic::AtomicU64,
+}
+
 /// Loaded models shared by the devices of one process (`--simulate N`): every device verifies
 /// its own files against the manifest; the tract plan is built and the golden samples run once
 /// per distinct signed manifest (which binds every file's hash).

@@ -26,7 +26,7 @@ pub use conn::Conn;
 pub use infer::infer;
 pub use keys::{KeysPublished, publish_keys};
 pub use publish::{PublishOptions, Published, current_desired, publish};
-pub use status::{statuses, wait_status};
+pub use status::{qualities, statuses, wait_status};
 
 use kestrel_models::artifact;
 

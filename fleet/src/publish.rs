@@ -101,6 +101,7 @@ pub fn publish(
         clear: false,
         rollout,
         source: bundle.manifest.registry.clone(),
+        shadow: None,
     };
     let d = serde_json::to_vec(&SignedDesired::new(key, &desired)).expect("serializable");
     conn.publish_all(vec![(conn.topics.desired(target), d, true)], Some(&pb))?;

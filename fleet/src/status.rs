@@ -4,6 +4,7 @@ use std::time::{Duration, Instant};
 
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{Status, parse};
+use kestrel_shared::quality::DeviceQuality;
 
 use crate::{Conn, FleetError};
 
@@ -19,12 +20,27 @@ pub fn statuses(cfg: &BrokerConfig, device: Option<&str>) -> Result<Vec<Status>,
     Ok(out)
 }
 
-/// The retained statuses under `filter` (see [`Conn::retained`]); cleared ones are skipped.
-pub(crate) fn retained(
+/// Retained quality report of every device (or of one), by device id.
+pub fn qualities(
+    cfg: &BrokerConfig,
+    device: Option<&str>,
+) -> Result<Vec<DeviceQuality>, FleetError> {
+    let mut conn = Conn::connect(cfg, "quality")?;
+    let filter = match device {
+        Some(d) => conn.topics.quality(d),
+        None => conn.topics.quality_filter(),
+    };
+    let out = retained(&mut conn, &filter, Duration::from_millis(400))?;
+    conn.disconnect();
+    Ok(out)
+}
+
+/// The retained messages under `filter` (see [`Conn::retained`]); cleared ones are skipped.
+pub(crate) fn retained<T: serde::de::DeserializeOwned>(
     conn: &mut Conn,
     filter: &str,
     quiet: Duration,
-) -> Result<Vec<Status>, FleetError> {
+) -> Result<Vec<T>, FleetError> {
     conn.retained(filter, quiet)?
         .iter()
         .filter(|(_, p)| !p.is_empty())

@@ -245,12 +245,24 @@ impl LoadedModel {
 
     /// Classifies encoded image bytes; `name` names the image in errors.
     pub fn predict(&self, bytes: &[u8], name: &str, k: usize) -> Result<Prediction, ArtifactError> {
+        Ok(self.infer(bytes, name, k)?.prediction)
+    }
+
+    /// [`Self::predict`], with the logits and, when the graph has them (its second output), the
+    /// pooled features: what quality telemetry needs. The latency covers all of it.
+    pub fn infer(&self, bytes: &[u8], name: &str, k: usize) -> Result<Inference, ArtifactError> {
         let start = std::time::Instant::now();
         let x = self
             .manifest
             .preprocess
             .run_bytes(bytes, name, &self.limits)?;
-        let logits = self.logits(x.data)?;
+        let [h, w] = self.manifest.preprocess.input_size.map(|v| v as usize);
+        let mut outputs = self
+            .engine
+            .run_outputs(&Tensor::new(vec![1, 3, h, w], x.data))?
+            .into_iter();
+        let logits = outputs.next().map(|t| t.data).unwrap_or_default();
+        let features = outputs.next().map(|t| t.data);
         let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let e: Vec<f32> = logits.iter().map(|v| (v - m).exp()).collect();
         let sum: f32 = e.iter().sum();
@@ -265,14 +277,28 @@ impl LoadedModel {
                 score: e[i] / sum,
             })
             .collect();
-        Ok(Prediction {
+        let prediction = Prediction {
             image: name.to_string(),
             top,
             model: self.manifest.name.clone(),
             version: self.manifest.version,
             latency_ms: start.elapsed().as_secs_f64() * 1000.0,
+        };
+        Ok(Inference {
+            prediction,
+            logits,
+            features,
         })
     }
+}
+
+/// One classified image with what quality telemetry needs besides the prediction.
+#[derive(Debug, Clone)]
+pub struct Inference {
+    pub prediction: Prediction,
+    pub logits: Vec<f32>,
+    /// The pooled features (the exported graph's second output), when the graph has them.
+    pub features: Option<Vec<f32>>,
 }
 
 /// Index of the largest value (the first on ties).

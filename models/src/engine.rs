@@ -81,6 +81,11 @@ pub trait Engine: Send + Sync {
     fn kind(&self) -> EngineKind;
     /// Runs a batch `[N, ..input_shape]` and returns `[N, ..output_shape]`.
     fn run(&self, input: &Tensor) -> Result<Tensor, EngineError>;
+    /// Runs one sample (`[1, ..input_shape]`) and returns every graph output in order (an
+    /// exported graph's second output is its pooled features).
+    fn run_outputs(&self, input: &Tensor) -> Result<Vec<Tensor>, EngineError> {
+        Ok(vec![self.run(input)?])
+    }
 }
 
 fn check_input(expected: &[usize], input: &Tensor) -> Result<(), EngineError> {
@@ -149,7 +154,8 @@ impl TractEngine {
         f()
     }
 
-    /// Runs one sample (`[1, ..input_shape]`) and returns every graph output (calibration probes).
+    /// Runs one sample (`[1, ..input_shape]`) and returns every graph output (calibration probes,
+    /// the reference profile's features).
     pub fn run_all_outputs(&self, input: &Tensor) -> Result<Vec<Tensor>, EngineError> {
         check_input(&self.input_shape, input)?;
         let t = tract_onnx::prelude::Tensor::from_shape(&input.shape, &input.data)
@@ -189,6 +195,10 @@ impl TractEngine {
 impl Engine for TractEngine {
     fn kind(&self) -> EngineKind {
         EngineKind::Tract
+    }
+
+    fn run_outputs(&self, input: &Tensor) -> Result<Vec<Tensor>, EngineError> {
+        self.on_pool(|| self.run_all_outputs(input))
     }
 
     fn run(&self, input: &Tensor) -> Result<Tensor, EngineError> {
@@ -380,17 +390,27 @@ mod ort_engine {
         }
 
         fn run(&self, input: &Tensor) -> Result<Tensor, EngineError> {
+            Ok(self.run_outputs(input)?.swap_remove(0))
+        }
+
+        /// Every output of a batch (ONNX Runtime runs any batch size as one).
+        fn run_outputs(&self, input: &Tensor) -> Result<Vec<Tensor>, EngineError> {
             check_input(&self.input_shape, input)?;
             let err = |e: ort::Error| EngineError::Ort(e.to_string());
             let value = ort::value::Tensor::from_array((input.shape.clone(), input.data.clone()))
                 .map_err(err)?;
             let mut session = self.session.lock().expect("ort session lock");
             let outputs = session.run(ort::inputs![value]).map_err(err)?;
-            let (shape, data) = outputs[0].try_extract_tensor::<f32>().map_err(err)?;
-            Ok(Tensor::new(
-                shape.iter().map(|&d| d as usize).collect(),
-                data.to_vec(),
-            ))
+            outputs
+                .iter()
+                .map(|(_, v)| {
+                    let (shape, data) = v.try_extract_tensor::<f32>().map_err(err)?;
+                    Ok(Tensor::new(
+                        shape.iter().map(|&d| d as usize).collect(),
+                        data.to_vec(),
+                    ))
+                })
+                .collect()
         }
     }
 }

@@ -99,6 +99,13 @@ impl Topics {
     pub fn status_filter(&self) -> String {
         format!("{}/devices/+/status", self.prefix)
     }
+    /// The device's quality telemetry (retained; [`crate::quality::DeviceQuality`]).
+    pub fn quality(&self, device: &str) -> String {
+        format!("{}/devices/{device}/quality", self.prefix)
+    }
+    pub fn quality_filter(&self) -> String {
+        format!("{}/devices/+/quality", self.prefix)
+    }
     pub fn online(&self, device: &str) -> String {
         format!("{}/devices/{device}/online", self.prefix)
     }
@@ -268,6 +275,18 @@ pub struct Desired {
     /// The MLflow registry version of the model (`models:/NAME/VERSION`), when it came from one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
+    /// A candidate to run in shadow beside `name`/`version`: downloaded and verified by the same
+    /// rules, run on the same live inputs, never answering; its agreement with the active model
+    /// is reported in the device's quality telemetry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<ModelRef>,
+}
+
+/// A model by name and version.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelRef {
+    pub name: String,
+    pub version: u64,
 }
 
 /// A desired state as published: the exact JSON of [`Desired`] and its signature.
@@ -406,6 +425,20 @@ pub struct Status {
     /// The version of the root-signed key list in force, when the device follows one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keys_version: Option<u64>,
+    /// The shadow model the desired state names, if any, and how far the device got with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<ShadowStatus>,
+}
+
+/// A shadow model on a device.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShadowStatus {
+    pub name: String,
+    pub version: u64,
+    /// downloading | running | failed
+    pub state: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// A transition, published as it happens.
@@ -523,6 +556,7 @@ mod tests {
             clear: false,
             rollout: None,
             source: None,
+            shadow: None,
         };
         let s = SignedDesired::new(&sk, &d);
         assert_eq!(s.open(&[pk], "t"), Ok(d));

@@ -9,13 +9,21 @@
 //! - the reference holds each projection's mean `mu_j` and standard deviation `sigma_j` over the
 //!   validation split;
 //! - a window of `n` requests has projected means `m_j`; under no drift
-//!   `z_j = (m_j - mu_j) * sqrt(n) / sigma_j` is about standard normal;
+//!   `z_j = (m_j - mu_j) / (sigma_j * sqrt(1/n + 1/N))` is about standard normal (a two-sample
+//!   test: `mu_j` is itself the mean of the reference's `N` samples, as uncertain as the window's
+//!   when the validation split is small);
 //! - the p-value is Bonferroni's over the directions, `min(1, k * P(|Z| >= max_j |z_j|))`, valid
 //!   whatever the correlation between directions; a window is flagged below [`DRIFT_ALPHA`].
 //!
 //! The top-1 confidence histogram and the predicted-class distribution are kept too, but inputs a
 //! model stays confident on (an inverted or blurred camera, a new background) move the features
 //! without moving those: the test is on the features.
+//!
+//! The window slides (a report covers the last `size` requests), and every `size` requests it is
+//! also judged as a whole: [`QualityReport::windows`] and [`QualityReport::flagged_windows`]
+//! count those disjoint windows since the model became active, the share a fleet gate reads.
+//!
+//! [`ShadowTally`] compares a shadow model with the active one on the same requests.
 
 use std::collections::VecDeque;
 
@@ -194,6 +202,9 @@ pub struct QualityWindow {
     seen: VecDeque<Seen>,
     /// Requests since the window was created (not only those in it).
     pub total: u64,
+    /// Disjoint full windows judged, and how many of them were flagged.
+    windows: u64,
+    flagged_windows: u64,
 }
 
 /// A window's statistics (what `P/devices/<id>/quality` carries).
@@ -213,6 +224,10 @@ pub struct QualityReport {
     /// The reference's mean confidence, for comparison.
     pub reference_confidence: f64,
     pub drift: Drift,
+    /// Disjoint windows of `size` requests judged since the model became active...
+    pub windows: u64,
+    /// ...and how many of them were flagged as drifted.
+    pub flagged_windows: u64,
     pub latency_p50_ms: f64,
     pub latency_p99_ms: f64,
 }
@@ -236,7 +251,14 @@ impl QualityWindow {
             size: size.max(1),
             seen: VecDeque::new(),
             total: 0,
+            windows: 0,
+            flagged_windows: 0,
         }
+    }
+
+    /// The reference the window judges against.
+    pub fn reference(&self) -> &QualityReference {
+        &self.reference
     }
 
     /// Records one request: the model's logits, its pooled features, and how long it took.
@@ -252,20 +274,20 @@ impl QualityWindow {
             latency_ms,
         });
         self.total += 1;
+        if self.total % self.size as u64 == 0 {
+            // The window now holds `size` requests none of the previous judged windows held.
+            self.windows += 1;
+            if self.drift().flagged {
+                self.flagged_windows += 1;
+            }
+        }
     }
 
-    /// The statistics of the requests in the window; `None` while it is empty.
-    pub fn report(&self) -> Option<QualityReport> {
-        let n = self.seen.len();
-        if n == 0 {
-            return None;
-        }
-        let nf = n as f64;
-        let r = &self.reference;
-        let (class, conf, mean_confidence) = output_shares(
-            self.seen.iter().map(|s| (s.class, s.confidence)),
-            r.class_distribution.len(),
-        );
+    /// The feature drift test over the requests in the window (see the module docs).
+    fn drift(&self) -> Drift {
+        let nf = self.seen.len().max(1) as f64;
+        let r = &self.reference.features;
+        let scale = (1.0 / nf + 1.0 / self.reference.samples.max(1) as f64).sqrt();
         let mut sum = [0.0; PROJECTIONS];
         for s in &self.seen {
             for (a, v) in sum.iter_mut().zip(s.projected) {
@@ -274,11 +296,29 @@ impl QualityWindow {
         }
         let max_z = sum
             .iter()
-            .zip(&r.features.mean)
-            .zip(&r.features.std)
-            .map(|((s, mu), sd)| ((s / nf - mu) * nf.sqrt() / sd.max(1e-12)).abs())
+            .zip(&r.mean)
+            .zip(&r.std)
+            .map(|((s, mu), sd)| ((s / nf - mu) / (sd.max(1e-12) * scale)).abs())
             .fold(0.0, f64::max);
         let p_value = (PROJECTIONS as f64 * erfc(max_z / std::f64::consts::SQRT_2)).min(1.0);
+        Drift {
+            max_z,
+            p_value,
+            flagged: p_value < DRIFT_ALPHA,
+        }
+    }
+
+    /// The statistics of the requests in the window; `None` while it is empty.
+    pub fn report(&self) -> Option<QualityReport> {
+        let n = self.seen.len();
+        if n == 0 {
+            return None;
+        }
+        let r = &self.reference;
+        let (class, conf, mean_confidence) = output_shares(
+            self.seen.iter().map(|s| (s.class, s.confidence)),
+            r.class_distribution.len(),
+        );
         let mut lat: Vec<f64> = self.seen.iter().map(|s| s.latency_ms).collect();
         lat.sort_by(f64::total_cmp);
         let pct = |q: f64| lat[((q * (n - 1) as f64).round() as usize).min(n - 1)];
@@ -295,15 +335,129 @@ impl QualityWindow {
             confidence_histogram: conf,
             class_distribution: class,
             reference_confidence: r.mean_confidence,
-            drift: Drift {
-                max_z,
-                p_value,
-                flagged: p_value < DRIFT_ALPHA,
-            },
+            drift: self.drift(),
+            windows: self.windows,
+            flagged_windows: self.flagged_windows,
             latency_p50_ms: pct(0.5),
             latency_p99_ms: pct(0.99),
         })
     }
+}
+
+/// A shadow model against the active one on the same requests (what the device's quality
+/// report carries as `shadow`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShadowReport {
+    pub name: String,
+    pub version: u64,
+    /// Requests both models answered.
+    pub compared: u64,
+    /// Share of them with the same top-1 class.
+    pub agreement: f64,
+    pub active_mean_confidence: f64,
+    pub shadow_mean_confidence: f64,
+    /// Compared requests on which the two disagreed, by the active model's class.
+    pub disagreements: Vec<u64>,
+    pub active_latency_p50_ms: f64,
+    pub shadow_latency_p50_ms: f64,
+    /// Requests the shadow did not run on (not its turn, or requests were waiting).
+    pub skipped: u64,
+}
+
+/// Running totals of a shadow model's comparisons since it was loaded.
+#[derive(Debug, Clone)]
+pub struct ShadowTally {
+    name: String,
+    version: u64,
+    compared: u64,
+    agreed: u64,
+    active_confidence: f64,
+    shadow_confidence: f64,
+    disagreements: Vec<u64>,
+    /// The last [`LATENCIES`] (active, shadow) latencies.
+    latencies: VecDeque<(f64, f64)>,
+    pub skipped: u64,
+}
+
+/// Latencies a shadow tally keeps for its medians.
+const LATENCIES: usize = 1000;
+
+impl ShadowTally {
+    pub fn new(name: &str, version: u64, classes: usize) -> Self {
+        ShadowTally {
+            name: name.into(),
+            version,
+            compared: 0,
+            agreed: 0,
+            active_confidence: 0.0,
+            shadow_confidence: 0.0,
+            disagreements: vec![0; classes.max(1)],
+            latencies: VecDeque::new(),
+            skipped: 0,
+        }
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// One request both models answered: their logits and latencies.
+    pub fn push(&mut self, active: (&[f32], f64), shadow: (&[f32], f64)) {
+        let ((a, ac), (b, bc)) = (top1(active.0), top1(shadow.0));
+        self.compared += 1;
+        if a == b {
+            self.agreed += 1;
+        } else {
+            let last = self.disagreements.len() - 1;
+            self.disagreements[a.min(last)] += 1;
+        }
+        self.active_confidence += ac;
+        self.shadow_confidence += bc;
+        if self.latencies.len() == LATENCIES {
+            self.latencies.pop_front();
+        }
+        self.latencies.push_back((active.1, shadow.1));
+    }
+
+    pub fn report(&self) -> ShadowReport {
+        let n = self.compared.max(1) as f64;
+        let median = |f: fn(&(f64, f64)) -> f64| {
+            let mut v: Vec<f64> = self.latencies.iter().map(f).collect();
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(0.0)
+        };
+        ShadowReport {
+            name: self.name.clone(),
+            version: self.version,
+            compared: self.compared,
+            agreement: self.agreed as f64 / n,
+            active_mean_confidence: self.active_confidence / n,
+            shadow_mean_confidence: self.shadow_confidence / n,
+            disagreements: self.disagreements.clone(),
+            active_latency_p50_ms: median(|l| l.0),
+            shadow_latency_p50_ms: median(|l| l.1),
+            skipped: self.skipped,
+        }
+    }
+}
+
+/// A device's retained quality report (`P/devices/<id>/quality`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceQuality {
+    pub device: String,
+    /// The active model the window is about.
+    pub model: String,
+    pub version: u64,
+    /// None while the model has served no request, or when its manifest has no reference
+    /// profile (exported before there was one).
+    pub window: Option<QualityReport>,
+    /// Why there is no window, when there is none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<ShadowReport>,
+    /// RFC 3339 UTC.
+    pub updated: String,
 }
 
 /// The complementary error function (Numerical Recipes' Chebyshev fit, relative error below
@@ -445,5 +599,58 @@ mod tests {
         assert_eq!(r.class_distribution, vec![0.0, 1.0]);
         assert_eq!(r.class_distance, 1.0);
         assert_eq!((r.latency_p50_ms, r.latency_p99_ms), (2.0, 3.0));
+    }
+
+    /// Every `size` requests the window is judged as a whole: held-out-like windows are counted
+    /// and not flagged, shifted ones are counted and flagged.
+    #[test]
+    fn disjoint_windows_are_counted_and_flagged() {
+        let mut state = 99u64;
+        let mut uniform = move || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let rows: Vec<Vec<f32>> = (0..400)
+            .map(|_| (0..8).map(|_| uniform()).collect())
+            .collect();
+        let logits = [1.0f32, 0.0];
+        let reference =
+            QualityReference::build(rows[..200].iter().map(|f| (&logits[..], f.as_slice())), 2, "f", 3)
+                .unwrap();
+        let mut w = QualityWindow::new(reference, 50);
+        // Fresh draws of the same distribution (not the reference's own rows).
+        for f in rows.iter().skip(200).take(150) {
+            w.push(&logits, f, 1.0);
+        }
+        let r = w.report().unwrap();
+        assert_eq!((r.windows, r.flagged_windows), (3, 0));
+        for f in rows.iter().take(50) {
+            let shifted: Vec<f32> = f.iter().map(|v| v + 5.0).collect();
+            w.push(&logits, &shifted, 1.0);
+        }
+        let r = w.report().unwrap();
+        assert_eq!(r.total_requests, 200);
+        assert_eq!((r.windows, r.flagged_windows), (4, 1));
+        assert!(r.drift.flagged);
+    }
+
+    #[test]
+    fn the_shadow_tally_counts_agreement_by_class() {
+        let mut t = ShadowTally::new("m", 3, 2);
+        t.push((&[2.0, 0.0], 10.0), (&[2.0, 0.0], 20.0));
+        t.push((&[2.0, 0.0], 12.0), (&[0.0, 2.0], 22.0));
+        t.push((&[0.0, 2.0], 14.0), (&[0.0, 2.0], 24.0));
+        t.push((&[0.0, 2.0], 16.0), (&[0.0, 2.0], 26.0));
+        t.skipped = 5;
+        let r = t.report();
+        assert_eq!((r.compared, r.skipped, r.version), (4, 5, 3));
+        assert_eq!(r.agreement, 0.75);
+        assert_eq!(r.disagreements, vec![1, 0]);
+        let p = 1.0 / (1.0 + (-2f64).exp());
+        assert!((r.active_mean_confidence - p).abs() < 1e-9);
+        assert!((r.shadow_mean_confidence - p).abs() < 1e-9);
+        assert_eq!((r.active_latency_p50_ms, r.shadow_latency_p50_ms), (14.0, 24.0));
     }
 }

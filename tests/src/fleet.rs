@@ -411,6 +411,7 @@ pub fn desired(device: &str, version: u64, rollback: bool) -> Desired {
         clear: false,
         rollout: None,
         source: None,
+        shadow: None,
     }
 }
 

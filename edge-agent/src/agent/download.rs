@@ -4,8 +4,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use kestrel_models::artifact;
-use kestrel_shared::protocol::{ArtifactOffer, parse, sha256_hex};
+use kestrel_shared::protocol::sha256_hex;
 
 use super::Agent;
 use crate::update::{Event, Offer, Phase};
@@ -23,19 +22,7 @@ impl Agent {
         {
             return Ok(()); // redelivery
         }
-        let checked = parse::<ArtifactOffer>(topic, payload)
-            .map_err(|e| e.to_string())
-            .and_then(|o| {
-                let m = o.open(self.trust.keys()).map_err(|e| e.to_string())?;
-                artifact::check_names(&m).map_err(|e| e.to_string())?;
-                if m.name != w.name || m.version != w.version {
-                    return Err(format!(
-                        "offer is {} v{}, wanted {} v{}",
-                        m.name, m.version, w.name, w.version
-                    ));
-                }
-                Ok((o, m))
-            });
+        let checked = self.check_offer(topic, payload, &w.name, w.version);
         let (o, m) = match checked {
             Ok(x) => x,
             Err(reason) => {

@@ -3,6 +3,8 @@
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -10,15 +12,16 @@ use anyhow::{Context, Result};
 use kestrel_models::EngineKind;
 use kestrel_models::artifact::LoadedModel;
 use kestrel_shared::manifest::Manifest;
-use kestrel_shared::protocol::{ArtifactOffer, Desired, InferReply, Topics};
+use kestrel_shared::protocol::{ArtifactOffer, Desired, InferReply, Topics, sha256_hex};
 use rumqttc::{AsyncClient, Event as MqttEvent, LastWill, QoS};
 use tokio::sync::mpsc;
 
-use super::{Agent, Done, Job, Journal, KEYS_FILE};
+use super::shadow::ShadowSlot;
+use super::{Agent, Done, Job, Journal, KEYS_FILE, Observed, ShadowRun};
 use crate::config::Config;
 use crate::desired::DesiredStates;
 use crate::outbox::{Message, Outbox};
-use crate::serve::{ModelCache, Shared};
+use crate::serve::{ModelCache, ShadowModel, Shared};
 use crate::store::Store;
 use crate::trust::Trust;
 use crate::update::Updater;
@@ -37,43 +40,172 @@ pub fn inference_plan(engine: EngineKind, threads: usize) -> (usize, usize) {
     }
 }
 
-/// An inference worker: takes jobs from the bounded queue (shared by the workers), answers
-/// through `done`.
-fn inference_worker(
-    rx: Arc<Mutex<std::sync::mpsc::Receiver<Job>>>,
+/// The bounded queue of inference requests, with how many wait in it (a shadow model runs only
+/// when none do).
+#[derive(Clone)]
+pub(super) struct Jobs {
+    tx: SyncSender<Job>,
+    waiting: Arc<AtomicUsize>,
+}
+
+impl Jobs {
+    pub(super) fn try_send(&self, job: Job) -> Result<(), TrySendError<Job>> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        self.tx.try_send(job).inspect_err(|_| {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+        })
+    }
+}
+
+/// What an inference worker works with.
+struct Worker {
+    rx: Arc<Mutex<Receiver<Job>>>,
+    waiting: Arc<AtomicUsize>,
     model: Shared<LoadedModel>,
+    shadow: Shared<ShadowModel>,
     done: mpsc::UnboundedSender<Done>,
     device: String,
     top_k: usize,
-) {
-    loop {
-        let next = rx.lock().expect("lock").recv();
-        let Ok(job) = next else { return };
-        let current = model.read().expect("lock").clone();
-        let (prediction, error) = match current {
-            None => (None, Some("no active model".to_string())),
-            Some(m) => match m.predict(&job.bytes, &format!("request {}", job.request), top_k) {
-                Ok(p) => (Some(p), None),
-                Err(e) => (None, Some(e.to_string())),
-            },
-        };
-        let latency = prediction.as_ref().map(|p| p.latency_ms);
-        let reply = InferReply {
-            request: job.request,
-            device: device.clone(),
-            prediction,
-            error,
-        };
-        if done.send(Done::Reply(reply, latency)).is_err() {
-            return;
+}
+
+impl Worker {
+    /// Takes jobs from the queue (shared by the workers) and answers through `done`; then, on
+    /// its turn and when no request waits, runs the shadow model on the same image.
+    fn run(self) {
+        loop {
+            let next = self.rx.lock().expect("lock").recv();
+            let Ok(job) = next else { return };
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            let current = self.model.read().expect("lock").clone();
+            let name = format!("request {}", job.request);
+            let answer = match current {
+                None => Err("no active model".to_string()),
+                Some(m) => m.infer(&job.bytes, &name, self.top_k).map_err(|e| e.to_string()),
+            };
+            let observed = answer.as_ref().ok().map(|i| Observed {
+                version: i.prediction.version,
+                logits: i.logits.clone(),
+                features: i.features.clone(),
+                latency_ms: i.prediction.latency_ms,
+            });
+            let active = observed.as_ref().map(|o| (o.logits.clone(), o.latency_ms));
+            let (prediction, error) = match answer {
+                Ok(i) => (Some(i.prediction), None),
+                Err(e) => (None, Some(e)),
+            };
+            let reply = job.reply.then(|| InferReply {
+                request: job.request,
+                device: self.device.clone(),
+                prediction,
+                error,
+            });
+            if self.done.send(Done::Reply(reply, observed)).is_err() {
+                return;
+            }
+            if let Some(active) = active {
+                self.shadow_turn(&job.bytes, &name, active);
+            }
         }
+    }
+
+    fn shadow_turn(&self, bytes: &[u8], name: &str, active: (Vec<f32>, f64)) {
+        let Some(s) = self.shadow.read().expect("lock").clone() else {
+            return;
+        };
+        let turn = s.turn.fetch_add(1, Ordering::Relaxed) % s.every == 0;
+        let run = (turn && self.waiting.load(Ordering::SeqCst) == 0)
+            .then(|| s.model.infer(bytes, name, 1).ok())
+            .flatten()
+            .map(|i| ShadowRun {
+                active,
+                shadow: (i.logits, i.prediction.latency_ms),
+            });
+        let _ = self.done.send(Done::Shadow(s.model.manifest.version, run));
+    }
+}
+
+/// Traffic for a device from a directory of images (`edge-agent run --feed`): the images in an
+/// order of the device's own, round and round, `rate` requests a second, answered and observed
+/// as MQTT requests are but not published. A request that finds the queue full is dropped.
+#[derive(Debug, Clone)]
+pub struct Feed {
+    pub dir: PathBuf,
+    pub rate: f64,
+    /// A group the fed devices join (so a rollout can pick them by it).
+    pub group: Option<String>,
+}
+
+impl Feed {
+    /// The images of the directory, read once (files that are not images are refused by the
+    /// model like any bad request).
+    pub fn images(&self) -> Result<Vec<(String, Vec<u8>)>> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&self.dir)
+            .with_context(|| format!("--feed {}", self.dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file())
+            .collect();
+        files.sort();
+        anyhow::ensure!(
+            !files.is_empty(),
+            "--feed {}: no files in it",
+            self.dir.display()
+        );
+        files
+            .into_iter()
+            .map(|p| {
+                let b = std::fs::read(&p).with_context(|| format!("{}", p.display()))?;
+                Ok((p.display().to_string(), b))
+            })
+            .collect()
+    }
+
+    fn spawn(&self, device: &str, jobs: Jobs) -> Result<()> {
+        let mut images = self.images()?;
+        // A stable order of the device's own (a seeded Fisher-Yates).
+        let mut state = u64::from_str_radix(&sha256_hex(device.as_bytes())[..16], 16).unwrap_or(1);
+        for i in (1..images.len()).rev() {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            images.swap(i, (state >> 33) as usize % (i + 1));
+        }
+        let period = Duration::from_secs_f64(1.0 / self.rate.max(1e-3));
+        std::thread::spawn(move || {
+            let mut next = Instant::now();
+            for (n, (_, bytes)) in images.iter().cycle().enumerate() {
+                next += period;
+                std::thread::sleep(next.saturating_duration_since(Instant::now()));
+                let job = Job {
+                    request: format!("feed-{n}"),
+                    bytes: bytes.clone(),
+                    reply: false,
+                };
+                if let Err(TrySendError::Disconnected(_)) = jobs.try_send(job) {
+                    return;
+                }
+            }
+        });
+        Ok(())
     }
 }
 
 /// `edge-agent run`: connects, resumes any journaled update and serves until SIGINT/SIGTERM.
 /// With `simulate = Some(n)`, runs `n` virtual devices `<device_id>-000`... in this process
 /// (each with its own connection, store `<store>/<id>` and update machine; one model cache).
-pub fn run(cfg: Config, watch: Option<PathBuf>, simulate: Option<usize>) -> Result<()> {
+/// `feeds`: traffic from image directories, one per device in turn (device `i` gets feed
+/// `i % feeds.len()` and joins its group, if it names one).
+pub fn run(
+    cfg: Config,
+    watch: Option<PathBuf>,
+    simulate: Option<usize>,
+    feeds: &[Feed],
+) -> Result<()> {
+    if simulate.is_none() && feeds.len() > 1 {
+        anyhow::bail!("one device takes one --feed; several need --simulate N");
+    }
+    for f in feeds {
+        f.images()?; // a bad directory is named before anything starts
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -92,7 +224,7 @@ pub fn run(cfg: Config, watch: Option<PathBuf>, simulate: Option<usize>) -> Resu
     ));
     rt.block_on(async move {
         let Some(n) = simulate else {
-            return run_device(cfg, watch, models).await;
+            return run_device(cfg, watch, models, feeds.first().cloned()).await;
         };
         let mut tasks = Vec::new();
         for i in 0..n {
@@ -100,7 +232,12 @@ pub fn run(cfg: Config, watch: Option<PathBuf>, simulate: Option<usize>) -> Resu
             c.device_id = format!("{}-{i:03}", cfg.device_id);
             kestrel_shared::protocol::check_name(&c.device_id)?;
             c.store = cfg.store.join(&c.device_id);
-            tasks.push(tokio::spawn(run_device(c, None, models.clone())));
+            let feed = (!feeds.is_empty()).then(|| feeds[i % feeds.len()].clone());
+            if let Some(g) = feed.as_ref().and_then(|f| f.group.clone()) {
+                kestrel_shared::protocol::check_name(&g)?;
+                c.groups.push(g);
+            }
+            tasks.push(tokio::spawn(run_device(c, None, models.clone(), feed)));
         }
         for t in tasks {
             t.await??;
@@ -112,8 +249,13 @@ pub fn run(cfg: Config, watch: Option<PathBuf>, simulate: Option<usize>) -> Resu
 /// MQTT events (or connection errors) as the event loop's task reports them.
 type MqttRx = mpsc::UnboundedReceiver<Result<MqttEvent, rumqttc::ConnectionError>>;
 
-async fn run_device(cfg: Config, watch: Option<PathBuf>, models: Arc<ModelCache>) -> Result<()> {
-    let (mut agent, eventloop, mut done_rx) = Agent::open(cfg, watch, models)?;
+async fn run_device(
+    cfg: Config,
+    watch: Option<PathBuf>,
+    models: Arc<ModelCache>,
+    feed: Option<Feed>,
+) -> Result<()> {
+    let (mut agent, eventloop, mut done_rx) = Agent::open(cfg, watch, models, feed)?;
     agent.resume().await?;
     let mut mqtt_rx = spawn_event_loop(eventloop);
     agent.serve(&mut mqtt_rx, &mut done_rx).await?;
@@ -189,6 +331,7 @@ impl Agent {
         cfg: Config,
         watch: Option<PathBuf>,
         models: Arc<ModelCache>,
+        feed: Option<Feed>,
     ) -> Result<(Self, rumqttc::EventLoop, mpsc::UnboundedReceiver<Done>)> {
         let trust = saved_trust(&cfg)?;
         let store =
@@ -206,20 +349,36 @@ impl Agent {
         ));
         let (client, eventloop) = AsyncClient::new(opts, 256);
         let (done_tx, done_rx) = mpsc::unbounded_channel();
-        let (jobs, jobs_rx) = std::sync::mpsc::sync_channel(cfg.limits.queue.max(1));
+        let (tx, jobs_rx) = std::sync::mpsc::sync_channel(cfg.limits.queue.max(1));
+        let jobs = Jobs {
+            tx,
+            waiting: Arc::new(AtomicUsize::new(0)),
+        };
         let model: Shared<LoadedModel> = Arc::new(RwLock::new(None));
+        let shadow: Shared<ShadowModel> = Arc::new(RwLock::new(None));
         let jobs_rx = Arc::new(Mutex::new(jobs_rx));
         let (workers, _) = inference_plan(cfg.inference.engine, cfg.inference.threads);
         for _ in 0..workers {
-            let (rx, model, done, device, k) = (
-                jobs_rx.clone(),
-                model.clone(),
-                done_tx.clone(),
-                cfg.device_id.clone(),
-                cfg.inference.top_k,
-            );
-            std::thread::spawn(move || inference_worker(rx, model, done, device, k));
+            let w = Worker {
+                rx: jobs_rx.clone(),
+                waiting: jobs.waiting.clone(),
+                model: model.clone(),
+                shadow: shadow.clone(),
+                done: done_tx.clone(),
+                device: cfg.device_id.clone(),
+                top_k: cfg.inference.top_k,
+            };
+            std::thread::spawn(move || w.run());
         }
+        if let Some(f) = feed {
+            f.spawn(&cfg.device_id, jobs.clone())?;
+        }
+        let shadow_store = cfg.store.join("shadow");
+        let shadow = ShadowSlot::new(
+            Store::open(&shadow_store)
+                .with_context(|| format!("store {}", shadow_store.display()))?,
+            shadow,
+        );
         if let Some(dir) = watch {
             std::fs::create_dir_all(&dir)
                 .with_context(|| format!("watch dir {}", dir.display()))?;
@@ -244,6 +403,9 @@ impl Agent {
             client,
             done_tx,
             jobs,
+            quality: None,
+            last_quality: Instant::now(),
+            shadow,
             latencies: VecDeque::new(),
             served: 0,
             status_dirty: true,
@@ -262,6 +424,8 @@ impl Agent {
         if let Some(v) = self.updater.active {
             self.load_active(v);
         }
+        let shadow = self.wanted.as_ref().and_then(|w| w.shadow.clone());
+        self.set_shadow(shadow).await?;
         let resumed = self.updater.resume();
         self.save_journal();
         for a in resumed {

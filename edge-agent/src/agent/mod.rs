@@ -5,12 +5,14 @@
 //! its actions run, so a restart continues where the agent stopped.
 //!
 //! Here: the journal, status, actions and message dispatch; [`wanted`]: desired states and key
-//! lists; [`download`]: offers and chunks; [`lifecycle`]: start, serve, stop.
+//! lists; [`download`]: offers and chunks; [`lifecycle`]: start, serve, stop, the inference
+//! workers and fed traffic; [`quality`]: telemetry over live requests; [`shadow`]: a candidate
+//! model run beside the active one.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::mpsc::TrySendError;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -35,9 +37,11 @@ use crate::update::{Action, Event, Phase, Report, Updater};
 
 mod download;
 mod lifecycle;
+mod quality;
+mod shadow;
 mod wanted;
 
-pub use lifecycle::run;
+pub use lifecycle::{Feed, run};
 
 /// Journal of the update machine, the desired state being pursued and the newest desired state
 /// accepted per topic (replay protection).
@@ -56,12 +60,33 @@ const KEYS_FILE: &str = "keys.json";
 enum Done {
     Verified(u64, Result<(), String>),
     Health(u64, Result<Arc<LoadedModel>, String>),
-    Reply(InferReply, Option<f64>),
+    /// An answered request: the reply to publish (none for fed traffic, which no one asked
+    /// over MQTT) and, when the active model answered, what telemetry records.
+    Reply(Option<InferReply>, Option<Observed>),
+    /// The shadow model's turn on a request the active model answered (`None`: skipped).
+    Shadow(u64, Option<ShadowRun>),
+    ShadowLoaded(u64, Result<Arc<LoadedModel>, String>),
+}
+
+/// What the active model did on one request.
+struct Observed {
+    version: u64,
+    logits: Vec<f32>,
+    features: Option<Vec<f32>>,
+    latency_ms: f64,
+}
+
+/// Both models on one request: (logits, latency) of the active model and of the shadow.
+struct ShadowRun {
+    active: (Vec<f32>, f64),
+    shadow: (Vec<f32>, f64),
 }
 
 struct Job {
     request: String,
     bytes: Vec<u8>,
+    /// Answer over MQTT (a request from `P/devices/<id>/infer/+`), or only observe (fed traffic).
+    reply: bool,
 }
 
 pub struct Agent {
@@ -85,7 +110,11 @@ pub struct Agent {
     outbox: Outbox,
     client: AsyncClient,
     done_tx: mpsc::UnboundedSender<Done>,
-    jobs: SyncSender<Job>,
+    jobs: lifecycle::Jobs,
+    /// The active model's window over live requests.
+    quality: Option<quality::Telemetry>,
+    last_quality: Instant,
+    shadow: shadow::ShadowSlot,
     latencies: VecDeque<f64>,
     served: u64,
     status_dirty: bool,
@@ -189,6 +218,7 @@ impl Agent {
             source: model.as_ref().and_then(|m| m.manifest.registry.clone()),
             refused: self.refused.clone(),
             keys_version: self.trust.version(),
+            shadow: self.shadow.status(),
         }
     }
 
@@ -266,6 +296,7 @@ impl Agent {
         {
             filters.push(self.topics.chunks_filter(&o.name, o.version));
         }
+        filters.extend(self.shadow.filters(&self.topics));
         for f in filters {
             self.client.subscribe(f, QoS::AtLeastOnce).await?;
         }
@@ -433,17 +464,22 @@ impl Agent {
             Done::Health(version, Err(reason)) => {
                 self.feed(Event::HealthFailed { version, reason }).await
             }
-            Done::Reply(reply, latency) => {
-                if let Some(ms) = latency {
-                    self.served += 1;
-                    self.latencies.push_back(ms);
-                    if self.latencies.len() > 1000 {
-                        self.latencies.pop_front();
-                    }
-                    self.status_dirty = true;
+            Done::Reply(reply, observed) => {
+                if let Some(o) = observed {
+                    self.on_observed(o);
                 }
-                let topic = self.topics.result(&self.cfg.device_id, &reply.request);
-                self.publish_durable(topic, serde_json::to_string(&reply)?);
+                if let Some(reply) = reply {
+                    let topic = self.topics.result(&self.cfg.device_id, &reply.request);
+                    self.publish_durable(topic, serde_json::to_string(&reply)?);
+                }
+                Ok(())
+            }
+            Done::Shadow(version, run) => {
+                self.shadow.record(version, run);
+                Ok(())
+            }
+            Done::ShadowLoaded(version, r) => {
+                self.shadow_loaded(version, r);
                 Ok(())
             }
         }
@@ -456,12 +492,12 @@ impl Agent {
         };
         let error = |e: String| {
             Done::Reply(
-                InferReply {
+                Some(InferReply {
                     request: request.clone(),
                     device: self.cfg.device_id.clone(),
                     prediction: None,
                     error: Some(e),
-                },
+                }),
                 None,
             )
         };
@@ -475,6 +511,7 @@ impl Agent {
             match self.jobs.try_send(Job {
                 request: request.clone(),
                 bytes: payload,
+                reply: true,
             }) {
                 Ok(()) => None,
                 Err(TrySendError::Full(_)) => Some(error(format!(
@@ -497,7 +534,9 @@ impl Agent {
             return Ok(());
         };
         if rest.starts_with("artifacts/") {
-            if rest.ends_with("/manifest") {
+            if self.shadow.wants(topic, &self.topics) {
+                self.on_shadow_artifact(topic, &payload).await
+            } else if rest.ends_with("/manifest") {
                 self.on_offer(topic, &payload).await
             } else {
                 self.on_chunk(topic, &payload).await
@@ -583,6 +622,7 @@ impl Agent {
             })
             .await?;
         }
+        self.publish_quality_when_due();
         if self.status_dirty {
             self.publish_status();
         }

@@ -102,12 +102,15 @@ impl Agent {
             .topics
             .desired(&Target::Device(self.cfg.device_id.clone()));
         let pick = self.desired.pick(&own, now_unix()).cloned();
-        let Some(d) = pick else { return Ok(()) };
+        let Some(d) = pick else {
+            return self.set_shadow(None).await;
+        };
+        let shadow = d.shadow.clone();
         let same = self.wanted.as_ref().is_some_and(|w| {
             w.name == d.name && w.version == d.version && w.rollback == d.rollback
         });
         if same && self.updater.phase != Phase::Idle {
-            return Ok(());
+            return self.set_shadow(shadow).await;
         }
         if let Some(old) = &self.wanted
             && (old.name != d.name || old.version != d.version)
@@ -119,6 +122,6 @@ impl Agent {
         self.wanted = Some(d);
         self.save_journal();
         self.client.subscribe(t, QoS::AtLeastOnce).await?;
-        Ok(())
+        self.set_shadow(shadow).await
     }
 }

@@ -7,7 +7,10 @@ use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
 use kestrel_shared::mqtt::BrokerConfig;
-use kestrel_shared::protocol::{Desired, SignedDesired, Status, Target, check_name, parse};
+use kestrel_shared::protocol::{
+    Desired, ModelRef, SignedDesired, Status, Target, check_name, parse,
+};
+use kestrel_shared::quality::DeviceQuality;
 use kestrel_shared::{issued_now, now_unix};
 
 use super::{Controller, DeviceState, Output, Plan, RolloutState};
@@ -42,15 +45,16 @@ fn execute(
 ) -> Result<(), FleetError> {
     let mut batch = Vec::new();
     for o in outputs {
-        let (device, name, version, rollback, clear) = match o {
+        let (device, name, version, rollback, clear, shadow) = match o {
             Output::Desired {
                 device,
                 name,
                 version,
                 rollback,
-            } => (device, name, version, rollback, false),
+                shadow,
+            } => (device, name, version, rollback, false, shadow),
             // A signed clear: devices ignore an unsigned (empty) one.
-            Output::Clear { device } => (device, c.model.clone(), c.version, false, true),
+            Output::Clear { device } => (device, c.model.clone(), c.version, false, true, false),
             Output::Save => {
                 // After the desired states it follows: a crash in between repeats them on resume.
                 batch.push((
@@ -79,6 +83,10 @@ fn execute(
             source: source
                 .filter(|_| version == c.version && !clear)
                 .map(String::from),
+            shadow: shadow.then(|| ModelRef {
+                name: c.model.clone(),
+                version: c.version,
+            }),
         };
         let payload = serde_json::to_vec(&SignedDesired::new(key, &d)).expect("serializable");
         batch.push((conn.topics.desired(&target), payload, true));
@@ -158,16 +166,22 @@ fn follow(
     let outputs = c.start(now_unix());
     execute(conn, c, signer, outputs, log)?;
     conn.subscribe(&conn.topics.status_filter())?;
+    conn.subscribe(&conn.topics.quality_filter())?;
     let mut last_tick = Instant::now();
     while c.state == RolloutState::Running {
         if let Some((t, p)) = conn.recv(Duration::from_millis(250))?
             && !p.is_empty()
-            && t.ends_with("/status")
         {
-            let s: Status = parse(&t, &p)?;
-            let outputs = c.on_status(&s, now_unix());
-            latest.insert(s.device.clone(), s);
-            execute(conn, c, signer, outputs, log)?;
+            if t.ends_with("/status") {
+                let s: Status = parse(&t, &p)?;
+                let outputs = c.on_status(&s, now_unix());
+                latest.insert(s.device.clone(), s);
+                execute(conn, c, signer, outputs, log)?;
+            } else if t.ends_with("/quality") {
+                let q: DeviceQuality = parse(&t, &p)?;
+                let outputs = c.on_quality(&q, now_unix());
+                execute(conn, c, signer, outputs, log)?;
+            }
         }
         if last_tick.elapsed() >= Duration::from_secs(1) {
             last_tick = Instant::now();
@@ -208,7 +222,8 @@ fn begin(
 ) -> Result<Controller, FleetError> {
     let (model, version) = (&bundle.offer.name, bundle.offer.version);
     let filter = conn.topics.status_filter();
-    let mut fleet = crate::status::retained(conn, &filter, Duration::from_millis(500))?;
+    let mut fleet: Vec<Status> =
+        crate::status::retained(conn, &filter, Duration::from_millis(500))?;
     if let Some(list) = &plan.devices {
         if let Some(missing) = list.iter().find(|d| !fleet.iter().any(|s| &s.device == *d)) {
             return Err(FleetError::Refused(format!(
@@ -330,26 +345,44 @@ pub fn table(c: &Controller) -> String {
         "failed",
         "rolled-back"
     );
+    // Shadow-phase devices that passed show under the phase they went on with; `active` counts
+    // a shadow phase's devices running the model in shadow.
     for (i, ph) in c.plan.phases.iter().enumerate() {
         let mut n = [0usize; 5];
         for d in c.phase_devices(i) {
             n[match d.state {
                 DeviceState::Waiting => 0,
                 DeviceState::Moved => 1,
-                DeviceState::Active => 2,
+                DeviceState::Active | DeviceState::Shadowing => 2,
                 DeviceState::Failed(_) | DeviceState::TimedOut => 3,
                 DeviceState::RolledBack => 4,
             }] += 1;
         }
+        let name = match ph.mode {
+            super::Mode::Shadow => format!("{} (shadow)", ph.name),
+            super::Mode::Active => ph.name.clone(),
+        };
         out.push_str(&format!(
             "{i:<4}{:<16}{:>8}{:>8}{:>8}{:>8}{:>10}{:>12}\n",
-            ph.name,
+            name,
             n.iter().sum::<usize>(),
             n[0],
             n[1],
             n[2],
             n[3],
             n[4]
+        ));
+    }
+    for g in &c.gates {
+        let verdict = match g.passed {
+            Some(true) => "ok",
+            Some(false) => "BREACHED",
+            None => "waiting",
+        };
+        out.push_str(&format!(
+            "gate (phase {}) {}: {verdict}\n",
+            c.phase,
+            g.describe()
         ));
     }
     out

@@ -9,15 +9,25 @@
 //!                    ▼
 //!                 aborted: every device already moved gets its previous model back (rollback)
 //! ```
+//!
+//! A phase in `mode = "shadow"` leaves its devices on their model and has them run the new one
+//! in shadow (the desired state's `shadow`); when it passes, its devices go on with the next
+//! phase. A phase's quality [`gates`] (requests seen, shadow agreement, confidence drop, drifted
+//! devices) must hold, over its devices' quality reports, before it is promoted; a breach
+//! aborts.
 
 pub mod driver;
+pub mod gates;
 #[cfg(test)]
 mod tests;
 
 use std::collections::BTreeMap;
 
 use kestrel_shared::protocol::{Status, sha256_hex};
+use kestrel_shared::quality::DeviceQuality;
 use serde::{Deserialize, Serialize};
+
+use gates::{Gate, QualitySample};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum PlanError {
@@ -30,6 +40,17 @@ fn one() -> f64 {
 }
 fn default_timeout() -> u64 {
     300
+}
+
+/// What a phase's devices do with the new model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    /// Activate it.
+    #[default]
+    Active,
+    /// Run it in shadow beside their model, then go on with the next phase.
+    Shadow,
 }
 
 /// One phase of a plan (`[[phases]]` in fleet.toml).
@@ -59,6 +80,22 @@ pub struct PhaseSpec {
     /// Seconds to watch a successful phase before promoting (bake time).
     #[serde(default)]
     pub soak_s: u64,
+    #[serde(default)]
+    pub mode: Mode,
+    /// Quality gate: requests the new model answered (or, in shadow, was compared on) over the
+    /// phase's devices before the other gates are judged and the phase may pass.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_requests: Option<u64>,
+    /// Quality gate (shadow phases): top-1 agreement with the devices' active model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_shadow_agreement: Option<f64>,
+    /// Quality gate: the previous model's mean top-1 confidence minus the new model's, on the
+    /// same devices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_confidence_drop: Option<f64>,
+    /// Quality gate: the share of the phase's devices whose latest window is flagged as drifted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_drift_devices: Option<f64>,
 }
 
 impl PhaseSpec {
@@ -104,13 +141,33 @@ impl Plan {
                 }
                 _ => return Err(bad(format!("{what}: give exactly one of group or percent"))),
             }
-            if !(0.0..=1.0).contains(&ph.success)
-                || ph.failure.is_some_and(|f| !(0.0..=1.0).contains(&f))
+            let fractions = [
+                Some(ph.success),
+                ph.failure,
+                ph.min_shadow_agreement,
+                ph.max_drift_devices,
+            ];
+            if fractions
+                .iter()
+                .flatten()
+                .any(|f| !(0.0..=1.0).contains(f))
+                || ph.max_confidence_drop.is_some_and(|d| !(-1.0..=1.0).contains(&d))
             {
                 return Err(bad(format!(
-                    "{what}: success and failure are fractions in [0, 1]"
+                    "{what}: success, failure, min_shadow_agreement and max_drift_devices are \
+                     fractions in [0, 1], max_confidence_drop is in [-1, 1]"
                 )));
             }
+            if ph.min_shadow_agreement.is_some() && ph.mode != Mode::Shadow {
+                return Err(bad(format!(
+                    "{what}: min_shadow_agreement needs mode = \"shadow\""
+                )));
+            }
+        }
+        if p.phases.last().is_some_and(|ph| ph.mode == Mode::Shadow) {
+            return Err(bad(
+                "the last phase is in shadow mode: a phase that activates must follow".into(),
+            ));
         }
         Ok(p)
     }
@@ -122,8 +179,10 @@ impl Plan {
 pub enum DeviceState {
     /// In a later phase; not told anything yet.
     Waiting,
-    /// Desired state published; not yet active.
+    /// Desired state published; not yet active (or, in a shadow phase, not yet running it).
     Moved,
+    /// Running the new model in shadow (a shadow phase).
+    Shadowing,
     Active,
     Failed(String),
     TimedOut,
@@ -138,6 +197,9 @@ pub struct Device {
     pub state: DeviceState,
     /// The model it ran when the rollout started (name, version), to go back to on abort.
     pub previous: Option<(String, u64)>,
+    /// What its quality reports say (phases with gates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quality: Option<QualitySample>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -157,6 +219,9 @@ pub enum Output {
         name: String,
         version: u64,
         rollback: bool,
+        /// Also run the rolled-out model in shadow (a shadow phase: `name`/`version` are the
+        /// device's own model).
+        shadow: bool,
     },
     /// Clear this device's desired state (it had no model before the rollout).
     Clear {
@@ -179,6 +244,9 @@ pub struct Controller {
     pub phase_started: u64,
     pub phase_succeeded: Option<u64>,
     pub state: RolloutState,
+    /// The current phase's quality gates, as last evaluated.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gates: Vec<Gate>,
 }
 
 impl Controller {
@@ -228,6 +296,12 @@ impl Controller {
             }
             for s in chosen {
                 let previous = s.model.clone().zip(s.active);
+                if ph.mode == Mode::Shadow && previous.is_none() {
+                    return Err(bad(format!(
+                        "phase `{}` is in shadow mode, but device {} has no model to run beside it",
+                        ph.name, s.device
+                    )));
+                }
                 devices.insert(
                     s.device.clone(),
                     Device {
@@ -235,6 +309,7 @@ impl Controller {
                         phase: i,
                         state: DeviceState::Waiting,
                         previous,
+                        quality: None,
                     },
                 );
                 assigned += 1;
@@ -262,6 +337,7 @@ impl Controller {
             phase_started: 0,
             phase_succeeded: None,
             state: RolloutState::Running,
+            gates: Vec::new(),
         })
     }
 
@@ -284,15 +360,24 @@ impl Controller {
             self.phase_devices(self.phase).count()
         ))];
         let (model, version, phase) = (self.model.clone(), self.version, self.phase);
+        let shadow = self.plan.phases[phase].mode == Mode::Shadow;
         for d in self.devices.values_mut().filter(|d| d.phase == phase) {
             if d.state == DeviceState::Waiting {
                 d.state = DeviceState::Moved;
+                if let Some(q) = d.quality.as_mut() {
+                    q.restart();
+                }
             }
+            let (name, version) = match (&d.previous, shadow) {
+                (Some((n, v)), true) => (n.clone(), *v),
+                _ => (model.clone(), version),
+            };
             out.push(Output::Desired {
                 device: d.id.clone(),
-                name: model.clone(),
+                name,
                 version,
                 rollback: false,
+                shadow,
             });
         }
         out.push(Output::Save);
@@ -305,16 +390,23 @@ impl Controller {
         let Some(d) = self.devices.get_mut(&s.device) else {
             return vec![];
         };
-        let new = match &d.state {
-            DeviceState::Moved | DeviceState::TimedOut
-                if s.active == Some(version) && s.model.as_deref() == Some(model.as_str()) =>
-            {
-                Some(DeviceState::Active)
+        let new = if self.plan.phases[d.phase].mode == Mode::Shadow {
+            shadow_state(&d.state, s, (&model, version))
+        } else {
+            match &d.state {
+                DeviceState::Moved | DeviceState::TimedOut
+                    if s.active == Some(version)
+                        && s.model.as_deref() == Some(model.as_str()) =>
+                {
+                    Some(DeviceState::Active)
+                }
+                DeviceState::Moved if s.failed_version == Some(version) && s.state == "idle" => {
+                    Some(DeviceState::Failed(
+                        s.last_error.clone().unwrap_or_else(|| "failed".into()),
+                    ))
+                }
+                _ => None,
             }
-            DeviceState::Moved if s.failed_version == Some(version) && s.state == "idle" => Some(
-                DeviceState::Failed(s.last_error.clone().unwrap_or_else(|| "failed".into())),
-            ),
-            _ => None,
         };
         match new {
             Some(st) if st != d.state => {
@@ -327,6 +419,19 @@ impl Controller {
             }
             _ => vec![],
         }
+    }
+
+    /// A device's quality report arrived: its sample is updated, and the gates judged.
+    pub fn on_quality(&mut self, q: &DeviceQuality, now: u64) -> Vec<Output> {
+        let (model, version) = (self.model.clone(), self.version);
+        let Some(d) = self.devices.get_mut(&q.device) else {
+            return vec![];
+        };
+        d.quality
+            .get_or_insert_with(QualitySample::default)
+            .update(q, d.previous.as_ref(), (&model, version));
+        let out = self.evaluate(now);
+        if out.is_empty() { out } else { [out, vec![Output::Save]].concat() }
     }
 
     /// The clock: phase timeouts and soak times.
@@ -345,8 +450,9 @@ impl Controller {
                 }
             }
         }
+        let gates = self.gates.clone();
         let ev = self.evaluate(now);
-        if !out.is_empty() || !ev.is_empty() {
+        if !out.is_empty() || !ev.is_empty() || self.gates != gates {
             out.extend(ev);
             out.push(Output::Save);
         }
@@ -358,7 +464,7 @@ impl Controller {
         let mut c = (0, 0, 0);
         for d in self.phase_devices(phase) {
             match d.state {
-                DeviceState::Active => c.0 += 1,
+                DeviceState::Active | DeviceState::Shadowing => c.0 += 1,
                 DeviceState::Failed(_) | DeviceState::TimedOut => c.1 += 1,
                 _ => c.2 += 1,
             }
@@ -392,8 +498,40 @@ impl Controller {
             return vec![];
         }
         // Promote once the threshold has held for the soak time (devices still pending keep
-        // their desired state and finish on their own).
+        // their desired state and finish on their own) and the quality gates pass.
         let since = *self.phase_succeeded.get_or_insert(now);
+        if gates::any(&spec) {
+            self.gates = gates::evaluate(&spec, self.phase_devices(self.phase));
+            let what = format!("phase {} `{}`", self.phase, spec.name);
+            // The other gates are judged once enough requests were seen.
+            let enough = self
+                .gates
+                .iter()
+                .all(|g| g.name != "min_requests" || g.passed == Some(true));
+            if let Some(g) = self.gates.iter().find(|g| g.passed == Some(false))
+                && enough
+            {
+                let reason = format!("{what}: quality gate {}", g.describe());
+                return self.abort(reason);
+            }
+            let ready = self.gates.iter().all(|g| g.passed == Some(true));
+            if !ready {
+                if now >= self.phase_started + spec.timeout_s {
+                    let unmet: Vec<String> = self
+                        .gates
+                        .iter()
+                        .filter(|g| g.passed != Some(true))
+                        .map(Gate::describe)
+                        .collect();
+                    return self.abort(format!(
+                        "{what}: quality gates not met within {} s: {}",
+                        spec.timeout_s,
+                        unmet.join(", ")
+                    ));
+                }
+                return vec![];
+            }
+        }
         if now < since + spec.soak_s {
             return vec![];
         }
@@ -406,9 +544,18 @@ impl Controller {
             out.push(Output::Log(format!("rollout {} completed", self.name)));
             return out;
         }
+        if spec.mode == Mode::Shadow {
+            // The devices that ran it in shadow go on with the next phase.
+            let phase = self.phase;
+            for d in self.devices.values_mut().filter(|d| d.phase == phase) {
+                d.phase = phase + 1;
+                d.state = DeviceState::Waiting;
+            }
+        }
         self.phase += 1;
         self.phase_started = now;
         self.phase_succeeded = None;
+        self.gates.clear();
         out.extend(self.start(now));
         out
     }
@@ -426,6 +573,7 @@ impl Controller {
                     name: name.clone(),
                     version: *version,
                     rollback: true,
+                    shadow: false,
                 },
                 None => Output::Clear {
                     device: d.id.clone(),
@@ -437,5 +585,20 @@ impl Controller {
         }
         self.state = RolloutState::Aborted(reason);
         out
+    }
+}
+
+/// A shadow phase's device: running the new model in shadow, or failed to.
+fn shadow_state(now: &DeviceState, s: &Status, (model, version): (&str, u64)) -> Option<DeviceState> {
+    let sh = s
+        .shadow
+        .as_ref()
+        .filter(|sh| sh.name == model && sh.version == version)?;
+    match (now, sh.state.as_str()) {
+        (DeviceState::Moved | DeviceState::TimedOut, "running") => Some(DeviceState::Shadowing),
+        (DeviceState::Moved, "failed") => Some(DeviceState::Failed(
+            sh.error.clone().unwrap_or_else(|| "shadow failed".into()),
+        )),
+        _ => None,
     }
 }

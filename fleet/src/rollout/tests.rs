@@ -18,6 +18,7 @@ fn status(id: &str, groups: &[&str], active: Option<u64>, failed: Option<u64>) -
         source: None,
         refused: None,
         keys_version: None,
+        shadow: None,
     }
 }
 
@@ -206,4 +207,224 @@ fn plans_are_validated() {
             .to_string()
             .contains("selects no device")
     );
+}
+
+/// A quality report of device `id` on `m` v`version`: `requests` answered at mean confidence
+/// `conf`, the latest window flagged or not, and a shadow comparison (version, agreement,
+/// compared, shadow confidence).
+fn quality(
+    id: &str,
+    version: u64,
+    (conf, requests, flagged): (f64, u64, bool),
+    shadow: Option<(u64, f64, u64, f64)>,
+) -> DeviceQuality {
+    use kestrel_shared::quality::{Drift, QualityReport, ShadowReport};
+    DeviceQuality {
+        device: id.into(),
+        model: "m".into(),
+        version,
+        window: Some(QualityReport {
+            requests: requests.min(100) as usize,
+            total_requests: requests,
+            mean_confidence: conf,
+            confidence_histogram: vec![],
+            class_distribution: vec![],
+            class_distance: 0.0,
+            reference_confidence: 0.9,
+            drift: Drift {
+                max_z: 0.0,
+                p_value: if flagged { 0.0 } else { 1.0 },
+                flagged,
+            },
+            windows: 1,
+            flagged_windows: u64::from(flagged),
+            latency_p50_ms: 1.0,
+            latency_p99_ms: 1.0,
+        }),
+        note: None,
+        shadow: shadow.map(|(v, agreement, compared, sconf)| ShadowReport {
+            name: "m".into(),
+            version: v,
+            compared,
+            agreement,
+            active_mean_confidence: conf,
+            shadow_mean_confidence: sconf,
+            disagreements: vec![0, 0],
+            active_latency_p50_ms: 1.0,
+            shadow_latency_p50_ms: 1.0,
+            skipped: 0,
+        }),
+        updated: String::new(),
+    }
+}
+
+fn running_shadow(id: &str, version: u64) -> Status {
+    let mut s = status(id, &[], Some(1), None);
+    s.shadow = Some(kestrel_shared::protocol::ShadowStatus {
+        name: "m".into(),
+        version,
+        state: "running".into(),
+        error: None,
+    });
+    s
+}
+
+const SHADOW_PLAN: &str = r#"
+[[phases]]
+name = "shadow"
+percent = 50
+mode = "shadow"
+min_requests = 100
+min_shadow_agreement = 0.9
+[[phases]]
+name = "all"
+percent = 100
+"#;
+
+/// A shadow phase keeps its devices on v1 with v2 in shadow; with agreement below the gate it
+/// aborts before any device is told to activate v2, with enough agreement its devices go on
+/// with the next phase and activate.
+#[test]
+fn a_shadow_phase_gates_on_agreement_before_anything_activates() {
+    for (agreement, passes) in [(0.5, false), (0.95, true)] {
+        let plan = Plan::parse(SHADOW_PLAN, "fleet.toml").unwrap();
+        let mut c = Controller::new("r", "m", 2, plan, &fleet(4)).unwrap();
+        let out = c.start(0);
+        let shadowed: Vec<(String, u64, bool)> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Desired {
+                    device,
+                    version,
+                    shadow,
+                    ..
+                } => Some((device.clone(), *version, *shadow)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(shadowed.len(), 2);
+        assert!(shadowed.iter().all(|(_, v, s)| *v == 1 && *s), "{shadowed:?}");
+        for (d, ..) in &shadowed {
+            c.on_status(&running_shadow(d, 2), 1);
+            assert_eq!(c.devices[d].state, DeviceState::Shadowing);
+        }
+        // 60 comparisons on the first device: under min_requests, nothing is judged yet.
+        let first = quality(&shadowed[0].0, 1, (0.9, 500, false), Some((2, agreement, 60, 0.8)));
+        assert!(c.on_quality(&first, 2).is_empty());
+        assert_eq!(c.state, RolloutState::Running);
+        assert_eq!(c.gates[0].value, Some(60.0));
+        assert_eq!(c.gates[1].passed, Some(agreement >= 0.9));
+        let second = quality(&shadowed[1].0, 1, (0.9, 500, false), Some((2, agreement, 60, 0.8)));
+        let out = c.on_quality(&second, 3);
+        let desired: Vec<(String, u64, bool, bool)> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Desired {
+                    device,
+                    version,
+                    rollback,
+                    shadow,
+                    ..
+                } => Some((device.clone(), *version, *rollback, *shadow)),
+                _ => None,
+            })
+            .collect();
+        if passes {
+            assert_eq!(c.phase, 1);
+            assert_eq!(desired.len(), 4, "the shadow devices go on with phase 1");
+            assert!(desired.iter().all(|(_, v, r, s)| *v == 2 && !r && !s));
+            for (d, ..) in &desired {
+                c.on_status(&status(d, &[], Some(2), None), 4);
+            }
+            assert_eq!(c.state, RolloutState::Completed);
+        } else {
+            let RolloutState::Aborted(reason) = &c.state else {
+                panic!("{:?}", c.state)
+            };
+            assert!(
+                reason.contains("phase 0 `shadow`: quality gate min_shadow_agreement 0.5000"),
+                "{reason}"
+            );
+            assert_eq!(desired.len(), 2);
+            assert!(desired.iter().all(|(_, v, r, s)| *v == 1 && *r && !s));
+            assert_eq!(c.gates[1].passed, Some(false));
+        }
+    }
+}
+
+/// Gates of an active phase: the confidence drop is against the same devices' previous model
+/// (their reports before the move), drift is the share of flagged devices, and gates not met by
+/// the timeout abort.
+#[test]
+fn active_gates_judge_confidence_drop_drift_and_time_out() {
+    let plan = |gates: &str| {
+        Plan::parse(
+            &format!("[[phases]]\nname = \"all\"\npercent = 100\ntimeout_s = 60\nsoak_s = 10\n{gates}"),
+            "f",
+        )
+        .unwrap()
+    };
+    let ids: Vec<String> = (0..4).map(|i| format!("d{i:03}")).collect();
+    let run = |gates: &str, conf: f64, flagged: usize, requests: u64| {
+        let mut c = Controller::new("r", "m", 2, plan(gates), &fleet(4)).unwrap();
+        for id in &ids {
+            c.on_quality(&quality(id, 1, (0.9, 1000, false), None), 0);
+        }
+        c.start(1);
+        for (i, id) in ids.iter().enumerate() {
+            c.on_status(&status(id, &[], Some(2), None), 2);
+            c.on_quality(&quality(id, 2, (conf, requests, i + flagged >= 4), None), 3);
+        }
+        c.on_tick(61);
+        c
+    };
+    let gates = "min_requests = 100\nmax_confidence_drop = 0.05\nmax_drift_devices = 0.25\n";
+    let ok = run(gates, 0.88, 1, 50);
+    assert_eq!(ok.state, RolloutState::Completed, "{:?}", ok.gates);
+    let drop = (ok.gates[1].value.unwrap() - 0.02).abs();
+    assert!(drop < 1e-9, "{:?}", ok.gates);
+    let low = run(gates, 0.7, 0, 50);
+    assert!(
+        matches!(&low.state, RolloutState::Aborted(r) if r.contains("max_confidence_drop 0.2000")),
+        "{:?}",
+        low.state
+    );
+    let drifted = run(gates, 0.9, 3, 50);
+    assert!(
+        matches!(&drifted.state, RolloutState::Aborted(r) if r.contains("max_drift_devices 0.6667")),
+        "{:?}",
+        drifted.state
+    );
+    let idle = run(gates, 0.9, 0, 10);
+    assert!(
+        matches!(&idle.state, RolloutState::Aborted(r) if r.contains("not met within 60 s: min_requests 40.0000")),
+        "{:?}",
+        idle.state
+    );
+}
+
+#[test]
+fn shadow_plans_are_validated() {
+    for (text, want) in [
+        ("[[phases]]\nname = \"a\"\npercent = 100\nmode = \"shadow\"\n", "last phase"),
+        (
+            "[[phases]]\nname = \"a\"\npercent = 100\nmin_shadow_agreement = 0.9\n",
+            "needs mode",
+        ),
+        (
+            "[[phases]]\nname = \"a\"\npercent = 100\nmax_drift_devices = 2\n",
+            "fractions",
+        ),
+    ] {
+        let e = Plan::parse(text, "fleet.toml").unwrap_err().to_string();
+        assert!(e.contains(want), "{e}");
+    }
+    let p = Plan::parse(SHADOW_PLAN, "f").unwrap();
+    let mut f = fleet(4);
+    for s in &mut f {
+        s.active = None;
+        s.model = None;
+    }
+    let e = Controller::new("r", "m", 2, p, &f).unwrap_err().to_string();
+    assert!(e.contains("no model to run beside it"), "{e}");
 }

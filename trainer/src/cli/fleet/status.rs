@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use kestrel_shared::protocol::Status;
+use kestrel_shared::quality::DeviceQuality;
 
 use super::BrokerArgs;
 
@@ -24,6 +25,10 @@ pub struct Args {
     /// Seconds to wait for the device before giving up.
     #[arg(long, default_value_t = 120)]
     timeout: u64,
+    /// Quality telemetry instead (P/devices/<id>/quality): each device's window of live
+    /// requests against its model's reference, and its shadow model's agreement.
+    #[arg(long, conflicts_with_all = ["wait_active", "wait_error"])]
+    quality: bool,
     /// One JSON object per device.
     #[arg(long)]
     json: bool,
@@ -31,6 +36,17 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<ExitCode> {
     let cfg = args.broker.config();
+    if args.quality {
+        let list = kestrel_fleet::qualities(&cfg, args.device.as_deref())?;
+        if args.json {
+            for q in &list {
+                println!("{}", serde_json::to_string(q)?);
+            }
+        } else {
+            print!("{}", quality_table(&list));
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let timeout = Duration::from_secs(args.timeout);
     let list = match (&args.device, args.wait_active, &args.wait_error) {
         (Some(d), Some(v), _) => vec![kestrel_fleet::wait_status(&cfg, d, timeout, |s| {
@@ -72,6 +88,48 @@ fn table(list: &[Status]) -> String {
             s.latency.p50_ms,
             s.last_error.as_deref().unwrap_or("")
         ));
+    }
+    out
+}
+
+/// One line per device: the window's size, confidence against the reference, class distance,
+/// drift, judged windows flagged, latency and the shadow's agreement.
+fn quality_table(list: &[DeviceQuality]) -> String {
+    let mut out = format!(
+        "{:<20} {:<16} {:>9} {:>12} {:>7} {:>7} {:>8} {:>9} {:>8}  shadow\n",
+        "device", "model", "requests", "conf (ref)", "class d", "drift z", "p-value", "flagged", "p50 ms"
+    );
+    for q in list {
+        let model = format!("{} v{}", q.model, q.version);
+        let shadow = q.shadow.as_ref().map_or(String::new(), |s| {
+            format!(
+                "v{}: {:.1}% agree over {}, conf {:.3}",
+                s.version,
+                100.0 * s.agreement,
+                s.compared,
+                s.shadow_mean_confidence
+            )
+        });
+        match &q.window {
+            Some(w) => out.push_str(&format!(
+                "{:<20} {:<16} {:>9} {:>12} {:>7.3} {:>7.2} {:>8.1e} {:>9} {:>8.1}  {shadow}\n",
+                q.device,
+                model,
+                format!("{}/{}", w.requests, w.total_requests),
+                format!("{:.3} ({:.3})", w.mean_confidence, w.reference_confidence),
+                w.class_distance,
+                w.drift.max_z,
+                w.drift.p_value,
+                format!("{}/{}", w.flagged_windows, w.windows),
+                w.latency_p50_ms,
+            )),
+            None => out.push_str(&format!(
+                "{:<20} {:<16} {}  {shadow}\n",
+                q.device,
+                model,
+                q.note.as_deref().unwrap_or("no requests yet")
+            )),
+        }
     }
     out
 }
