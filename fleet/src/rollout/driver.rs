@@ -381,7 +381,7 @@ pub fn table(c: &Controller) -> String {
         };
         out.push_str(&format!(
             "gate (phase {}) {}: {verdict}\n",
-            c.phase,
+            g.phase,
             g.describe()
         ));
     }

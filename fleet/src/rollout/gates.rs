@@ -64,6 +64,8 @@ impl QualitySample {
 /// One gate's value over the phase's devices and its limit.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Gate {
+    /// The phase whose gate it is.
+    pub phase: usize,
     pub name: String,
     /// None until a device reported what the gate needs.
     pub value: Option<f64>,
@@ -74,8 +76,9 @@ pub struct Gate {
 }
 
 impl Gate {
-    fn new(name: &str, value: Option<f64>, limit: f64, min: bool) -> Self {
+    fn new(phase: usize, name: &str, value: Option<f64>, limit: f64, min: bool) -> Self {
         Gate {
+            phase,
             name: name.into(),
             value,
             limit,
@@ -101,7 +104,11 @@ pub fn any(spec: &PhaseSpec) -> bool {
 
 /// The phase's gates over its devices' samples (request-weighted where a device's share of the
 /// evidence is its requests).
-pub fn evaluate<'a>(spec: &PhaseSpec, devices: impl Iterator<Item = &'a Device>) -> Vec<Gate> {
+pub fn evaluate<'a>(
+    phase: usize,
+    spec: &PhaseSpec,
+    devices: impl Iterator<Item = &'a Device>,
+) -> Vec<Gate> {
     let samples: Vec<&QualitySample> = devices.filter_map(|d| d.quality.as_ref()).collect();
     let requests: u64 = samples.iter().map(|s| s.requests).sum();
     let weighted = |f: &dyn Fn(&QualitySample) -> Option<f64>| {
@@ -116,20 +123,20 @@ pub fn evaluate<'a>(spec: &PhaseSpec, devices: impl Iterator<Item = &'a Device>)
     };
     let mut gates = Vec::new();
     if let Some(m) = spec.min_requests {
-        gates.push(Gate::new("min_requests", Some(requests as f64), m as f64, true));
+        gates.push(Gate::new(phase, "min_requests", Some(requests as f64), m as f64, true));
     }
     if let Some(m) = spec.min_shadow_agreement {
-        gates.push(Gate::new("min_shadow_agreement", weighted(&|s| s.agreement), m, true));
+        gates.push(Gate::new(phase, "min_shadow_agreement", weighted(&|s| s.agreement), m, true));
     }
     if let Some(m) = spec.max_confidence_drop {
         let drop = weighted(&|s| Some(s.baseline_confidence? - s.confidence?));
-        gates.push(Gate::new("max_confidence_drop", drop, m, false));
+        gates.push(Gate::new(phase, "max_confidence_drop", drop, m, false));
     }
     if let Some(m) = spec.max_drift_devices {
         let judged: Vec<bool> = samples.iter().filter_map(|s| s.drifted).collect();
         let share = (!judged.is_empty())
             .then(|| judged.iter().filter(|&&f| f).count() as f64 / judged.len() as f64);
-        gates.push(Gate::new("max_drift_devices", share, m, false));
+        gates.push(Gate::new(phase, "max_drift_devices", share, m, false));
     }
     gates
 }

@@ -244,7 +244,7 @@ pub struct Controller {
     pub phase_started: u64,
     pub phase_succeeded: Option<u64>,
     pub state: RolloutState,
-    /// The current phase's quality gates, as last evaluated.
+    /// Every phase's quality gates, as last evaluated.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gates: Vec<Gate>,
 }
@@ -501,24 +501,25 @@ impl Controller {
         // their desired state and finish on their own) and the quality gates pass.
         let since = *self.phase_succeeded.get_or_insert(now);
         if gates::any(&spec) {
-            self.gates = gates::evaluate(&spec, self.phase_devices(self.phase));
+            let current = gates::evaluate(self.phase, &spec, self.phase_devices(self.phase));
+            let phase = self.phase;
+            self.gates.retain(|g| g.phase != phase);
+            self.gates.extend(current.iter().cloned());
             let what = format!("phase {} `{}`", self.phase, spec.name);
             // The other gates are judged once enough requests were seen.
-            let enough = self
-                .gates
+            let enough = current
                 .iter()
                 .all(|g| g.name != "min_requests" || g.passed == Some(true));
-            if let Some(g) = self.gates.iter().find(|g| g.passed == Some(false))
+            if let Some(g) = current.iter().find(|g| g.passed == Some(false))
                 && enough
             {
                 let reason = format!("{what}: quality gate {}", g.describe());
                 return self.abort(reason);
             }
-            let ready = self.gates.iter().all(|g| g.passed == Some(true));
+            let ready = current.iter().all(|g| g.passed == Some(true));
             if !ready {
                 if now >= self.phase_started + spec.timeout_s {
-                    let unmet: Vec<String> = self
-                        .gates
+                    let unmet: Vec<String> = current
                         .iter()
                         .filter(|g| g.passed != Some(true))
                         .map(Gate::describe)
@@ -555,7 +556,6 @@ impl Controller {
         self.phase += 1;
         self.phase_started = now;
         self.phase_succeeded = None;
-        self.gates.clear();
         out.extend(self.start(now));
         out
     }

@@ -20,6 +20,7 @@ mod mlflow;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod mqtt;
+mod quality;
 mod rollout;
 mod secure_broker;
 mod tables;

@@ -25,7 +25,9 @@ pub struct Args {
     #[arg(long, required = true)]
     key: Option<PathBuf>,
     /// Rollout plan (TOML): [[phases]] with group or percent, success, failure or
-    /// max_failures, timeout_s, soak_s; optional name and devices.
+    /// max_failures, timeout_s, soak_s, mode ("active" or "shadow") and quality gates
+    /// (min_requests, min_shadow_agreement, max_confidence_drop, max_drift_devices); optional
+    /// name and devices.
     #[arg(long, required = true)]
     fleet: Option<PathBuf>,
     /// Chunk size of the delivery, in bytes.
