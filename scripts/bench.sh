@@ -179,6 +179,26 @@ print(f"{'python onnxruntime, batch 1':<36}{1000 / peer_ms:>10.1f}{peer_ms:>10.1
 PY
 
 echo
+echo "# Quality telemetry's cost: the same agent and images with [quality] enabled = false (device inference p50)"
+mkdir -p "$work/agent-off"
+printf 'device_id = "bench-off"\nstore = "store"\ntrusted_keys = ["%s"]\n[broker]\nurl = "%s"\n[quality]\nenabled = false\n' \
+  "$work/keys/kestrel.pub" "$broker" > "$work/agent-off/agent.toml"
+kill "${pids[-1]}" 2>/dev/null || true   # one agent at a time: they would share the cores
+"$KESTREL_BIN/edge-agent" run --config "$work/agent-off/agent.toml" 2>/dev/null & pids+=($!)
+"$trainer" publish --broker "$broker" --artifact "$work/art-int8-weights" --key "$work/keys/kestrel.key" \
+  --target device/bench-off --json > /dev/null
+"$trainer" status --broker "$broker" --device bench-off --wait-active 1 --timeout 120 >/dev/null
+"$trainer" infer --broker "$broker" --device bench-off --json "${lfw[@]}" > "$work/infer-off.jsonl"
+"$trainer" status --broker "$broker" --device bench-pi --quality > "$work/quality.txt"
+python3 - "$work/infer.jsonl" "$work/infer-off.jsonl" <<'PY'
+import json, sys
+on, off = ([json.loads(l) for l in open(f)][-1]["device_latency_p50_ms"] for f in sys.argv[1:])
+print(f"{'telemetry':<12}{'p50 ms':>10}")
+print(f"{'on':<12}{on:>10.2f}\n{'off':<12}{off:>10.2f}\n{'on / off':<12}{on / off:>10.3f}")
+PY
+cat "$work/quality.txt"
+
+echo
 echo "# Fleet rollout: 100 simulated devices (one process, one connection each) on Mosquitto, 3 phases (5%, 50%, 100%)"
 mport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 mkdir -p "$work/mosq" "$work/fleet"

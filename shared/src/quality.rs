@@ -616,9 +616,13 @@ mod tests {
             .map(|_| (0..8).map(|_| uniform()).collect())
             .collect();
         let logits = [1.0f32, 0.0];
-        let reference =
-            QualityReference::build(rows[..200].iter().map(|f| (&logits[..], f.as_slice())), 2, "f", 3)
-                .unwrap();
+        let reference = QualityReference::build(
+            rows[..200].iter().map(|f| (&logits[..], f.as_slice())),
+            2,
+            "f",
+            3,
+        )
+        .unwrap();
         let mut w = QualityWindow::new(reference, 50);
         // Fresh draws of the same distribution (not the reference's own rows).
         for f in rows.iter().skip(200).take(150) {
@@ -651,6 +655,9 @@ mod tests {
         let p = 1.0 / (1.0 + (-2f64).exp());
         assert!((r.active_mean_confidence - p).abs() < 1e-9);
         assert!((r.shadow_mean_confidence - p).abs() < 1e-9);
-        assert_eq!((r.active_latency_p50_ms, r.shadow_latency_p50_ms), (14.0, 24.0));
+        assert_eq!(
+            (r.active_latency_p50_ms, r.shadow_latency_p50_ms),
+            (14.0, 24.0)
+        );
     }
 }

@@ -448,3 +448,12 @@ pub fn killed_mid_download(
         "{journal}"
     );
 }
+
+/// Waits until `n` devices have reported a status.
+pub fn wait_fleet(cfg: &BrokerConfig, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while kestrel_fleet::statuses(cfg, None).unwrap().len() < n {
+        assert!(Instant::now() < deadline, "fewer than {n} devices reported");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}

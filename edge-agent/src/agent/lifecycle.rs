@@ -80,7 +80,9 @@ impl Worker {
             let name = format!("request {}", job.request);
             let answer = match current {
                 None => Err("no active model".to_string()),
-                Some(m) => m.infer(&job.bytes, &name, self.top_k).map_err(|e| e.to_string()),
+                Some(m) => m
+                    .infer(&job.bytes, &name, self.top_k)
+                    .map_err(|e| e.to_string()),
             };
             let observed = answer.as_ref().ok().map(|i| Observed {
                 version: i.prediction.version,

@@ -121,7 +121,11 @@ impl Agent {
         let t = self.topics.artifact_manifest(&d.name, d.version);
         self.wanted = Some(d);
         self.save_journal();
+        // The shadow first: a shadow that becomes the wanted model unsubscribes its offer's topic,
+        // and a broker may not resend a retained message on a subscription that already exists
+        // (rumqttd does not), so the wanted model's subscription comes after, fresh.
+        self.set_shadow(shadow).await?;
         self.client.subscribe(t, QoS::AtLeastOnce).await?;
-        self.set_shadow(shadow).await
+        Ok(())
     }
 }

@@ -29,7 +29,12 @@ pub struct QualitySample {
 impl QualitySample {
     /// Takes in a device's report: about its previous model (the baseline, and the shadow's
     /// comparison when it runs the rolled-out model in shadow) or about the rolled-out model.
-    pub fn update(&mut self, q: &DeviceQuality, previous: Option<&(String, u64)>, model: (&str, u64)) {
+    pub fn update(
+        &mut self,
+        q: &DeviceQuality,
+        previous: Option<&(String, u64)>,
+        model: (&str, u64),
+    ) {
         let on = |name: &str, version: u64| name == model.0 && version == model.1;
         if let Some(w) = &q.window {
             self.drifted = Some(w.drift.flagged);
@@ -83,7 +88,13 @@ impl Gate {
             value,
             limit,
             bound: if min { "min" } else { "max" }.into(),
-            passed: value.map(|v| if min { v >= limit - 1e-12 } else { v <= limit + 1e-12 }),
+            passed: value.map(|v| {
+                if min {
+                    v >= limit - 1e-12
+                } else {
+                    v <= limit + 1e-12
+                }
+            }),
         }
     }
 
@@ -123,10 +134,22 @@ pub fn evaluate<'a>(
     };
     let mut gates = Vec::new();
     if let Some(m) = spec.min_requests {
-        gates.push(Gate::new(phase, "min_requests", Some(requests as f64), m as f64, true));
+        gates.push(Gate::new(
+            phase,
+            "min_requests",
+            Some(requests as f64),
+            m as f64,
+            true,
+        ));
     }
     if let Some(m) = spec.min_shadow_agreement {
-        gates.push(Gate::new(phase, "min_shadow_agreement", weighted(&|s| s.agreement), m, true));
+        gates.push(Gate::new(
+            phase,
+            "min_shadow_agreement",
+            weighted(&|s| s.agreement),
+            m,
+            true,
+        ));
     }
     if let Some(m) = spec.max_confidence_drop {
         let drop = weighted(&|s| Some(s.baseline_confidence? - s.confidence?));

@@ -147,11 +147,10 @@ impl Plan {
                 ph.min_shadow_agreement,
                 ph.max_drift_devices,
             ];
-            if fractions
-                .iter()
-                .flatten()
-                .any(|f| !(0.0..=1.0).contains(f))
-                || ph.max_confidence_drop.is_some_and(|d| !(-1.0..=1.0).contains(&d))
+            if fractions.iter().flatten().any(|f| !(0.0..=1.0).contains(f))
+                || ph
+                    .max_confidence_drop
+                    .is_some_and(|d| !(-1.0..=1.0).contains(&d))
             {
                 return Err(bad(format!(
                     "{what}: success, failure, min_shadow_agreement and max_drift_devices are \
@@ -395,8 +394,7 @@ impl Controller {
         } else {
             match &d.state {
                 DeviceState::Moved | DeviceState::TimedOut
-                    if s.active == Some(version)
-                        && s.model.as_deref() == Some(model.as_str()) =>
+                    if s.active == Some(version) && s.model.as_deref() == Some(model.as_str()) =>
                 {
                     Some(DeviceState::Active)
                 }
@@ -427,11 +425,17 @@ impl Controller {
         let Some(d) = self.devices.get_mut(&q.device) else {
             return vec![];
         };
-        d.quality
-            .get_or_insert_with(QualitySample::default)
-            .update(q, d.previous.as_ref(), (&model, version));
+        d.quality.get_or_insert_with(QualitySample::default).update(
+            q,
+            d.previous.as_ref(),
+            (&model, version),
+        );
         let out = self.evaluate(now);
-        if out.is_empty() { out } else { [out, vec![Output::Save]].concat() }
+        if out.is_empty() {
+            out
+        } else {
+            [out, vec![Output::Save]].concat()
+        }
     }
 
     /// The clock: phase timeouts and soak times.
@@ -589,7 +593,11 @@ impl Controller {
 }
 
 /// A shadow phase's device: running the new model in shadow, or failed to.
-fn shadow_state(now: &DeviceState, s: &Status, (model, version): (&str, u64)) -> Option<DeviceState> {
+fn shadow_state(
+    now: &DeviceState,
+    s: &Status,
+    (model, version): (&str, u64),
+) -> Option<DeviceState> {
     let sh = s
         .shadow
         .as_ref()

@@ -303,18 +303,31 @@ fn a_shadow_phase_gates_on_agreement_before_anything_activates() {
             })
             .collect();
         assert_eq!(shadowed.len(), 2);
-        assert!(shadowed.iter().all(|(_, v, s)| *v == 1 && *s), "{shadowed:?}");
+        assert!(
+            shadowed.iter().all(|(_, v, s)| *v == 1 && *s),
+            "{shadowed:?}"
+        );
         for (d, ..) in &shadowed {
             c.on_status(&running_shadow(d, 2), 1);
             assert_eq!(c.devices[d].state, DeviceState::Shadowing);
         }
         // 60 comparisons on the first device: under min_requests, nothing is judged yet.
-        let first = quality(&shadowed[0].0, 1, (0.9, 500, false), Some((2, agreement, 60, 0.8)));
+        let first = quality(
+            &shadowed[0].0,
+            1,
+            (0.9, 500, false),
+            Some((2, agreement, 60, 0.8)),
+        );
         assert!(c.on_quality(&first, 2).is_empty());
         assert_eq!(c.state, RolloutState::Running);
         assert_eq!(c.gates[0].value, Some(60.0));
         assert_eq!(c.gates[1].passed, Some(agreement >= 0.9));
-        let second = quality(&shadowed[1].0, 1, (0.9, 500, false), Some((2, agreement, 60, 0.8)));
+        let second = quality(
+            &shadowed[1].0,
+            1,
+            (0.9, 500, false),
+            Some((2, agreement, 60, 0.8)),
+        );
         let out = c.on_quality(&second, 3);
         let desired: Vec<(String, u64, bool, bool)> = out
             .iter()
@@ -359,7 +372,9 @@ fn a_shadow_phase_gates_on_agreement_before_anything_activates() {
 fn active_gates_judge_confidence_drop_drift_and_time_out() {
     let plan = |gates: &str| {
         Plan::parse(
-            &format!("[[phases]]\nname = \"all\"\npercent = 100\ntimeout_s = 60\nsoak_s = 10\n{gates}"),
+            &format!(
+                "[[phases]]\nname = \"all\"\npercent = 100\ntimeout_s = 60\nsoak_s = 10\n{gates}"
+            ),
             "f",
         )
         .unwrap()
@@ -406,7 +421,10 @@ fn active_gates_judge_confidence_drop_drift_and_time_out() {
 #[test]
 fn shadow_plans_are_validated() {
     for (text, want) in [
-        ("[[phases]]\nname = \"a\"\npercent = 100\nmode = \"shadow\"\n", "last phase"),
+        (
+            "[[phases]]\nname = \"a\"\npercent = 100\nmode = \"shadow\"\n",
+            "last phase",
+        ),
         (
             "[[phases]]\nname = \"a\"\npercent = 100\nmin_shadow_agreement = 0.9\n",
             "needs mode",

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use kestrel_fleet::statuses;
 use kestrel_shared::protocol::sha256_hex;
 use kestrel_shared::quality::DeviceQuality;
-use kestrel_tests::fleet::{Broker, BrokerKind, Proc, agent_config, fixture, start_agent_with};
+use kestrel_tests::fleet::{
+    Broker, BrokerKind, Proc, agent_config, fixture, start_agent_with, wait_fleet,
+};
 use kestrel_tests::{export_ok, lfw, run, s, stderr, stdout, trainer_ok};
 use serde_json::Value;
 
@@ -63,14 +65,6 @@ fn fleet_config(dir: &Path, id: &str, b: &Broker, window: usize) -> PathBuf {
     conf
 }
 
-fn wait_fleet(b: &Broker, n: usize) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while statuses(&b.config(), None).unwrap().len() < n {
-        assert!(Instant::now() < deadline, "fewer than {n} devices reported");
-        std::thread::sleep(Duration::from_millis(300));
-    }
-}
-
 /// `trainer status --quality --json`, as a user types it: one report per device.
 fn qualities(b: &Broker) -> Vec<DeviceQuality> {
     let o = run(
@@ -97,7 +91,10 @@ fn wait_quality(
         if q.len() == n && q.iter().all(&done) {
             return q;
         }
-        assert!(Instant::now() < deadline, "quality reports not there: {q:?}");
+        assert!(
+            Instant::now() < deadline,
+            "quality reports not there: {q:?}"
+        );
         std::thread::sleep(Duration::from_secs(1));
     }
 }
@@ -122,8 +119,8 @@ fn rollout(b: &Broker, art: &Path, plan_dir: &Path, name: &str, phases: &str) ->
             "--json",
         ],
     );
-    let c = serde_json::from_str(stdout(&o).trim())
-        .unwrap_or_else(|e| panic!("{e}: {}", stderr(&o)));
+    let c =
+        serde_json::from_str(stdout(&o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stderr(&o)));
     (o.status.success(), c)
 }
 
@@ -146,10 +143,17 @@ fn inverted_inputs_drift_and_held_out_ones_do_not() {
         &conf,
         &[],
         &[
-            "--simulate", "8", "--feed", &feeds[0], "--feed", &feeds[1], "--feed-rate", "5",
+            "--simulate",
+            "8",
+            "--feed",
+            &feeds[0],
+            "--feed",
+            &feeds[1],
+            "--feed-rate",
+            "5",
         ],
     );
-    wait_fleet(&b, 8);
+    wait_fleet(&b.config(), 8);
     kestrel_tests::fleet::publish_ok(&b, &f.v1, &f.key(), "group/all");
     let reports = wait_quality(&b, 8, 400, |q| {
         q.version == 1 && q.window.as_ref().is_some_and(|w| w.windows >= 5)
@@ -205,8 +209,14 @@ fn inverted_inputs_drift_and_held_out_ones_do_not() {
          inverted: {if_}/{iw} flagged, mean confidence {iconf:.3}, histogram TV up to {itv:.3}"
     );
     assert!(hw >= 20 && iw >= 20);
-    assert!(hf as f64 <= 0.05 * hw as f64, "held-out windows flagged: {hf}/{hw}");
-    assert!(if_ as f64 >= 0.95 * iw as f64, "inverted windows flagged: {if_}/{iw}");
+    assert!(
+        hf as f64 <= 0.05 * hw as f64,
+        "held-out windows flagged: {hf}/{hw}"
+    );
+    assert!(
+        if_ as f64 >= 0.95 * iw as f64,
+        "inverted windows flagged: {if_}/{iw}"
+    );
     // The model stays as confident on the inverted images as on the held-out ones: a gate on
     // the confidence alone would pass them.
     let ref_conf = reports[0].window.as_ref().unwrap().reference_confidence;
@@ -217,7 +227,10 @@ fn inverted_inputs_drift_and_held_out_ones_do_not() {
     // The table a user reads.
     let o = run("trainer", &["status", "--broker", &b.url(), "--quality"]);
     let table = stdout(&o);
-    assert!(table.contains("flagged") && table.contains("q-000") && table.contains("lfw v1"), "{table}");
+    assert!(
+        table.contains("flagged") && table.contains("q-000") && table.contains("lfw v1"),
+        "{table}"
+    );
 }
 
 /// The candidates of the shadow test: v3 trained on shuffled labels, v4 on the true labels with
@@ -253,15 +266,33 @@ fn candidates() -> &'static (PathBuf, PathBuf) {
         let fit_export = |data: &str, seed: &str, version: &str| {
             let run_dir = dir.join(format!("run-{version}"));
             trainer_ok(&[
-                "fit", "--data", data, "--engine", "ort", "--epochs", "10", "--test-fraction",
-                "0.2", "--seed", seed, "--out", &s(&run_dir),
+                "fit",
+                "--data",
+                data,
+                "--engine",
+                "ort",
+                "--epochs",
+                "10",
+                "--test-fraction",
+                "0.2",
+                "--seed",
+                seed,
+                "--out",
+                &s(&run_dir),
             ]);
             let art = dir.join(format!("v{version}"));
             // Export checks that need no labels (int8 against f32, goldens) pass on both.
             export_ok(
                 &run_dir,
                 &art,
-                &["--quantize", "int8-weights", "--model-version", version, "--model-name", "lfw"],
+                &[
+                    "--quantize",
+                    "int8-weights",
+                    "--model-version",
+                    version,
+                    "--model-name",
+                    "lfw",
+                ],
             );
             art
         };
@@ -320,8 +351,14 @@ fn shadow_phase_gates_the_rollout(kind: BrokerKind) {
         &[],
         &["--simulate", "4", "--feed", &feed, "--feed-rate", "4"],
     );
-    wait_fleet(&b, 4);
-    let (ok, c) = rollout(&b, &f.v1, &dir, "v1", "[[phases]]\nname = \"all\"\npercent = 100\n");
+    wait_fleet(&b.config(), 4);
+    let (ok, c) = rollout(
+        &b,
+        &f.v1,
+        &dir,
+        "v1",
+        "[[phases]]\nname = \"all\"\npercent = 100\n",
+    );
     assert!(ok, "{c}");
 
     // The shuffled-label candidate: verified and health-checked in shadow, never activated.
@@ -338,13 +375,25 @@ fn shadow_phase_gates_the_rollout(kind: BrokerKind) {
     assert!(gate(&c, "min_requests") >= 60.0, "{c}");
     for s in statuses(&b.config(), None).unwrap() {
         assert_eq!(s.active, Some(1), "{} must be on v1", s.device);
-        assert_eq!(s.previous, None, "{} never activated anything else", s.device);
+        assert_eq!(
+            s.previous, None,
+            "{} never activated anything else",
+            s.device
+        );
         let store = dir.join("sim/store").join(&s.device);
         assert!(!store.join("versions/3").exists(), "{}", s.device);
     }
     let shown = run(
         "trainer",
-        &["rollout", "status", "--broker", &b.url(), "--name", "bad", "--json"],
+        &[
+            "rollout",
+            "status",
+            "--broker",
+            &b.url(),
+            "--name",
+            "bad",
+            "--json",
+        ],
     );
     let shown: Value = serde_json::from_str(stdout(&shown).trim()).unwrap();
     assert_eq!(shown["gates"], c["gates"]);
@@ -352,7 +401,10 @@ fn shadow_phase_gates_the_rollout(kind: BrokerKind) {
         "trainer",
         &["rollout", "status", "--broker", &b.url(), "--name", "bad"],
     ));
-    assert!(table.contains("min_shadow_agreement") && table.contains("BREACHED"), "{table}");
+    assert!(
+        table.contains("min_shadow_agreement") && table.contains("BREACHED"),
+        "{table}"
+    );
 
     // Another seed on the true labels agrees with v1: shadow phase passed, then everyone on v4.
     let (ok, c) = rollout(&b, good, &dir, "good", SHADOW_PLAN);

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use kestrel_fleet::statuses;
 use kestrel_shared::mqtt::BrokerConfig;
-use kestrel_tests::fleet::{Broker, BrokerKind, Proc, agent_config, fixture, start_agent_with};
+use kestrel_tests::fleet::{
+    Broker, BrokerKind, Proc, agent_config, fixture, start_agent_with, wait_fleet,
+};
 use kestrel_tests::{bin, run, s, stderr, stdout};
 use serde_json::Value;
 
@@ -33,15 +35,6 @@ fn rollout_cmd(b: &Broker, art: &Path, plan: &str) -> Command {
     .arg(fixture().key())
     .args(["--fleet", plan, "--json"]);
     c
-}
-
-/// Waits until `n` devices have reported a status.
-fn wait_fleet(cfg: &BrokerConfig, n: usize) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while statuses(cfg, None).unwrap().len() < n {
-        assert!(Instant::now() < deadline, "fewer than {n} devices reported");
-        std::thread::sleep(Duration::from_millis(300));
-    }
 }
 
 const THREE_PHASES: &str = r#"

@@ -97,7 +97,15 @@ fn table(list: &[Status]) -> String {
 fn quality_table(list: &[DeviceQuality]) -> String {
     let mut out = format!(
         "{:<20} {:<16} {:>9} {:>12} {:>7} {:>7} {:>8} {:>9} {:>8}  shadow\n",
-        "device", "model", "requests", "conf (ref)", "class d", "drift z", "p-value", "flagged", "p50 ms"
+        "device",
+        "model",
+        "requests",
+        "conf (ref)",
+        "class d",
+        "drift z",
+        "p-value",
+        "flagged",
+        "p50 ms"
     );
     for q in list {
         let model = format!("{} v{}", q.model, q.version);
