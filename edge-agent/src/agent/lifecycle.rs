@@ -90,7 +90,12 @@ impl Worker {
                 features: i.features.clone(),
                 latency_ms: i.prediction.latency_ms,
             });
-            let active = observed.as_ref().map(|o| (o.logits.clone(), o.latency_ms));
+            // The active model's answer, kept for a shadow model's comparison only when one runs.
+            let shadow = self.shadow.read().expect("lock").clone();
+            let active = observed
+                .as_ref()
+                .filter(|_| shadow.is_some())
+                .map(|o| (o.logits.clone(), o.latency_ms));
             let (prediction, error) = match answer {
                 Ok(i) => (Some(i.prediction), None),
                 Err(e) => (None, Some(e)),
@@ -104,16 +109,13 @@ impl Worker {
             if self.done.send(Done::Reply(reply, observed)).is_err() {
                 return;
             }
-            if let Some(active) = active {
-                self.shadow_turn(&job.bytes, &name, active);
+            if let (Some(s), Some(active)) = (shadow, active) {
+                self.shadow_turn(&s, &job.bytes, &name, active);
             }
         }
     }
 
-    fn shadow_turn(&self, bytes: &[u8], name: &str, active: (Vec<f32>, f64)) {
-        let Some(s) = self.shadow.read().expect("lock").clone() else {
-            return;
-        };
+    fn shadow_turn(&self, s: &ShadowModel, bytes: &[u8], name: &str, active: (Vec<f32>, f64)) {
         let turn = s.turn.fetch_add(1, Ordering::Relaxed) % s.every == 0;
         let run = (turn && self.waiting.load(Ordering::SeqCst) == 0)
             .then(|| s.model.infer(bytes, name, 1).ok())
@@ -140,7 +142,7 @@ pub struct Feed {
 impl Feed {
     /// The images of the directory, read once (files that are not images are refused by the
     /// model like any bad request).
-    pub fn images(&self) -> Result<Vec<(String, Vec<u8>)>> {
+    pub fn images(&self) -> Result<Vec<Vec<u8>>> {
         let mut files: Vec<PathBuf> = std::fs::read_dir(&self.dir)
             .with_context(|| format!("--feed {}", self.dir.display()))?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -154,10 +156,7 @@ impl Feed {
         );
         files
             .into_iter()
-            .map(|p| {
-                let b = std::fs::read(&p).with_context(|| format!("{}", p.display()))?;
-                Ok((p.display().to_string(), b))
-            })
+            .map(|p| std::fs::read(&p).with_context(|| format!("{}", p.display())))
             .collect()
     }
 
@@ -174,7 +173,7 @@ impl Feed {
         let period = Duration::from_secs_f64(1.0 / self.rate.max(1e-3));
         std::thread::spawn(move || {
             let mut next = Instant::now();
-            for (n, (_, bytes)) in images.iter().cycle().enumerate() {
+            for (n, bytes) in images.iter().cycle().enumerate() {
                 next += period;
                 std::thread::sleep(next.saturating_duration_since(Instant::now()));
                 let job = Job {
