@@ -131,6 +131,78 @@ impl Default for Quality {
     }
 }
 
+/// Which inputs `[capture]` keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CapturePolicy {
+    /// Top-1 score below `min_confidence`, or top-1 minus top-2 below `min_margin`.
+    LowConfidence,
+    /// A share `rate` of all requests.
+    Random,
+    /// Every request while the last judged quality window is flagged as drifted.
+    Drift,
+}
+
+fn default_policy() -> CapturePolicy {
+    CapturePolicy::LowConfidence
+}
+fn default_min_confidence() -> f64 {
+    0.5
+}
+fn default_rate() -> f64 {
+    0.01
+}
+fn default_per_hour() -> u64 {
+    60
+}
+fn default_disk() -> u64 {
+    64 << 20
+}
+
+/// Input capture (`[capture]`, off unless `enabled = true`): which answered requests keep their
+/// image for the next training round, and the limits on what is stored and sent.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Capture {
+    #[serde(default)]
+    pub enabled: bool,
+    #[serde(default = "default_policy")]
+    pub policy: CapturePolicy,
+    /// low-confidence: keep inputs whose top-1 score is below this.
+    #[serde(default = "default_min_confidence")]
+    pub min_confidence: f64,
+    /// low-confidence: also keep inputs whose top-1 and top-2 scores are closer than this (0: off).
+    #[serde(default)]
+    pub min_margin: f64,
+    /// random: the share of requests kept.
+    #[serde(default = "default_rate")]
+    pub rate: f64,
+    /// At most this many captures in any hour (across restarts).
+    #[serde(default = "default_per_hour")]
+    pub max_per_hour: u64,
+    /// Captures waiting to be sent take at most this many bytes on disk; the oldest go first.
+    #[serde(default = "default_disk")]
+    pub max_disk_bytes: u64,
+    /// Upload cap for captures in bytes per second (0: none); other messages are not held back.
+    #[serde(default)]
+    pub max_upload_bytes_per_s: u64,
+}
+
+impl Default for Capture {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            policy: default_policy(),
+            min_confidence: default_min_confidence(),
+            min_margin: 0.0,
+            rate: default_rate(),
+            max_per_hour: default_per_hour(),
+            max_disk_bytes: default_disk(),
+            max_upload_bytes_per_s: 0,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -153,6 +225,8 @@ pub struct Config {
     pub inference: Inference,
     #[serde(default)]
     pub quality: Quality,
+    #[serde(default)]
+    pub capture: Capture,
 }
 
 impl Config {
@@ -190,6 +264,17 @@ impl Config {
         if c.quality.window == 0 || c.quality.period_s == 0 || c.quality.shadow_every == 0 {
             return Err(invalid(
                 "[quality] window, period_s and shadow_every must be at least 1".into(),
+            ));
+        }
+        let k = &c.capture;
+        if !(0.0..=1.0).contains(&k.rate) || !(0.0..=1.0).contains(&k.min_confidence) {
+            return Err(invalid(
+                "[capture] rate and min_confidence must be between 0 and 1".into(),
+            ));
+        }
+        if k.enabled && k.policy == CapturePolicy::Drift && !c.quality.enabled {
+            return Err(invalid(
+                "[capture] policy = \"drift\" needs [quality] enabled (the drift test)".into(),
             ));
         }
         match c.inference.engine {

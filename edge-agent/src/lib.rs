@@ -5,6 +5,7 @@
 //! ([`config`]) and the MQTT event loop that drives them ([`agent`]).
 
 pub mod agent;
+pub mod capture;
 pub mod config;
 pub mod desired;
 pub mod outbox;

@@ -91,6 +91,9 @@ enum Cmd {
         /// Requests per second of each fed device.
         #[arg(long, value_name = "HZ", default_value_t = 5.0, requires = "feed")]
         feed_rate: f64,
+        /// Feed each image once (never dropped for a full queue), then stop feeding.
+        #[arg(long, requires = "feed")]
+        feed_once: bool,
     },
     /// Classify images with an artifact (verified and health-checked first), as the agent serves them.
     Predict {
@@ -156,6 +159,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             simulate,
             feed,
             feed_rate,
+            feed_once,
         } => {
             let cfg = edge_agent::config::Config::load(&config)?;
             anyhow::ensure!(
@@ -167,6 +171,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 .map(|(group, dir)| edge_agent::agent::Feed {
                     dir,
                     rate: feed_rate,
+                    once: feed_once,
                     group,
                 })
                 .collect();

@@ -24,6 +24,8 @@ struct Item {
     msg: Message,
     /// On-disk copy, deleted on acknowledgement.
     file: Option<PathBuf>,
+    /// The size of that file.
+    disk: u64,
 }
 
 #[derive(Debug)]
@@ -32,6 +34,8 @@ pub struct Outbox {
     next_seq: u64,
     queue: VecDeque<Item>,
     in_flight: Option<(Item, Option<u16>)>,
+    /// Bytes of the files of queued and in-flight messages.
+    disk_bytes: u64,
 }
 
 impl Outbox {
@@ -51,19 +55,78 @@ impl Outbox {
         let mut queue = VecDeque::new();
         for (_, p) in &files {
             // A torn write (crash mid-write) cannot happen: files are written atomically.
-            let msg: Message = serde_json::from_slice(&fs::read(p)?)
+            let bytes = fs::read(p)?;
+            let msg: Message = serde_json::from_slice(&bytes)
                 .map_err(|e| io::Error::other(format!("{}: {e}", p.display())))?;
             queue.push_back(Item {
                 msg,
                 file: Some(p.clone()),
+                disk: bytes.len() as u64,
             });
         }
         Ok(Self {
             dir: dir.to_path_buf(),
             next_seq: files.last().map_or(0, |(s, _)| s + 1),
+            disk_bytes: queue.iter().map(|i| i.disk).sum(),
             queue,
             in_flight: None,
         })
+    }
+
+    /// Queues a durable message within a disk budget of `max_bytes` (the outbox's files): the
+    /// oldest queued messages (never the one in flight) are dropped until it fits. Returns how many
+    /// were dropped; a message larger than the whole budget is refused (an error, nothing dropped).
+    pub fn push_within(&mut self, msg: Message, max_bytes: u64) -> io::Result<u64> {
+        let size = serde_json::to_vec(&msg).map_err(io::Error::other)?.len() as u64;
+        let in_flight = self.in_flight.as_ref().map_or(0, |(i, _)| i.disk);
+        if size + in_flight > max_bytes {
+            return Err(io::Error::other(format!(
+                "{}: {size} bytes do not fit the disk budget of {max_bytes}",
+                msg.topic
+            )));
+        }
+        let mut dropped = 0;
+        while self.disk_bytes + size > max_bytes {
+            let Some(old) = self.queue.pop_front() else {
+                break;
+            };
+            self.forget(old)?;
+            dropped += 1;
+        }
+        self.push_durable(msg)?;
+        Ok(dropped)
+    }
+
+    /// Deletes an item's file and its bytes from the count.
+    fn forget(&mut self, item: Item) -> io::Result<()> {
+        self.disk_bytes -= item.disk;
+        match item.file {
+            Some(f) => fs::remove_file(f),
+            None => Ok(()),
+        }
+    }
+
+    /// Bytes of the outbox's files.
+    pub fn disk_bytes(&self) -> u64 {
+        self.disk_bytes
+    }
+
+    /// The payload size of the next message to send, if one would be sent now.
+    pub fn next_size(&self) -> Option<usize> {
+        match self.in_flight {
+            Some(_) => None,
+            None => self.queue.front().map(|i| i.msg.payload.len()),
+        }
+    }
+
+    /// Whether a message is in flight without its packet id yet.
+    pub fn awaits_pkid(&self) -> bool {
+        matches!(self.in_flight, Some((_, None)))
+    }
+
+    /// The packet id of the in-flight message, once known.
+    pub fn in_flight_pkid(&self) -> Option<u16> {
+        self.in_flight.as_ref().and_then(|(_, id)| *id)
     }
 
     /// Queues a message that must not be lost (written to disk first). When the disk write fails
@@ -73,12 +136,14 @@ impl Outbox {
         self.next_seq += 1;
         let written = serde_json::to_vec(&msg)
             .map_err(io::Error::other)
-            .and_then(|b| kestrel_shared::fsutil::write_atomic(&file, &b));
-        let (file, result) = match written {
-            Ok(()) => (Some(file), Ok(())),
-            Err(e) => (None, Err(e)),
+            .and_then(|b| kestrel_shared::fsutil::write_atomic(&file, &b).map(|()| b.len() as u64));
+        let (file, disk, result) = match written {
+            Ok(n) => (Some(file), n, Ok(())),
+            Err(e) => (None, 0, Err(e)),
         };
-        self.queue.push_back(Item { msg, file });
+        let item = Item { msg, file, disk };
+        self.disk_bytes += disk;
+        self.queue.push_back(item);
         result
     }
 
@@ -91,7 +156,11 @@ impl Outbox {
         {
             i.msg = msg;
         } else {
-            self.queue.push_back(Item { msg, file: None });
+            self.queue.push_back(Item {
+                msg,
+                file: None,
+                disk: 0,
+            });
         }
     }
 
@@ -118,9 +187,7 @@ impl Outbox {
         match &self.in_flight {
             Some((_, Some(id))) if *id == pkid => {
                 let (item, _) = self.in_flight.take().expect("checked");
-                if let Some(f) = item.file {
-                    fs::remove_file(f)?;
-                }
+                self.forget(item)?;
                 Ok(true)
             }
             _ => Ok(false),
@@ -190,6 +257,44 @@ mod tests {
         let mut o = Outbox::open(dir.path()).unwrap();
         o.push_latest(m("status", "b"));
         assert_eq!(o.next().unwrap().payload, "b");
+    }
+
+    #[test]
+    fn a_budget_drops_the_oldest_queued_never_the_one_in_flight() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut o = Outbox::open(dir.path()).unwrap();
+        let size = serde_json::to_vec(&m("c", "aaaa")).unwrap().len() as u64;
+        let budget = 3 * size;
+        for p in ["aaaa", "bbbb", "cccc"] {
+            assert_eq!(o.push_within(m("c", p), budget).unwrap(), 0);
+        }
+        assert_eq!(o.next().unwrap().payload, "aaaa"); // in flight
+        o.sent(1);
+        assert_eq!(
+            o.push_within(m("c", "dddd"), budget).unwrap(),
+            1,
+            "bbbb dropped"
+        );
+        let on_disk: u64 = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .sum();
+        assert_eq!((o.disk_bytes(), on_disk), (budget, budget));
+        let big = m("c", &"e".repeat(3 * size as usize));
+        assert!(o.push_within(big, budget).is_err(), "over the budget alone");
+        assert!(o.acked(1).unwrap());
+        let left: Vec<String> = std::iter::from_fn(|| {
+            let p = o.next().map(|m| m.payload.clone());
+            o.sent(9);
+            o.acked(9).unwrap();
+            p
+        })
+        .collect();
+        assert_eq!(left, ["cccc", "dddd"]);
+        assert_eq!(
+            (o.disk_bytes(), fs::read_dir(dir.path()).unwrap().count()),
+            (0, 0)
+        );
     }
 
     #[test]

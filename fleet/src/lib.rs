@@ -6,6 +6,7 @@
 //! - [`publish`]: publishing an artifact and a signed desired state (`trainer publish`).
 //! - [`keys`]: the root-signed list of publishing keys (`trainer keys`).
 //! - [`status`]: the fleet's retained statuses, or waiting for a device (`trainer status`).
+//! - [`collect`]: captures from devices over a persistent session (`trainer collect`).
 //! - [`infer`]: inference requests to a device and their replies (`trainer infer`).
 //! - [`rollout`]: staged rollouts: a sans-IO controller and its MQTT driver (`trainer rollout`).
 //!
@@ -14,6 +15,7 @@
 //! `kestrel-models` without its candle and ONNX Runtime features (for artifact checks only).
 
 pub mod bundle;
+pub mod collect;
 pub mod conn;
 pub mod infer;
 pub mod keys;

@@ -7,6 +7,7 @@
 //! - [`quality`]: model quality without labels (reference profile, live-window statistics).
 //! - [`time`]: wall-clock helpers ([`now_unix`]).
 
+pub mod capture;
 pub mod fsutil;
 pub mod manifest;
 #[cfg(feature = "mqtt")]

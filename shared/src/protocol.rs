@@ -106,6 +106,13 @@ impl Topics {
     pub fn quality_filter(&self) -> String {
         format!("{}/devices/+/quality", self.prefix)
     }
+    /// An input the device captured for training ([`crate::capture::Capture`], QoS 1, not retained).
+    pub fn capture(&self, device: &str, id: &str) -> String {
+        format!("{}/devices/{device}/captures/{id}", self.prefix)
+    }
+    pub fn captures_filter(&self) -> String {
+        format!("{}/devices/+/captures/+", self.prefix)
+    }
     pub fn online(&self, device: &str) -> String {
         format!("{}/devices/{device}/online", self.prefix)
     }
@@ -428,6 +435,9 @@ pub struct Status {
     /// The shadow model the desired state names, if any, and how far the device got with it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shadow: Option<ShadowStatus>,
+    /// Input capture counters (`[capture]` enabled only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub captures: Option<crate::capture::CaptureStats>,
 }
 
 /// A shadow model on a device.

@@ -205,6 +205,8 @@ pub struct QualityWindow {
     /// Disjoint full windows judged, and how many of them were flagged.
     windows: u64,
     flagged_windows: u64,
+    /// Whether the last judged window was flagged.
+    flagged_now: bool,
 }
 
 /// A window's statistics (what `P/devices/<id>/quality` carries).
@@ -253,6 +255,7 @@ impl QualityWindow {
             total: 0,
             windows: 0,
             flagged_windows: 0,
+            flagged_now: false,
         }
     }
 
@@ -277,10 +280,14 @@ impl QualityWindow {
         if self.total % self.size as u64 == 0 {
             // The window now holds `size` requests none of the previous judged windows held.
             self.windows += 1;
-            if self.drift().flagged {
-                self.flagged_windows += 1;
-            }
+            self.flagged_now = self.drift().flagged;
+            self.flagged_windows += u64::from(self.flagged_now);
         }
+    }
+
+    /// Whether the last judged window (of `size` requests) was flagged as drifted.
+    pub fn drifting(&self) -> bool {
+        self.flagged_now
     }
 
     /// The feature drift test over the requests in the window (see the module docs).

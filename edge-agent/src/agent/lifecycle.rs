@@ -66,6 +66,8 @@ struct Worker {
     done: mpsc::UnboundedSender<Done>,
     device: String,
     top_k: usize,
+    /// `[capture]` is on: observations carry the image.
+    capture: bool,
 }
 
 impl Worker {
@@ -85,6 +87,10 @@ impl Worker {
                     .map_err(|e| e.to_string()),
             };
             let observed = answer.as_ref().ok().map(|i| Observed {
+                request: job.request.clone(),
+                model: i.prediction.model.clone(),
+                top: i.prediction.top.clone(),
+                image: self.capture.then(|| job.bytes.clone()),
                 version: i.prediction.version,
                 logits: i.logits.clone(),
                 features: i.features.clone(),
@@ -128,13 +134,16 @@ impl Worker {
     }
 }
 
-/// Traffic for a device from a directory of images (`edge-agent run --feed`): the images in an
-/// order of the device's own, round and round, `rate` requests a second, answered and observed
-/// as MQTT requests are but not published. A request that finds the queue full is dropped.
+/// Traffic for a device from a directory of images (`edge-agent run --feed`): once the device
+/// has an active model, the images in an order of the device's own, round and round (or once),
+/// `rate` requests a second, answered and observed as MQTT requests are but not published. A
+/// request that finds the queue full is dropped (with `once`, it waits instead).
 #[derive(Debug, Clone)]
 pub struct Feed {
     pub dir: PathBuf,
     pub rate: f64,
+    /// Each image once, then no more traffic.
+    pub once: bool,
     /// A group the fed devices join (so a rollout can pick them by it).
     pub group: Option<String>,
 }
@@ -160,7 +169,7 @@ impl Feed {
             .collect()
     }
 
-    fn spawn(&self, device: &str, jobs: Jobs) -> Result<()> {
+    fn spawn(&self, device: &str, jobs: Jobs, model: Shared<LoadedModel>) -> Result<()> {
         let mut images = self.images()?;
         // A stable order of the device's own (a seeded Fisher-Yates).
         let mut state = u64::from_str_radix(&sha256_hex(device.as_bytes())[..16], 16).unwrap_or(1);
@@ -171,18 +180,29 @@ impl Feed {
             images.swap(i, (state >> 33) as usize % (i + 1));
         }
         let period = Duration::from_secs_f64(1.0 / self.rate.max(1e-3));
+        let count = if self.once { images.len() } else { usize::MAX };
         std::thread::spawn(move || {
+            while model.read().expect("lock").is_none() {
+                std::thread::sleep(Duration::from_millis(100));
+            }
             let mut next = Instant::now();
-            for (n, bytes) in images.iter().cycle().enumerate() {
+            for (n, bytes) in images.iter().cycle().take(count).enumerate() {
                 next += period;
                 std::thread::sleep(next.saturating_duration_since(Instant::now()));
-                let job = Job {
+                let mut job = Job {
                     request: format!("feed-{n}"),
                     bytes: bytes.clone(),
                     reply: false,
                 };
-                if let Err(TrySendError::Disconnected(_)) = jobs.try_send(job) {
-                    return;
+                loop {
+                    match jobs.try_send(job) {
+                        Err(TrySendError::Full(j)) if count == images.len() => {
+                            job = j;
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        Err(TrySendError::Disconnected(_)) => return,
+                        _ => break,
+                    }
                 }
             }
         });
@@ -368,11 +388,12 @@ impl Agent {
                 done: done_tx.clone(),
                 device: cfg.device_id.clone(),
                 top_k: cfg.inference.top_k,
+                capture: cfg.capture.enabled,
             };
             std::thread::spawn(move || w.run());
         }
         if let Some(f) = feed {
-            f.spawn(&cfg.device_id, jobs.clone())?;
+            f.spawn(&cfg.device_id, jobs.clone(), model.clone())?;
         }
         let shadow_store = cfg.store.join("shadow");
         let shadow = ShadowSlot::new(
@@ -387,6 +408,7 @@ impl Agent {
             std::thread::spawn(move || crate::serve::watch_dir(dir, model, k));
         }
         let outbox = Outbox::open(&cfg.store.join("outbox"))?;
+        let captures = super::capture::Captures::open(&cfg)?;
         let offer = saved_offer(&store, &updater);
         let agent = Agent {
             topics,
@@ -407,6 +429,7 @@ impl Agent {
             quality: None,
             last_quality: Instant::now(),
             shadow,
+            captures,
             latencies: VecDeque::new(),
             served: 0,
             status_dirty: true,

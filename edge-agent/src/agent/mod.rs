@@ -35,6 +35,7 @@ use crate::store::Store;
 use crate::trust::Trust;
 use crate::update::{Action, Event, Phase, Report, Updater};
 
+mod capture;
 mod download;
 mod lifecycle;
 mod quality;
@@ -70,7 +71,12 @@ enum Done {
 
 /// What the active model did on one request.
 struct Observed {
+    request: String,
+    model: String,
     version: u64,
+    top: Vec<kestrel_shared::protocol::Class>,
+    /// The request's image, when `[capture]` may keep it.
+    image: Option<Vec<u8>>,
     logits: Vec<f32>,
     features: Option<Vec<f32>>,
     latency_ms: f64,
@@ -115,6 +121,8 @@ pub struct Agent {
     quality: Option<quality::Telemetry>,
     last_quality: Instant,
     shadow: shadow::ShadowSlot,
+    /// Input capture, when `[capture]` is enabled.
+    captures: Option<capture::Captures>,
     latencies: VecDeque<f64>,
     served: u64,
     status_dirty: bool,
@@ -219,6 +227,7 @@ impl Agent {
             refused: self.refused.clone(),
             keys_version: self.trust.version(),
             shadow: self.shadow.status(),
+            captures: self.captures.as_ref().map(capture::Captures::stats),
         }
     }
 
@@ -553,20 +562,66 @@ impl Agent {
         }
     }
 
+    /// Publishes the next message of the outbox and of the capture queue (within its upload
+    /// cap), each with one in flight. Only one publish at a time waits for its packet id, so
+    /// the client's `Outgoing::Publish(pkid)` belongs to it.
     async fn flush(&mut self) {
         if !self.connected {
             return;
         }
-        if let Some(m) = self.outbox.next() {
-            let m = m.clone();
-            if let Err(e) = self
-                .client
-                .publish(m.topic, QoS::AtLeastOnce, m.retain, m.payload)
-                .await
-            {
-                eprintln!("error: publish: {e}");
-            }
+        let capture_waits = self
+            .captures
+            .as_ref()
+            .is_some_and(|c| c.outbox.awaits_pkid());
+        if !capture_waits && let Some(m) = self.outbox.next().cloned() {
+            self.publish(m).await;
         }
+        if let Some(c) = self.captures.as_mut()
+            && !self.outbox.awaits_pkid()
+            && c.may_send()
+            && let Some(m) = c.outbox.next().cloned()
+        {
+            self.publish(m).await;
+        }
+    }
+
+    async fn publish(&self, m: Message) {
+        if let Err(e) = self
+            .client
+            .publish(m.topic, QoS::AtLeastOnce, m.retain, m.payload)
+            .await
+        {
+            eprintln!("error: publish: {e}");
+        }
+    }
+
+    /// The packet id of a publish (a resent one keeps its id: never given to the other queue).
+    fn on_sent(&mut self, pkid: u16) {
+        let captures = self.captures.as_mut().map(|c| &mut c.outbox);
+        let capture_id = captures.as_ref().and_then(|o| o.in_flight_pkid());
+        if self.outbox.awaits_pkid() && capture_id != Some(pkid) {
+            self.outbox.sent(pkid);
+        } else if let Some(o) = captures
+            && o.awaits_pkid()
+            && self.outbox.in_flight_pkid() != Some(pkid)
+        {
+            o.sent(pkid);
+        }
+    }
+
+    fn on_acked(&mut self, pkid: u16) -> Result<()> {
+        if self.outbox.acked(pkid)? {
+            return Ok(());
+        }
+        if let Some(c) = self.captures.as_mut()
+            && c.outbox.acked(pkid)?
+        {
+            if let Err(e) = c.sent() {
+                eprintln!("{}: captures: {e}", self.cfg.device_id);
+            }
+            self.status_dirty = true;
+        }
+        Ok(())
     }
 
     async fn on_mqtt(&mut self, ev: MqttEvent) -> Result<()> {
@@ -585,6 +640,9 @@ impl Agent {
                 self.connected = true;
                 if !ack.session_present {
                     self.outbox.requeue_in_flight();
+                    if let Some(c) = self.captures.as_mut() {
+                        c.outbox.requeue_in_flight();
+                    }
                 }
                 self.subscribe_all().await?;
                 self.outbox.push_latest(Message {
@@ -598,10 +656,8 @@ impl Agent {
                 let topic = p.topic.clone();
                 self.on_publish(&topic, p.payload.to_vec()).await?;
             }
-            MqttEvent::Incoming(Packet::PubAck(a)) => {
-                self.outbox.acked(a.pkid)?;
-            }
-            MqttEvent::Outgoing(Outgoing::Publish(pkid)) if pkid != 0 => self.outbox.sent(pkid),
+            MqttEvent::Incoming(Packet::PubAck(a)) => self.on_acked(a.pkid)?,
+            MqttEvent::Outgoing(Outgoing::Publish(pkid)) if pkid != 0 => self.on_sent(pkid),
             _ => {}
         }
         Ok(())

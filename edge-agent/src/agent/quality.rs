@@ -19,7 +19,7 @@ pub(super) struct Telemetry {
     model: String,
     version: u64,
     /// None when the model cannot be judged; `note` says why.
-    window: Option<QualityWindow>,
+    pub(super) window: Option<QualityWindow>,
     note: Option<String>,
     /// Requests came in since the last report.
     dirty: bool,
@@ -27,7 +27,8 @@ pub(super) struct Telemetry {
 
 impl Agent {
     /// A request the active model answered: latency statistics, and the quality window.
-    pub(super) fn on_observed(&mut self, o: Observed) {
+    pub(super) fn on_observed(&mut self, mut o: Observed) {
+        self.maybe_capture(&mut o);
         self.served += 1;
         self.latencies.push_back(o.latency_ms);
         if self.latencies.len() > LATENCIES {

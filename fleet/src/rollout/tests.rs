@@ -19,6 +19,7 @@ fn status(id: &str, groups: &[&str], active: Option<u64>, failed: Option<u64>) -
         refused: None,
         keys_version: None,
         shadow: None,
+        captures: None,
     }
 }
 

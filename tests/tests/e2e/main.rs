@@ -6,6 +6,7 @@
 
 mod arm;
 mod backbone;
+mod capture;
 mod chaos;
 mod cli;
 mod cross;

@@ -8,7 +8,6 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kestrel_fleet::statuses;
-use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, fixture, start_agent_with, wait_fleet,
 };

@@ -17,6 +17,7 @@ mod fit;
 pub mod fleet;
 mod import_weights;
 mod keygen;
+mod label;
 mod latency;
 mod lower;
 mod mlflow;
@@ -49,6 +50,7 @@ pub enum Cmd {
     Keygen(keygen::Args),
     Sign(sign::Args),
     ImportWeights(import_weights::Args),
+    Label(label::Args),
     Lower(lower::Args),
     Preprocess(preprocess::Args),
     Latency(latency::Args),
@@ -92,6 +94,7 @@ fn dispatch(cmd: Cmd, job: &Job) -> Result<ExitCode> {
         Cmd::Keygen(a) => keygen::run(a, job),
         Cmd::Sign(a) => sign::run(a, job),
         Cmd::ImportWeights(a) => import_weights::run(a, job),
+        Cmd::Label(a) => label::run(a),
         Cmd::Lower(a) => lower::run(a, job),
         Cmd::Preprocess(a) => preprocess::run(a, job),
         Cmd::Latency(a) => latency::run(a, job),

@@ -3,6 +3,7 @@
 //! themselves are in the `kestrel_fleet` crate (the broker in the `kestrel-broker` binary).
 
 pub mod broker;
+pub mod collect;
 pub mod infer;
 pub mod keys;
 pub mod publish;
@@ -115,6 +116,9 @@ pub enum FleetCmd {
     /// Classify images on a device over MQTT: files, or a whole labelled table (--data) with
     /// accuracy and a confusion matrix.
     Infer(infer::Args),
+    /// Append the inputs devices captured (`[capture]` in agent.toml) to a Delta table, each
+    /// once, over a persistent session; label them with `trainer label`.
+    Collect(collect::Args),
 }
 
 pub fn run(cmd: FleetCmd) -> Result<ExitCode> {
@@ -125,6 +129,7 @@ pub fn run(cmd: FleetCmd) -> Result<ExitCode> {
         FleetCmd::Status(args) => status::run(args),
         FleetCmd::Rollout(args) => rollout::run(args),
         FleetCmd::Infer(args) => infer::run(args),
+        FleetCmd::Collect(args) => collect::run(args),
     }
 }
 

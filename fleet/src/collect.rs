@@ -1,0 +1,116 @@
+//! Receiving captures (`trainer collect`): a persistent MQTT session subscribed at QoS 1 to
+//! `P/devices/+/captures/+`, with manual acknowledgements, so the broker keeps every capture
+//! until the caller has stored it and acknowledged it ([`CaptureFeed::ack`]): a collector that
+//! dies loses nothing, and what it stored but had not acknowledged comes again (the caller
+//! de-duplicates by capture path).
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use kestrel_shared::capture::Capture;
+use kestrel_shared::mqtt::BrokerConfig;
+use kestrel_shared::protocol::Topics;
+use rumqttc::{Client, Event, Packet, Publish, QoS};
+
+use crate::FleetError;
+
+/// One message from the capture topics: a capture and its image bytes, or why it is not one.
+pub struct Received {
+    pub topic: String,
+    pub capture: Result<(Capture, Vec<u8>), String>,
+    publish: Publish,
+}
+
+pub struct CaptureFeed {
+    client: Client,
+    events: Receiver<Result<Event, rumqttc::ConnectionError>>,
+    url: String,
+    /// Whether the broker had this client id's session (captures queued while away).
+    pub resumed: bool,
+}
+
+impl CaptureFeed {
+    /// Connects as `client_id` with a persistent session and subscribes to every device's captures.
+    pub fn connect(cfg: &BrokerConfig, client_id: &str) -> Result<Self, FleetError> {
+        let mut opts = cfg.options(client_id, false)?;
+        opts.set_manual_acks(true);
+        let (client, mut conn) = Client::new(opts, 256);
+        let (tx, events) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for ev in conn.iter() {
+                let failed = ev.is_err();
+                if tx.send(ev).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        let err = |reason: String| FleetError::Broker {
+            url: cfg.url.clone(),
+            reason,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let resumed = loop {
+            match events.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(Ok(Event::Incoming(Packet::ConnAck(a)))) => break a.session_present,
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(err(e.to_string())),
+                Err(_) => return Err(err("no answer within 10 s".into())),
+            }
+        };
+        let filter = Topics::new(&cfg.prefix).captures_filter();
+        client
+            .subscribe(filter, QoS::AtLeastOnce)
+            .map_err(|e| err(e.to_string()))?;
+        Ok(Self {
+            client,
+            events,
+            url: cfg.url.clone(),
+            resumed,
+        })
+    }
+
+    fn err(&self, reason: String) -> FleetError {
+        FleetError::Broker {
+            url: self.url.clone(),
+            reason,
+        }
+    }
+
+    /// The next capture message within `timeout` (None on timeout).
+    pub fn next(&mut self, timeout: Duration) -> Result<Option<Received>, FleetError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.events.recv_timeout(left) {
+                Ok(Ok(Event::Incoming(Packet::Publish(p)))) => {
+                    let capture = Capture::parse(&p.payload).map_err(|e| e.to_string());
+                    return Ok(Some(Received {
+                        topic: p.topic.clone(),
+                        capture,
+                        publish: p,
+                    }));
+                }
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(self.err(format!("connection lost: {e}"))),
+                Err(RecvTimeoutError::Timeout) => return Ok(None),
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(self.err("client stopped".into()));
+                }
+            }
+        }
+    }
+
+    /// Acknowledges a message once it is stored (or refused for good).
+    pub fn ack(&self, r: &Received) -> Result<(), FleetError> {
+        self.client
+            .ack(&r.publish)
+            .map_err(|e| self.err(e.to_string()))
+    }
+
+    /// Lets queued acknowledgements reach the broker, then disconnects (the session stays).
+    pub fn close(self) {
+        std::thread::sleep(Duration::from_millis(300));
+        let _ = self.client.disconnect();
+        let _ = self.events.recv_timeout(Duration::from_millis(500));
+    }
+}

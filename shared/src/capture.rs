@@ -1,0 +1,111 @@
+//! Captured inputs: what a device sends back for the next training round
+//! (`P/devices/<id>/captures/<capture-id>`, QoS 1, not retained), and the counters its status
+//! carries. The image travels as it arrived (the original encoded bytes, base64 in the JSON).
+
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+
+use crate::protocol::Class;
+
+/// One captured input.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Capture {
+    /// Unique on its device: `<unix ms>-<sequence>`; a topic level.
+    pub id: String,
+    pub device: String,
+    /// The inference request it answered (`feed-<n>` for fed traffic).
+    pub request: String,
+    pub model: String,
+    pub version: u64,
+    /// The model's top-k classes and scores.
+    pub top: Vec<Class>,
+    /// Why it was kept: `low-confidence`, `random` or `drift`.
+    pub reason: String,
+    /// RFC 3339 UTC.
+    pub captured_at: String,
+    /// The original image bytes, base64 (standard alphabet, padded).
+    pub content: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CaptureError {
+    #[error("capture: not JSON of a capture: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("capture {id}: content is not base64: {reason}")]
+    Content { id: String, reason: String },
+}
+
+impl Capture {
+    pub fn encode_content(bytes: &[u8]) -> String {
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    }
+
+    /// Parses a capture message and decodes its image bytes.
+    pub fn parse(payload: &[u8]) -> Result<(Capture, Vec<u8>), CaptureError> {
+        let c: Capture = serde_json::from_slice(payload)?;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(&c.content)
+            .map_err(|e| CaptureError::Content {
+                id: c.id.clone(),
+                reason: e.to_string(),
+            })?;
+        Ok((c, bytes))
+    }
+
+    /// The `path` column of a capture table: `<device>/<capture-id>`, unique in a fleet.
+    pub fn path(&self) -> String {
+        format!("{}/{}", self.device, self.id)
+    }
+}
+
+/// A device's capture counters since it started capturing (kept across restarts).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CaptureStats {
+    /// Inputs kept (written to the capture queue).
+    pub taken: u64,
+    /// Inputs the policy chose but the hourly rate limit refused.
+    pub rate_limited: u64,
+    /// Queued captures dropped, oldest first, to stay within the disk budget.
+    pub evicted: u64,
+    /// Captures the broker acknowledged.
+    pub sent: u64,
+    /// Captures waiting to be sent, and their bytes on disk.
+    pub queued: u64,
+    pub queued_bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capture_round_trips_its_bytes_and_names_bad_content() {
+        let c = Capture {
+            id: "1700000000000-000001".into(),
+            device: "cam-1".into(),
+            request: "r1".into(),
+            model: "m".into(),
+            version: 3,
+            top: vec![],
+            reason: "random".into(),
+            captured_at: "2026-12-02T00:00:00Z".into(),
+            content: Capture::encode_content(&[0, 1, 2, 255]),
+        };
+        let json = serde_json::to_vec(&c).unwrap();
+        let (back, bytes) = Capture::parse(&json).unwrap();
+        assert_eq!(
+            (back.path(), bytes),
+            ("cam-1/1700000000000-000001".into(), vec![0, 1, 2, 255])
+        );
+        let bad = serde_json::to_vec(&Capture {
+            content: "%%%".into(),
+            ..c
+        })
+        .unwrap();
+        let e = Capture::parse(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("1700000000000-000001") && e.contains("base64"),
+            "{e}"
+        );
+    }
+}
