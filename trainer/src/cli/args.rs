@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use kestrel_models::backbone::Backbone;
 use kestrel_models::engine::{OrtDevice, set_candle_threads, set_ort_device};
 use kestrel_models::{Arch, EngineKind};
@@ -96,8 +96,14 @@ pub struct DataArgs {
 }
 
 impl DataArgs {
+    /// The one table of a command that reads one.
     pub fn path(&self) -> Result<PathBuf> {
         self.table.path()
+    }
+
+    /// Every `--data` table (at least one).
+    pub fn paths(&self) -> Result<Vec<PathBuf>> {
+        self.table.paths()
     }
 
     pub fn source(&self) -> SourceOpts {
@@ -111,8 +117,9 @@ pub struct TableArgs {
     /// Image table: an ImageFolder directory (root/<class>/*.png|jpg|bmp), a CSV manifest (path,label),
     /// Parquet (a file, a directory of part files, or Hive-partitioned col=value/ directories) or a
     /// Delta table (a directory with _delta_log/), with binary `content` and `label` columns.
-    #[arg(long)]
-    pub data: Option<PathBuf>,
+    /// prepare, fit and tune take it several times: the tables train together, one label set.
+    #[arg(long, value_name = "TABLE")]
+    pub data: Vec<PathBuf>,
     /// Label column of CSV/Parquet tables.
     #[arg(long, default_value = "label")]
     pub label_column: String,
@@ -129,6 +136,10 @@ pub struct TableArgs {
     /// YYYY-MM-DD [HH:MM:SS] in UTC).
     #[arg(long, value_name = "T", value_parser = parse_data_timestamp)]
     pub data_timestamp: Option<String>,
+    /// Leave out rows whose label is null or empty (e.g. captures not labelled yet), counted in
+    /// the log, instead of failing.
+    #[arg(long)]
+    pub skip_unlabelled: bool,
 }
 
 fn parse_data_timestamp(s: &str) -> Result<String, String> {
@@ -136,8 +147,33 @@ fn parse_data_timestamp(s: &str) -> Result<String, String> {
 }
 
 impl TableArgs {
+    /// The one table of a command that reads one (several `--data`: an error).
     pub fn path(&self) -> Result<PathBuf> {
-        self.data.clone().context("--data TABLE is required")
+        self.optional_path()?.context("--data TABLE is required")
+    }
+
+    /// The table, if `--data` is given (at most once).
+    pub fn optional_path(&self) -> Result<Option<PathBuf>> {
+        match self.data.as_slice() {
+            [] => Ok(None),
+            [one] => Ok(Some(one.clone())),
+            many => bail!(
+                "this command reads one table, got {} --data ({}); several tables train together only in prepare, fit and tune",
+                many.len(),
+                many.iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }
+    }
+
+    /// Every `--data` table (at least one).
+    pub fn paths(&self) -> Result<Vec<PathBuf>> {
+        if self.data.is_empty() {
+            bail!("--data TABLE is required");
+        }
+        Ok(self.data.clone())
     }
 
     pub fn source(&self) -> SourceOpts {
@@ -147,6 +183,7 @@ impl TableArgs {
             path_column: self.path_column.clone(),
             data_version: self.data_version,
             data_timestamp: self.data_timestamp.clone(),
+            skip_unlabelled: self.skip_unlabelled,
         }
     }
 }
@@ -286,8 +323,11 @@ impl FitArgs {
             None if fine_tune > 0 => Some(3),
             e => e,
         };
+        let mut paths = data.paths()?.into_iter();
         Ok(FitParams {
-            data: data.path()?,
+            data: paths.next().expect("at least one table"),
+            more_data: paths.collect(),
+            init_from: None,
             cache: Some(data.cache.root()),
             source: data.source(),
             backbone: self.backbone.backbone.clone(),

@@ -34,6 +34,10 @@ pub struct Args {
     /// --cache is given).
     #[arg(long, value_name = "RUN_DIR", conflicts_with = "out")]
     resume: Option<PathBuf>,
+    /// Start the head from RUN_DIR's trained head (best.safetensors) instead of from scratch:
+    /// classes mapped by name, new classes starting at zero (retraining on old + new tables).
+    #[arg(long, value_name = "RUN_DIR", conflicts_with = "resume")]
+    init_from: Option<PathBuf>,
     /// Print summary.json on stdout.
     #[arg(long)]
     json: bool,
@@ -69,7 +73,10 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
     let (params, dir, resuming) = match a.resume {
         Some(dir) => (saved_params(&dir)?, dir, true),
         None => (
-            a.fit.params(&a.data, a.engine.engine, a.workers.workers)?,
+            FitParams {
+                init_from: a.init_from,
+                ..a.fit.params(&a.data, a.engine.engine, a.workers.workers)?
+            },
             a.out.expect("clap requires --out"),
             false,
         ),

@@ -53,6 +53,8 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
             "samples_cache_reused": pp.prepared.reused,
             "feature_dims": pp.features.meta.dims,
             "backbone_runs": pp.features.computed,
+            "features_reused": pp.features.reused,
+            "unlabelled_skipped": pp.unlabelled,
             "feature_seconds": pp.features.meta.seconds,
             "feature_workers": pp.features.meta.workers,
             "features_cache": pp.features.dir,

@@ -24,6 +24,8 @@ use super::{DataError, Row, SourceOpts, io_err};
 /// A read Delta table: its rows and the snapshot's version.
 pub(super) struct DeltaRows {
     pub rows: Vec<Row>,
+    /// Rows left out for having no label (`--skip-unlabelled`).
+    pub unlabelled: usize,
     pub version: u64,
 }
 
@@ -103,7 +105,7 @@ pub(super) fn read(dir: &Path, opts: &SourceOpts) -> Result<DeltaRows, DataError
         .build()
         .map_err(kernel)?;
     let mut rows = Vec::new();
-    let mut row = 0;
+    let (mut row, mut unlabelled) = (0, 0);
     let mut roles: Option<Roles> = None;
     for data in scan.execute(engine.clone()).map_err(kernel)? {
         let batch: RecordBatch = ArrowEngineData::try_from_engine_data(data.map_err(kernel)?)
@@ -113,10 +115,11 @@ pub(super) fn read(dir: &Path, opts: &SourceOpts) -> Result<DeltaRows, DataError
             roles = Some(Roles::resolve(&batch.schema(), &[], opts, dir)?);
         }
         let r = roles.as_ref().expect("resolved");
-        r.batch_rows(&batch, opts, dir, &mut row, &mut rows)?;
+        r.batch_rows(&batch, opts, dir, &mut row, &mut rows, &mut unlabelled)?;
     }
     Ok(DeltaRows {
         rows,
+        unlabelled,
         version: snapshot.version(),
     })
 }

@@ -1,7 +1,12 @@
 //! The feature cache: the frozen backbone's output at the freeze boundary for every cached
 //! sample, computed once per (samples, backbone weights, boundary) and shared by every fit and trial.
+//! A new sample set (a table with rows added, several tables together) copies the rows other
+//! caches of the same backbone, boundary and preprocessing already hold, by content hash, and runs
+//! the backbone only on the samples none has.
 
-use std::fs;
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -13,8 +18,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::cache::{CacheError, io, read_json, write_atomic, write_json};
-use super::samples::Prepared;
-use crate::distributed::{Job, Rank, WorkerError};
+use super::samples::{Prepared, PreparedMeta};
+use crate::distributed::{self, Job, Rank, WorkerError};
 
 /// Identity of a backbone's weights: sha256 over the architecture and every canonical tensor.
 pub fn backbone_id(b: &Backbone) -> String {
@@ -45,6 +50,10 @@ pub struct FeatureMeta {
     /// Workers (ranks) that extracted the features (older caches: 1).
     #[serde(default = "one")]
     pub workers: usize,
+    /// Rows copied from other feature caches when this one was built (the backbone ran on the
+    /// others; older caches: 0).
+    #[serde(default)]
+    pub reused: usize,
 }
 
 fn one() -> usize {
@@ -57,6 +66,11 @@ pub struct Features {
     pub data: Vec<f32>,
     /// Backbone runs done by this call (0 on a cache hit).
     pub computed: usize,
+    /// Rows this call did not run the backbone for: every row on a cache hit, else the rows
+    /// copied from other feature caches of the same backbone, boundary and preprocessing.
+    pub reused: usize,
+    /// True when this call found the cache already built.
+    pub hit: bool,
     /// The cache directory (`meta.json`, `features.f32`).
     pub dir: PathBuf,
 }
@@ -164,6 +178,8 @@ fn read_features(
         meta,
         data,
         computed: 0,
+        reused: prepared.len(),
+        hit: true,
         dir: dir.to_path_buf(),
     }))
 }
@@ -190,7 +206,19 @@ fn open_or_extract(
         return Ok(cached.expect("this rank has it"));
     }
     let start = Instant::now();
-    let data = extract_rank(prepared, backbone, &opts, engine, rank)?;
+    let reuse = Reusable::find(root, prepared, &bid, boundary, &dims, &dir)?;
+    let reuse = reuse.agreed(prepared.len(), per, comm)?;
+    let computed = reuse.missing.len();
+    let data = if computed == prepared.len() {
+        extract_rank(prepared, backbone, &opts, engine, rank)?
+    } else {
+        let mut data = reuse.data;
+        let new = extract_samples(prepared, backbone, &opts, engine, rank, &reuse.missing)?;
+        for (&i, row) in reuse.missing.iter().zip(new.chunks_exact(per)) {
+            data[i * per..(i + 1) * per].copy_from_slice(row);
+        }
+        data
+    };
     let meta = FeatureMeta {
         samples_key: prepared.meta.key.clone(),
         backbone_id: bid,
@@ -200,6 +228,7 @@ fn open_or_extract(
         engine,
         seconds: start.elapsed().as_secs_f64(),
         workers: comm.world(),
+        reused: prepared.len() - computed,
     };
     if comm.rank() == 0 {
         let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -208,10 +237,207 @@ fn open_or_extract(
     }
     Ok(Features {
         meta,
-        computed: prepared.len(),
+        computed,
+        reused: prepared.len() - computed,
+        hit: false,
         data,
         dir,
     })
+}
+
+/// Rows of other feature caches that hold some of a sample set's features: the features of every
+/// sample whose content (sha256) another cache of the same backbone weights, boundary, dims and
+/// preprocessing already has. Adding rows to a table thus runs the backbone on the new rows only.
+struct Reusable {
+    /// `n * per` values; the rows of `missing` are zeros.
+    data: Vec<f32>,
+    /// The samples found nowhere, in sample order.
+    missing: Vec<usize>,
+}
+
+impl Reusable {
+    /// Looks through the feature caches under `root` other than `own` (only their small
+    /// `meta.json` files and their sample caches' `meta.json`, then the matching rows of the
+    /// candidates that have some): a cache that cannot be read is passed over.
+    fn find(
+        root: &Path,
+        prepared: &Prepared,
+        bid: &str,
+        boundary: usize,
+        dims: &[usize],
+        own: &Path,
+    ) -> Result<Reusable, CacheError> {
+        let n = prepared.len();
+        let per: usize = dims.iter().product();
+        let mut wanted: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (i, sha) in prepared.meta.content_sha256.iter().enumerate() {
+            wanted.entry(sha.as_str()).or_default().push(i);
+        }
+        let mut data = vec![0f32; n * per];
+        let suffix = format!("-{}-b{boundary}", &bid[..16]);
+        let mut dirs: Vec<PathBuf> = fs::read_dir(root.join("features"))
+            .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
+            .unwrap_or_default();
+        dirs.retain(|d| {
+            d.as_path() != own
+                && d.file_name()
+                    .is_some_and(|f| f.to_string_lossy().ends_with(&suffix))
+        });
+        dirs.sort();
+        for dir in dirs {
+            if wanted.is_empty() {
+                break;
+            }
+            let Some(rows) = candidate_rows(root, &dir, prepared, bid, boundary, dims, &wanted)
+            else {
+                continue;
+            };
+            if read_rows(&dir.join("features.f32"), per, &rows, &mut data).is_ok() {
+                for (_, dst) in &rows {
+                    wanted.remove(prepared.meta.content_sha256[dst[0]].as_str());
+                }
+            }
+        }
+        let mut missing: Vec<usize> = wanted.into_values().flatten().collect();
+        missing.sort_unstable();
+        Ok(Reusable { data, missing })
+    }
+
+    /// This rank's finding if every rank found the same missing samples (ranks on other hosts may
+    /// see other caches), else nothing reused: every rank then extracts its share of everything.
+    fn agreed(
+        self,
+        n: usize,
+        per: usize,
+        comm: &dyn crate::distributed::Collective,
+    ) -> Result<Reusable, CacheError> {
+        if comm.world() == 1 {
+            return Ok(self);
+        }
+        // Equal on every rank iff the sum of squares is world x the mean square (counts and a
+        // 20-bit hash of the list keep the sums exact in f64).
+        let c = self.missing.len() as f64;
+        let h = self.missing.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &i| {
+            (h ^ i as u64).wrapping_mul(0x0100_0000_01b3)
+        }) % (1 << 20);
+        let h = h as f64;
+        let mut sums = [c, c * c, h, h * h];
+        comm.allreduce_sum_f64(&mut sums)?;
+        let w = comm.world() as f64;
+        if sums[1] * w == sums[0] * sums[0] && sums[3] * w == sums[2] * sums[2] {
+            return Ok(self);
+        }
+        Ok(Reusable {
+            data: vec![0f32; n * per],
+            missing: (0..n).collect(),
+        })
+    }
+}
+
+/// The rows of the feature cache `dir` that hold `wanted` contents, as (its row, our samples),
+/// sorted by its row; `None` when it is not a usable candidate (other backbone, boundary, dims or
+/// preprocessing, unreadable, or nothing wanted).
+fn candidate_rows(
+    root: &Path,
+    dir: &Path,
+    prepared: &Prepared,
+    bid: &str,
+    boundary: usize,
+    dims: &[usize],
+    wanted: &HashMap<&str, Vec<usize>>,
+) -> Option<Vec<(usize, Vec<usize>)>> {
+    let meta: FeatureMeta = read_json(&dir.join("meta.json")).ok()?;
+    if meta.backbone_id != bid || meta.boundary != boundary || meta.dims != dims {
+        return None;
+    }
+    let key = meta.samples_key.get(..32)?;
+    let samples: PreparedMeta =
+        read_json(&root.join("samples").join(key).join("meta.json")).ok()?;
+    if samples.key != meta.samples_key || samples.spec != prepared.meta.spec {
+        return None;
+    }
+    let mut rows: Vec<(usize, Vec<usize>)> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (j, sha) in samples.content_sha256.iter().enumerate() {
+        if let Some(dst) = wanted
+            .get(sha.as_str())
+            .filter(|_| seen.insert(sha.as_str()))
+        {
+            rows.push((j, dst.clone()));
+        }
+    }
+    let bytes = fs::metadata(dir.join("features.f32")).ok()?.len();
+    let per: usize = dims.iter().product();
+    let complete = bytes == (samples.content_sha256.len() * per * 4) as u64;
+    (complete && !rows.is_empty()).then_some(rows)
+}
+
+/// Copies rows `(source row, destination samples)` of the features file `path` into `data`.
+fn read_rows(
+    path: &Path,
+    per: usize,
+    rows: &[(usize, Vec<usize>)],
+    data: &mut [f32],
+) -> Result<(), CacheError> {
+    let mut f = File::open(path).map_err(io(path))?;
+    let mut buf = vec![0u8; per * 4];
+    for (j, dst) in rows {
+        f.seek(SeekFrom::Start((j * per * 4) as u64))
+            .and_then(|_| f.read_exact(&mut buf))
+            .map_err(io(path))?;
+        for &i in dst {
+            let out = &mut data[i * per..(i + 1) * per];
+            for (o, b) in out.iter_mut().zip(buf.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs the frozen part over the samples `idx` (sample order, the same on every rank): each rank
+/// takes an even contiguous share ([`distributed::share`]) on its own engine, and the outputs are
+/// gathered in `idx` order.
+fn extract_samples(
+    prepared: &Prepared,
+    backbone: &Backbone,
+    opts: &LowerOpts,
+    engine: EngineKind,
+    r: &Rank<'_>,
+    idx: &[usize],
+) -> Result<Vec<f32>, CacheError> {
+    let (comm, rank, world) = (r.comm, r.rank(), r.world());
+    let per: usize = opts.output_shape(&backbone.net).iter().product();
+    let mine = &idx[distributed::share(idx.len(), rank, world)];
+    let local = if mine.is_empty() {
+        Vec::new()
+    } else {
+        let engine_impl = backbone.engine(engine, opts, r.threads)?;
+        let pixels = prepared.load_samples(mine)?;
+        let refs: Vec<&[u8]> = pixels.iter().map(Vec::as_slice).collect();
+        let label = match world {
+            1 => "features (new rows)".to_string(),
+            _ => format!("features (new rows) {rank}/{world}"),
+        };
+        let pb = r.progress(refs.len() as u64, &label);
+        run_frozen(engine_impl.as_ref(), prepared, &refs, per, &pb)?
+    };
+    if world == 1 {
+        return Ok(local);
+    }
+    let gathered = comm.allgather_f32(&local)?;
+    if gathered.len() != idx.len() * per {
+        return Err(WorkerError {
+            rank,
+            message: format!(
+                "gathered {} feature values, expected {}",
+                gathered.len(),
+                idx.len() * per
+            ),
+        }
+        .into());
+    }
+    Ok(gathered)
 }
 
 /// Runs the frozen part (`opts`) over this rank's shards ([`Prepared::rank_samples`]) on its own

@@ -7,6 +7,11 @@
 //! Parquet labels, CSV labels and ImageFolder directory names agree, and 2 < 10), otherwise
 //! lexicographically. Samples keep a deterministic order: ImageFolder by class then file name,
 //! CSV and Parquet by row (part files sorted by name).
+//!
+//! Several sources ([`load_all`], `--data A --data B`) load into one dataset: the union of their
+//! class names, sorted by the same rule, and their samples one source after another. Rows without
+//! a label (null, or an empty string: a class has a name) fail the load, or with
+//! `--skip-unlabelled` are left out and counted per source (a table of captures not labelled yet).
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs;
@@ -16,6 +21,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod cache;
 pub mod delta;
+pub mod delta_write;
 pub mod features;
 pub mod samples;
 pub mod split;
@@ -26,7 +32,7 @@ pub use samples::Prepared;
 pub use split::Split;
 #[cfg(test)]
 use table::HIVE_NULL;
-use table::{PartFile, read_parquet};
+use table::{PartFile, UNLABELLED_HINT, read_parquet};
 
 const IMAGE_EXTENSIONS: [&str; 4] = ["png", "jpg", "jpeg", "bmp"];
 
@@ -44,8 +50,18 @@ pub struct Dataset {
     pub samples: Vec<Sample>,
     /// `labels[i]` is the name of class `i`.
     pub labels: Vec<String>,
-    /// What was loaded, e.g. `parquet /data/digits.parquet`.
+    /// What was loaded, e.g. `parquet /data/digits.parquet`; several sources joined by ` + `.
     pub source: String,
+    /// Rows left out for having no label (`--skip-unlabelled`): (source, count) for every source
+    /// that had some.
+    pub unlabelled: Vec<(String, usize)>,
+}
+
+impl Dataset {
+    /// All rows left out for having no label.
+    pub fn unlabelled_total(&self) -> usize {
+        self.unlabelled.iter().map(|u| u.1).sum()
+    }
 }
 
 /// Column names for CSV manifests and Parquet tables (saved in a run's `params.json`).
@@ -60,6 +76,9 @@ pub struct SourceOpts {
     /// Delta tables: read the last version committed at or before this time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_timestamp: Option<String>,
+    /// Leave out (and count) rows whose label is null or empty instead of failing.
+    #[serde(default)]
+    pub skip_unlabelled: bool,
 }
 
 impl Default for SourceOpts {
@@ -70,6 +89,7 @@ impl Default for SourceOpts {
             path_column: "path".into(),
             data_version: None,
             data_timestamp: None,
+            skip_unlabelled: false,
         }
     }
 }
@@ -113,11 +133,13 @@ pub enum DataError {
         column: String,
         found: String,
     },
-    #[error("{}: null in column `{column}` at row {row}", file.display())]
+    #[error("{}: null in column `{column}` at row {row}{hint}", file.display())]
     NullValue {
         file: PathBuf,
         column: String,
         row: usize,
+        /// What to do about it (for a label: `--skip-unlabelled`), or empty.
+        hint: &'static str,
     },
     #[error("empty class `{class}` in {}: no .png/.jpg/.jpeg/.bmp files", dir.display())]
     EmptyClass { class: String, dir: PathBuf },
@@ -129,6 +151,10 @@ pub enum DataError {
     },
     #[error("{}: empty dataset (no samples found)", path.display())]
     EmptyDataset { path: PathBuf },
+    #[error("{}: no labelled rows ({unlabelled} unlabelled rows skipped)", path.display())]
+    NoLabelled { path: PathBuf, unlabelled: usize },
+    #[error("no table given (--data TABLE)")]
+    NoSource,
     #[error("Delta table {}: {message}", path.display())]
     Delta { path: PathBuf, message: String },
     #[error("{}: --data-version and --data-timestamp apply to Delta tables (a directory with _delta_log/) only", path.display())]
@@ -153,6 +179,63 @@ fn pq_err(path: &Path, e: impl std::fmt::Display) -> DataError {
 /// table (a directory with `_delta_log/`), a directory of Parquet part files (Hive-partitioned or
 /// not), or else an ImageFolder directory (`root/<class>/<image>`).
 pub fn load(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
+    let ds = load_source(path, opts)?;
+    match ds.unlabelled_total() {
+        n if ds.samples.is_empty() => Err(DataError::NoLabelled {
+            path: path.to_path_buf(),
+            unlabelled: n,
+        }),
+        _ => Ok(ds),
+    }
+}
+
+/// Loads several sources ([`load`] each) into one dataset: one label set (the union of the class
+/// names, sorted like one source's), every sample remapped to it, the samples in source order.
+/// A source whose rows were all left out as unlabelled is allowed when another has samples.
+pub fn load_all(paths: &[PathBuf], opts: &SourceOpts) -> Result<Dataset, DataError> {
+    let [first, rest @ ..] = paths else {
+        return Err(DataError::NoSource);
+    };
+    if rest.is_empty() {
+        return load(first, opts);
+    }
+    let parts = paths
+        .iter()
+        .map(|p| load_source(p, opts))
+        .collect::<Result<Vec<_>, _>>()?;
+    let names = parts
+        .iter()
+        .flat_map(|d| d.labels.iter().map(String::as_str));
+    let (labels, index) = sort_labels(names);
+    let mut out = Dataset {
+        samples: Vec::new(),
+        labels,
+        source: parts
+            .iter()
+            .map(|d| d.source.as_str())
+            .collect::<Vec<_>>()
+            .join(" + "),
+        unlabelled: Vec::new(),
+    };
+    for d in parts {
+        out.samples.extend(d.samples.into_iter().map(|s| Sample {
+            label: index[&d.labels[s.label]],
+            ..s
+        }));
+        out.unlabelled.extend(d.unlabelled);
+    }
+    if out.samples.is_empty() {
+        return Err(DataError::NoLabelled {
+            path: first.clone(),
+            unlabelled: out.unlabelled_total(),
+        });
+    }
+    Ok(out)
+}
+
+/// [`load`] without its check for labelled rows: a source of only unlabelled rows (left out with
+/// `--skip-unlabelled`) loads with no samples.
+fn load_source(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
     let meta = fs::metadata(path).map_err(io_err(path))?;
     let ext = |p: &Path| {
         p.extension()
@@ -165,10 +248,10 @@ pub fn load(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
             path: path.to_path_buf(),
         });
     }
-    let (rows, source) = if delta {
+    let ((rows, unlabelled), source) = if delta {
         let t = delta::read(path, opts)?;
         let source = format!("delta {} (version {})", path.display(), t.version);
-        (t.rows, source)
+        ((t.rows, t.unlabelled), source)
     } else if meta.is_dir() {
         let parts = parquet_parts(path)?;
         if parts.is_empty() {
@@ -204,7 +287,7 @@ pub fn load(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
             path: path.to_path_buf(),
         });
     };
-    if rows.is_empty() {
+    if rows.is_empty() && unlabelled == 0 {
         return Err(DataError::EmptyDataset {
             path: path.to_path_buf(),
         });
@@ -221,6 +304,10 @@ pub fn load(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
     Ok(Dataset {
         samples,
         labels,
+        unlabelled: match unlabelled {
+            0 => Vec::new(),
+            n => vec![(source.clone(), n)],
+        },
         source,
     })
 }
@@ -346,12 +433,15 @@ fn image_folder(root: &Path) -> Result<Dataset, DataError> {
         samples,
         labels,
         source: format!("imagefolder {}", root.display()),
+        unlabelled: Vec::new(),
     })
 }
 
 type Row = (String, Vec<u8>, String);
 
-fn read_csv(csv_path: &Path, opts: &SourceOpts) -> Result<Vec<Row>, DataError> {
+/// The rows of a CSV manifest and the count of unlabelled rows left out (an empty label fails
+/// unless `opts.skip_unlabelled`).
+fn read_csv(csv_path: &Path, opts: &SourceOpts) -> Result<(Vec<Row>, usize), DataError> {
     let csv_err = |e: csv::Error| DataError::Csv {
         path: csv_path.to_path_buf(),
         message: e.to_string(),
@@ -376,12 +466,24 @@ fn read_csv(csv_path: &Path, opts: &SourceOpts) -> Result<Vec<Row>, DataError> {
     let path_i = column("path", &opts.path_column)?;
     let label_i = column("label", &opts.label_column)?;
     let base = csv_path.parent().unwrap_or(Path::new(""));
-    let mut rows = Vec::new();
+    let (mut rows, mut unlabelled) = (Vec::new(), 0);
     for record in reader.records() {
         let record = record.map_err(csv_err)?;
         let line = record.position().map_or(0, |p| p.line());
         let rel = record.get(path_i).unwrap_or("");
         let label = record.get(label_i).unwrap_or("");
+        if label.is_empty() {
+            if !opts.skip_unlabelled {
+                return Err(DataError::NullValue {
+                    file: csv_path.to_path_buf(),
+                    column: opts.label_column.clone(),
+                    row: rows.len() + unlabelled,
+                    hint: UNLABELLED_HINT,
+                });
+            }
+            unlabelled += 1;
+            continue;
+        }
         let full = base.join(rel);
         if rel.is_empty() || !full.exists() {
             return Err(DataError::MissingFile {
@@ -393,7 +495,7 @@ fn read_csv(csv_path: &Path, opts: &SourceOpts) -> Result<Vec<Row>, DataError> {
         let bytes = fs::read(&full).map_err(io_err(&full))?;
         rows.push((full.display().to_string(), bytes, label.to_string()));
     }
-    Ok(rows)
+    Ok((rows, unlabelled))
 }
 
 #[cfg(test)]

@@ -1,7 +1,9 @@
 //! The sample cache: decoded + preprocessed pixels in shards (see [`super::cache`]).
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::fs::{self, File};
-use std::io::Read;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use image::RgbImage;
@@ -212,6 +214,27 @@ impl Prepared {
             .zip(buf.chunks(per))
             .map(|(i, c)| (i, c.to_vec()))
             .collect())
+    }
+
+    /// The pixels of the samples `idx`, each read from its place in its shard (not whole shards).
+    pub fn load_samples(&self, idx: &[usize]) -> Result<Vec<Vec<u8>>, CacheError> {
+        let per = self.sample_bytes();
+        let mut files: HashMap<usize, File> = HashMap::new();
+        let mut out = Vec::with_capacity(idx.len());
+        for &i in idx {
+            let shard = i % self.meta.shards;
+            let path = self.dir.join(format!("shard-{shard:05}.bin"));
+            let f = match files.entry(shard) {
+                Entry::Occupied(e) => e.into_mut(),
+                Entry::Vacant(e) => e.insert(File::open(&path).map_err(io(&path))?),
+            };
+            let mut px = vec![0u8; per];
+            f.seek(SeekFrom::Start(((i / self.meta.shards) * per) as u64))
+                .and_then(|_| f.read_exact(&mut px))
+                .map_err(io(&path))?;
+            out.push(px);
+        }
+        Ok(out)
     }
 
     /// The samples rank `rank` of `world` owns: those of shards `rank, rank + world, ...`

@@ -20,6 +20,10 @@ pub(super) struct PartFile {
     pub partition: Vec<(String, String)>,
 }
 
+/// What a null label's error suggests.
+pub(super) const UNLABELLED_HINT: &str =
+    "\n(pass --skip-unlabelled to leave out rows without a label, e.g. captures not labelled yet)";
+
 /// Hive's name for a null partition value.
 pub(super) const HIVE_NULL: &str = "__HIVE_DEFAULT_PARTITION__";
 
@@ -131,7 +135,8 @@ impl<'a> Roles<'a> {
     }
 
     /// Appends the rows of `batch` (holding at least the resolved columns) to `rows`; `row` counts
-    /// the rows of `origin` read so far (for ids and error messages).
+    /// the rows of `origin` read so far (for ids and error messages). A row without a label (null
+    /// or empty) fails, or with `opts.skip_unlabelled` is counted in `unlabelled` and left out.
     pub fn batch_rows(
         &self,
         batch: &RecordBatch,
@@ -139,15 +144,17 @@ impl<'a> Roles<'a> {
         origin: &Path,
         row: &mut usize,
         rows: &mut Vec<Row>,
+        unlabelled: &mut usize,
     ) -> Result<(), DataError> {
         let col = |name: &str| -> ArrayRef {
             batch.column_by_name(name).expect("resolved column").clone()
         };
         let utf8 = |name: &str| cast(&col(name), &DataType::Utf8).map_err(|e| pq_err(origin, e));
-        let null = |column: &str, row: usize| DataError::NullValue {
+        let null = |column: &str, row: usize, hint: &'static str| DataError::NullValue {
             file: origin.to_path_buf(),
             column: column.into(),
             row,
+            hint,
         };
         let content = col(&opts.content_column);
         let labels = match self.label {
@@ -158,15 +165,21 @@ impl<'a> Roles<'a> {
         let paths = self.has_path.then(|| utf8(&opts.path_column)).transpose()?;
         for i in 0..batch.num_rows() {
             if content.is_null(i) {
-                return Err(null(&opts.content_column, *row));
+                return Err(null(&opts.content_column, *row, ""));
             }
             let name = match (&labels, self.label) {
                 (Some(l), _) => (!l.is_null(i)).then(|| l.value(i)),
                 (None, Label::Partition(v)) => Some(v).filter(|v| *v != HIVE_NULL),
                 (None, Label::Column) => unreachable!("a label column is read"),
             };
+            let name = name.filter(|n| !n.is_empty());
             let Some(name) = name else {
-                return Err(null(&opts.label_column, *row));
+                if opts.skip_unlabelled {
+                    *unlabelled += 1;
+                    *row += 1;
+                    continue;
+                }
+                return Err(null(&opts.label_column, *row, UNLABELLED_HINT));
             };
             let bytes = match content.data_type() {
                 DataType::Binary => content.as_binary::<i32>().value(i).to_vec(),
@@ -184,18 +197,24 @@ impl<'a> Roles<'a> {
     }
 }
 
-pub(super) fn read_parquet(files: &[PartFile], opts: &SourceOpts) -> Result<Vec<Row>, DataError> {
+/// The rows of Parquet files and the count of unlabelled rows left out.
+pub(super) fn read_parquet(
+    files: &[PartFile],
+    opts: &SourceOpts,
+) -> Result<(Vec<Row>, usize), DataError> {
     let mut rows = Vec::new();
+    let mut unlabelled = 0;
     for file in files {
-        read_parquet_file(file, opts, &mut rows)?;
+        read_parquet_file(file, opts, &mut rows, &mut unlabelled)?;
     }
-    Ok(rows)
+    Ok((rows, unlabelled))
 }
 
 fn read_parquet_file(
     part: &PartFile,
     opts: &SourceOpts,
     rows: &mut Vec<Row>,
+    unlabelled: &mut usize,
 ) -> Result<(), DataError> {
     let file = part.path.as_path();
     let handle = fs::File::open(file).map_err(io_err(file))?;
@@ -209,7 +228,7 @@ fn read_parquet_file(
     let mut row = 0;
     for batch in reader {
         let batch = batch.map_err(|e| pq_err(file, e))?;
-        roles.batch_rows(&batch, opts, file, &mut row, rows)?;
+        roles.batch_rows(&batch, opts, file, &mut row, rows, unlabelled)?;
     }
     Ok(())
 }

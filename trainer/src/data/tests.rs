@@ -459,3 +459,134 @@ fn data_delta_logs_are_never_bypassed() {
             .contains("yesterday")
     );
 }
+
+/// Several sources load into one dataset: the union of their classes, sorted by the one rule
+/// (numerically when every name is an integer), every sample remapped, sources in order.
+#[test]
+fn data_several_sources_share_one_label_set() {
+    let a = fixture(&["10", "2", "10"], true);
+    let b = fixture(&["3", "10"], true);
+    let paths = [a.path().join("table.parquet"), b.path().join("images")];
+    let ds = crate::data::load_all(&paths, &SourceOpts::default()).unwrap();
+    assert_eq!(ds.labels, ["2", "3", "10"]);
+    assert_eq!(ds.samples.len(), 5);
+    let names: Vec<&str> = ds
+        .samples
+        .iter()
+        .map(|s| ds.labels[s.label].as_str())
+        .collect();
+    // The Parquet table by row, then the ImageFolder by class (numeric: 3 before 10).
+    assert_eq!(names, ["10", "2", "10", "3", "10"]);
+    assert!(
+        ds.source.starts_with("parquet ") && ds.source.contains(" + imagefolder "),
+        "{}",
+        ds.source
+    );
+    // Names: lexicographic once one is not an integer; one source loads as `load` does.
+    let c = fixture(&["dog", "cat"], false);
+    let d = fixture(&["bird", "10"], false);
+    let paths = [c.path().join("manifest.csv"), d.path().join("spark")];
+    let ds = crate::data::load_all(&paths, &SourceOpts::default()).unwrap();
+    assert_eq!(ds.labels, ["10", "bird", "cat", "dog"]);
+    assert_eq!(
+        pairs(&ds),
+        [
+            pairs(&load(&paths[0], &SourceOpts::default()).unwrap()),
+            pairs(&load(&paths[1], &SourceOpts::default()).unwrap())
+        ]
+        .concat()
+        .into_iter()
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect::<Vec<_>>()
+    );
+    let one = crate::data::load_all(&paths[..1], &SourceOpts::default()).unwrap();
+    assert_eq!(
+        pairs(&one),
+        pairs(&load(&paths[0], &SourceOpts::default()).unwrap())
+    );
+    assert!(matches!(
+        crate::data::load_all(&[], &SourceOpts::default()),
+        Err(DataError::NoSource)
+    ));
+}
+
+/// Rows without a label (null, or empty) fail naming `--skip-unlabelled`; with it they are left
+/// out and counted per source, and a source of only unlabelled rows is allowed beside others.
+#[test]
+fn data_unlabelled_rows_fail_or_are_skipped() {
+    let dir = fixture(&["a", "b"], false);
+    let root = dir.path();
+    let f = root.join("captures.parquet");
+    let content: ArrayRef = Arc::new(BinaryArray::from_iter_values([
+        png(1),
+        png(2),
+        png(3),
+        png(4),
+    ]));
+    let label: ArrayRef = Arc::new(StringArray::from(vec![
+        Some("a"),
+        None,
+        Some(""),
+        Some("c"),
+    ]));
+    write_parquet(&f, vec![("content", content), ("label", label)], 2);
+    fs::write(
+        root.join("partly.csv"),
+        "path,label\nimages/a/000.png,a\nimages/b/001.png,\n",
+    )
+    .unwrap();
+    let skip = SourceOpts {
+        skip_unlabelled: true,
+        ..SourceOpts::default()
+    };
+    for (file, row) in [("captures.parquet", 1), ("partly.csv", 1)] {
+        let (e, m) = err(&root.join(file), &SourceOpts::default());
+        assert!(
+            matches!(e, DataError::NullValue { row: r, .. } if r == row)
+                && m.contains("`label`")
+                && m.contains("--skip-unlabelled"),
+            "{m}"
+        );
+    }
+    let ds = load(&f, &skip).unwrap();
+    assert_eq!(ds.labels, ["a", "c"]);
+    assert_eq!(ds.samples.len(), 2);
+    assert_eq!(ds.unlabelled, [(ds.source.clone(), 2)]);
+    assert_eq!(
+        ds.samples[1].id,
+        format!("{}#row 3", f.display()),
+        "rows keep their numbers"
+    );
+    let ds = load(&root.join("partly.csv"), &skip).unwrap();
+    assert_eq!((ds.samples.len(), ds.unlabelled_total()), (1, 1));
+    // Content nulls are no label matter: no hint.
+    let nul = root.join("nullcontent.parquet");
+    let content: ArrayRef = Arc::new(BinaryArray::from(vec![None::<&[u8]>]));
+    let label: ArrayRef = Arc::new(StringArray::from(vec!["a"]));
+    write_parquet(&nul, vec![("content", content), ("label", label)], 2);
+    let (_, m) = err(&nul, &skip);
+    assert!(
+        m.contains("`content`") && !m.contains("--skip-unlabelled"),
+        "{m}"
+    );
+
+    // Only unlabelled rows: alone an error, beside a labelled table a source like any other.
+    let none = root.join("none.parquet");
+    let content: ArrayRef = Arc::new(BinaryArray::from_iter_values([png(5)]));
+    let label: ArrayRef = Arc::new(StringArray::from(vec![None::<&str>]));
+    write_parquet(&none, vec![("content", content), ("label", label)], 2);
+    let (e, m) = err(&none, &skip);
+    assert!(
+        matches!(e, DataError::NoLabelled { unlabelled: 1, .. }),
+        "{m}"
+    );
+    let paths = [root.join("table.parquet"), none.clone(), f.clone()];
+    let ds = crate::data::load_all(&paths, &skip).unwrap();
+    assert_eq!(ds.labels, ["a", "b", "c"]);
+    assert_eq!(ds.samples.len(), 4);
+    assert_eq!(ds.unlabelled_total(), 3);
+    assert_eq!(ds.unlabelled.len(), 2, "{:?}", ds.unlabelled);
+    let e = crate::data::load_all(&paths, &SourceOpts::default()).unwrap_err();
+    assert!(e.to_string().contains("none.parquet"), "{e}");
+}

@@ -77,7 +77,7 @@ fn pick(run: &Trained, count: usize) -> Vec<usize> {
 /// The samples `idx` from the table (manifest entries without outputs yet, image files) and
 /// their preprocessed inputs.
 fn load(run: &Trained, idx: &[usize]) -> Result<(GoldenSamples, Vec<Vec<f32>>), ExportError> {
-    let ds = data::load(&run.params.data, &run.params.source)?;
+    let ds = data::load_all(&run.params.data_paths(), &run.params.source)?;
     let by_sha: BTreeMap<String, &data::Sample> = ds
         .samples
         .iter()

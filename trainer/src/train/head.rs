@@ -196,7 +196,9 @@ pub struct Head {
     pub solve: HeadSolve,
 }
 
-/// Solves the head on the training samples `train` (every rank passes the same arguments).
+/// Solves the head on the training samples `train` (every rank passes the same arguments),
+/// starting the final solve from `init` (a head on raw features, `[k, dim]` and `[k]`) when given,
+/// else from zero.
 pub fn fit_head(
     f: FeatureRows<'_>,
     train: &[usize],
@@ -204,6 +206,7 @@ pub fn fit_head(
     loss: &Loss,
     seed: u64,
     r: &Rank<'_>,
+    init: Option<(&[f32], &[f32])>,
 ) -> Result<Head, TrainError> {
     let started = std::time::Instant::now();
     let k = loss.classes();
@@ -213,13 +216,25 @@ pub fn fit_head(
     };
     let st = Standardizer::fit(f, train);
     let rows = Rows::new(f, &st, train, loss, r)?;
+    // The solution is scaled by the temperature below: the start is the head on standardized
+    // features, unscaled.
+    let start = match init {
+        Some((w, b)) => {
+            let (w, b) = st.unfold(w, b);
+            w.iter()
+                .chain(&b)
+                .map(|&v| v as f64 / temperature)
+                .collect()
+        }
+        None => vec![0.0; k * f.dim + k],
+    };
     let (theta, iterations, grad_norm) = solve(
         &rows,
         train.len(),
         k,
         f.dim,
         l2,
-        vec![0.0; k * f.dim + k],
+        start,
         (TOL, MAX_ITERS),
         r.comm,
     )?;

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 pub mod augment;
 pub mod checkpoint;
 pub mod head;
+pub mod init;
 pub mod loss;
 pub mod model;
 pub mod optim;
@@ -102,7 +103,19 @@ pub struct Summary {
     pub labels: Vec<String>,
     pub validation: Evaluation,
     pub test: Option<Evaluation>,
+    /// Backbone runs this fit did to get its features (0 on a feature-cache hit).
     pub backbone_runs: usize,
+    /// Feature rows this fit did not run the backbone for: every row on a feature-cache hit, else
+    /// the rows copied from other feature caches (rows seen before, e.g. the old table of
+    /// `--data OLD --data NEW`). `backbone_runs + features_reused` is the sample count.
+    #[serde(default)]
+    pub features_reused: usize,
+    /// Rows of the tables left out for having no label (`--skip-unlabelled`).
+    #[serde(default)]
+    pub unlabelled_skipped: usize,
+    /// Where the head started (`--init-from`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<init::InitHead>,
     pub feature_seconds: f64,
     pub train_seconds: f64,
     /// How the head was solved by L-BFGS (`--optimizer lbfgs`, or the first stage of `--fine-tune`).
@@ -146,6 +159,9 @@ pub fn fit(
     observer: &dyn Observer,
 ) -> Result<Option<FitOutcome>, TrainError> {
     let p = p.on_ranks(job.world())?;
+    if let Some(dir) = &p.init_from {
+        init::check(dir)?;
+    }
     if job.is_lead() {
         checkpoint::create(run_dir)?;
     }
@@ -241,6 +257,7 @@ pub fn evaluate_run(run_dir: &Path, data: &Path, job: &Job) -> Result<Evaluation
     let (params, weights) = load_run(run_dir)?;
     let p = FitParams {
         data: data.to_path_buf(),
+        more_data: Vec::new(),
         skip_invalid: false,
         ..params.clone()
     };

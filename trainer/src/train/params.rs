@@ -56,7 +56,14 @@ pub enum LrScaling {
 /// Everything that determines a run (saved as `params.json`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FitParams {
+    /// The (first) table.
     pub data: PathBuf,
+    /// Further tables trained together with `data` (`--data A --data B`: one label set).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub more_data: Vec<PathBuf>,
+    /// The run whose trained head this one starts from (`--init-from`), classes mapped by name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<PathBuf>,
     /// The sample and feature cache the run was prepared from, so that a resumed run reads the
     /// same features (the cache is shared by the engines, whose features differ in the last
     /// bits, and a run resumed on other features would not continue bit for bit).
@@ -101,6 +108,13 @@ pub struct FitParams {
 }
 
 impl FitParams {
+    /// Every table of the run: `data`, then `more_data`.
+    pub fn data_paths(&self) -> Vec<PathBuf> {
+        std::iter::once(self.data.clone())
+            .chain(self.more_data.iter().cloned())
+            .collect()
+    }
+
     /// Whether the frozen features are the pooled ones (no block trains).
     pub fn head_only(&self) -> bool {
         self.unfreeze_last == 0

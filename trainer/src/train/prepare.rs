@@ -17,6 +17,8 @@ pub struct Prepped {
     pub splits: Vec<Split>,
     pub backbone: Backbone,
     pub boundary: usize,
+    /// Rows of the tables left out for having no label (`--skip-unlabelled`).
+    pub unlabelled: usize,
 }
 
 impl Prepped {
@@ -64,10 +66,13 @@ pub fn split_records(pp: &Prepped) -> Vec<SplitRecord> {
         .collect()
 }
 
-/// Loads the table, builds or reuses the sample cache (rank 0 first under MPI) and the feature
-/// cache (extracted by the job's ranks together), and splits.
+/// Loads the tables (one dataset), builds or reuses the sample cache (rank 0 first under MPI) and
+/// the feature cache (extracted by the job's ranks together), and splits.
 pub fn prepare(p: &FitParams, job: &Job) -> Result<Prepped, TrainError> {
-    let ds: Dataset = data::load(&p.data, &p.source)?;
+    let ds: Dataset = data::load_all(&p.data_paths(), &p.source)?;
+    for (source, n) in &ds.unlabelled {
+        job.log(format!("{n} unlabelled rows skipped from {source}"));
+    }
     let arch = p
         .arch
         .as_deref()
@@ -114,13 +119,19 @@ pub fn prepare(p: &FitParams, job: &Job) -> Result<Prepped, TrainError> {
         "features: boundary {boundary}/{blocks} dims {:?}, backbone runs: {} ({})",
         features.meta.dims,
         features.computed,
-        if features.computed == 0 {
-            "cache hit".to_string()
-        } else {
-            format!(
-                "{:.1}s on {}, {} worker(s)",
-                features.meta.seconds, p.engine, features.meta.workers
-            )
+        match (features.hit, features.computed, features.reused) {
+            (true, ..) => "cache hit".to_string(),
+            (false, 0, n) => format!("all {n} rows reused from other feature caches"),
+            (false, _, copied) => format!(
+                "{}{:.1}s on {}, {} worker(s)",
+                match copied {
+                    0 => String::new(),
+                    n => format!("{n} rows reused from other feature caches, "),
+                },
+                features.meta.seconds,
+                p.engine,
+                features.meta.workers
+            ),
         }
     ));
     let labels = prepared.meta.sample_labels.clone();
@@ -133,5 +144,6 @@ pub fn prepare(p: &FitParams, job: &Job) -> Result<Prepped, TrainError> {
         splits,
         backbone,
         boundary,
+        unlabelled: ds.unlabelled_total(),
     })
 }

@@ -18,6 +18,7 @@ use rand::{SeedableRng, rngs::StdRng};
 
 use super::augment::Augmenter;
 use super::head::{self, HeadSolve, Standardizer};
+use super::init::{self, InitHead, StartHead};
 use super::loss::Loss;
 use super::model::{Trainable, model_summary};
 use super::optim::{self, Opt};
@@ -67,15 +68,29 @@ pub fn train_rank(
     }
     let classes = pp.dataset_labels.len();
     let loss = Loss::new(p, pp.labels(), &sets.train, classes);
+    let start = start_head(p, pp, r)?;
     if p.optimizer == Optimizer::Lbfgs {
-        return solve_head(p, run_dir, pp, &sets, &loss, r, feature_seconds);
+        let start = start.as_ref();
+        return solve_head(p, run_dir, pp, &sets, &loss, r, feature_seconds, start);
     }
     let mut model = Trainable::new(&pp.backbone, pp.boundary, classes, None, p.seed, None)?;
     let first_stage = if p.head_first {
-        Some(head_first(p, pp, &sets, &loss, &mut model, r)?)
+        Some(head_first(
+            p,
+            pp,
+            &sets,
+            &loss,
+            &mut model,
+            r,
+            start.as_ref(),
+        )?)
     } else {
+        if let Some(h) = &start {
+            model.set_classifier(&h.weight, &h.bias)?;
+        }
         None
     };
+    let init = start.map(|h| h.info);
     let mut opt = Opt::new(p, &model.vars)?;
     let mut state = start_state(p, out.filter(|_| resume), &model, &mut opt, r)?;
     if let Some(dir) = out {
@@ -134,11 +149,35 @@ pub fn train_rank(
         &sets,
         (feature_seconds, train_seconds),
         first_stage,
+        init,
     )?;
     Ok(Some(FitOutcome {
         run_dir: run_dir.map(Path::to_path_buf).unwrap_or_default(),
         summary,
     }))
+}
+
+/// The head `--init-from` names, mapped onto this run's classes (logged once).
+fn start_head(p: &FitParams, pp: &Prepped, r: &Rank<'_>) -> Result<Option<StartHead>, TrainError> {
+    let Some(dir) = &p.init_from else {
+        return Ok(None);
+    };
+    let h = init::load(dir, &pp.dataset_labels, pp.backbone.net.feature_dim)?;
+    r.log(format!(
+        "init: head from {} ({} of {} classes by name{}{})",
+        dir.display(),
+        h.info.matched,
+        pp.dataset_labels.len(),
+        match h.info.new_classes.as_slice() {
+            [] => String::new(),
+            new => format!("; new, starting at zero: {}", new.join(", ")),
+        },
+        match h.info.dropped_classes.as_slice() {
+            [] => String::new(),
+            gone => format!("; not in these tables, dropped: {}", gone.join(", ")),
+        },
+    ));
+    Ok(Some(h))
 }
 
 /// Same parameters and data on every rank (the table and cache paths may differ between hosts).
@@ -149,6 +188,8 @@ fn check_same_everywhere(
 ) -> Result<(), TrainError> {
     let same = FitParams {
         data: PathBuf::new(),
+        more_data: Vec::new(),
+        init_from: None,
         cache: None,
         ..p.clone()
     };
@@ -370,6 +411,7 @@ fn finish(
     sets: &Sets,
     (feature_seconds, train_seconds): (f64, f64),
     head: Option<(HeadSolve, Option<f64>)>,
+    init: Option<InitHead>,
 ) -> Result<Summary, TrainError> {
     if let Some(dir) = out {
         torch::write_safetensors(&dir.join("last.safetensors"), &model.weights()?, None)?;
@@ -411,6 +453,9 @@ fn finish(
         validation,
         test,
         backbone_runs: pp.features.computed,
+        features_reused: pp.features.reused,
+        unlabelled_skipped: pp.unlabelled,
+        init,
         feature_seconds,
         train_seconds,
         head_val_accuracy: head.as_ref().and_then(|h| h.1),
@@ -426,6 +471,7 @@ fn finish(
 /// `--optimizer lbfgs`: the head solved to convergence ([`head::fit_head`]) on every rank together;
 /// rank 0 records it as a one-epoch run (same files as the first-order loop). Deterministic, so a
 /// resumed run solves again.
+#[allow(clippy::too_many_arguments)]
 fn solve_head(
     p: &FitParams,
     run_dir: Option<&Path>,
@@ -434,10 +480,12 @@ fn solve_head(
     loss: &Loss,
     r: &Rank<'_>,
     feature_seconds: f64,
+    start: Option<&StartHead>,
 ) -> Result<Option<FitOutcome>, TrainError> {
     let out = run_dir.filter(|_| r.is_lead());
     let started = Instant::now();
-    let head = head::fit_head(pp.rows(), &sets.train, p.l2, loss, p.seed, r)?;
+    let init = start.map(|h| (h.weight.as_slice(), h.bias.as_slice()));
+    let head = head::fit_head(pp.rows(), &sets.train, p.l2, loss, p.seed, r, init)?;
     let classes = pp.dataset_labels.len();
     let model = Trainable::new(&pp.backbone, pp.boundary, classes, None, p.seed, None)?;
     model.set_classifier(&head.weight, &head.bias)?;
@@ -491,6 +539,7 @@ fn solve_head(
         sets,
         (feature_seconds, train_seconds),
         Some((head.solve, None)),
+        start.map(|h| h.info.clone()),
     )?;
     Ok(Some(FitOutcome {
         run_dir: run_dir.map(Path::to_path_buf).unwrap_or_default(),
@@ -518,6 +567,7 @@ fn head_first(
     loss: &Loss,
     model: &mut Trainable,
     r: &Rank<'_>,
+    start: Option<&StartHead>,
 ) -> Result<(HeadSolve, Option<f64>), TrainError> {
     let n = pp.prepared.len();
     let mine: Vec<usize> = distributed::share(n, r.rank(), r.world()).collect();
@@ -533,7 +583,8 @@ fn head_first(
         dim,
         labels: pp.labels(),
     };
-    let h = head::fit_head(rows, &sets.train, p.l2, loss, p.seed, r)?;
+    let init = start.map(|h| (h.weight.as_slice(), h.bias.as_slice()));
+    let h = head::fit_head(rows, &sets.train, p.l2, loss, p.seed, r, init)?;
     model.set_standardizer(Standardizer::fit(rows, &sets.train))?;
     let shrink = |v: &[f32]| -> Vec<f32> { v.iter().map(|x| x * STAGE2_HEAD_SCALE).collect() };
     model.set_classifier(&shrink(&h.weight), &shrink(&h.bias))?;

@@ -55,8 +55,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    let mut images = match &args.table.data {
-        Some(path) => table_images(path, &args.table.source(), args.held_out.as_deref())?,
+    let mut images = match args.table.optional_path()? {
+        Some(path) => table_images(&path, &args.table.source(), args.held_out.as_deref())?,
         None => Vec::new(),
     };
     for p in &args.images {
