@@ -510,3 +510,116 @@ fn class_weights_and_label_smoothing_change_the_head() {
 fn run_fails_text(args: &[&str]) -> String {
     stderr(&kestrel_tests::run_fails("trainer", args))
 }
+
+/// Retraining on old + new data (`--data OLD --data NEW`): one label set, the feature rows of the
+/// old table copied from its cache by content, so the backbone runs on the new images only
+/// (counted in the log and summary.json); unlabelled rows are left out with `--skip-unlabelled`;
+/// `--init-from` starts the head from the first run's; the combined set is then a cache hit.
+#[test]
+fn retraining_on_old_and_new_tables_runs_the_backbone_on_new_rows_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let cache = cache.to_str().unwrap();
+    let lfw = PathBuf::from(lfw());
+    let old = tmp.path().join("old");
+    kestrel_tests::table_subset(&lfw, &old, 30);
+    // The new table: a CSV of 3 unseen images per class, one image of the old table again (same
+    // bytes: no backbone run) and one unseen image not labelled yet.
+    let new = tmp.path().join("new");
+    let mut csv = String::from("path,label\n");
+    for class in ["face", "nonface"] {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(lfw.join(class))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        files.sort();
+        std::fs::create_dir_all(new.join(class)).unwrap();
+        for f in &files[30..33] {
+            let name = f.file_name().unwrap().to_str().unwrap();
+            std::fs::copy(f, new.join(class).join(name)).unwrap();
+            csv += &format!("{class}/{name},{class}\n");
+        }
+        if class == "face" {
+            std::fs::copy(&files[0], new.join("again.png")).unwrap();
+            csv += "again.png,face\n";
+            std::fs::copy(&files[40], new.join("todo.png")).unwrap();
+            csv += "todo.png,\n";
+        }
+    }
+    std::fs::write(new.join("manifest.csv"), csv).unwrap();
+    let (old_s, new_s) = (old.to_str().unwrap(), new.join("manifest.csv"));
+    let new_s = new_s.to_str().unwrap();
+
+    let (first, _) = fit(&["--data", old_s, "--cache", cache], &tmp.path().join("v1"));
+    assert_eq!(
+        (
+            first["backbone_runs"].as_u64(),
+            first["features_reused"].as_u64()
+        ),
+        (Some(60), Some(0))
+    );
+
+    // Without --skip-unlabelled the unlabelled row fails the run, naming the flag.
+    let e = fit_err(&["--data", old_s, "--data", new_s], cache);
+    assert!(e.contains("todo") || e.contains("label"), "{e}");
+    assert!(e.contains("--skip-unlabelled"), "{e}");
+
+    let v1 = tmp.path().join("v1");
+    let both = [
+        "--data",
+        old_s,
+        "--data",
+        new_s,
+        "--cache",
+        cache,
+        "--skip-unlabelled",
+    ];
+    let mut args = both.to_vec();
+    args.extend(["--init-from", v1.to_str().unwrap()]);
+    let (second, log) = fit(&args, &tmp.path().join("v2"));
+    eprintln!("{log}");
+    assert_eq!(second["backbone_runs"], 6, "only the new images: {log}");
+    assert_eq!(second["features_reused"], 61, "{log}");
+    assert_eq!(second["unlabelled_skipped"], 1, "{log}");
+    assert!(
+        log.contains("backbone runs: 6 (61 rows reused from other feature caches"),
+        "{log}"
+    );
+    assert!(log.contains("1 unlabelled rows skipped from csv"), "{log}");
+    assert!(
+        log.contains("init: head from") && log.contains("2 of 2 classes"),
+        "{log}"
+    );
+    assert_eq!(second["init"]["matched"], 2, "{second}");
+    assert_eq!(second["labels"], serde_json::json!(["face", "nonface"]));
+    assert!(second["val_accuracy"].as_f64().unwrap() >= 0.9, "{second}");
+    let params = read_json(&tmp.path().join("v2/params.json"));
+    assert_eq!(params["data"], old_s);
+    assert_eq!(params["more_data"], serde_json::json!([new_s]));
+    assert_eq!(params["source"]["skip_unlabelled"], true);
+    assert_eq!(params["init_from"], v1.to_str().unwrap());
+
+    // The same two tables again: the combined feature cache is hit.
+    let (third, log) = fit(&both, &tmp.path().join("v3"));
+    assert_eq!(third["backbone_runs"], 0, "{log}");
+    assert_eq!(third["features_reused"], 67, "{log}");
+    assert!(log.contains("backbone runs: 0 (cache hit)"), "{log}");
+
+    // A command that reads one table says so.
+    let e = run_fails_text(&[
+        "evaluate",
+        "--run",
+        v1.to_str().unwrap(),
+        "--data",
+        old_s,
+        "--data",
+        new_s,
+    ]);
+    assert!(e.contains("reads one table"), "{e}");
+    // --init-from a directory that is no run.
+    let e = fit_err(&["--data", old_s, "--init-from", cache], cache);
+    assert!(
+        e.contains("--init-from") && e.contains("best.safetensors"),
+        "{e}"
+    );
+}
