@@ -158,6 +158,13 @@ log "v2: fit on the base table plus the captures, export"
 log "roll v2 out with quality gates while the devices serve images of the original classes"
 stop_fleet
 start_fleet --feed "$work/data/held-rest" --feed-rate 10
+for _ in $(seq 120); do # both devices report a window of v1 (the confidence gate's baseline)
+  n=$("$trainer" status --broker "$broker" --quality --json | "$py" -c '
+import json, sys
+print(sum(1 for l in sys.stdin if (json.loads(l).get("window") or {}).get("requests", 0) >= 30))')
+  [ "$n" = 2 ] && break
+  sleep 1
+done
 cat >"$work/plan.toml" <<EOF
 name = "digits-v2"
 [[phases]]

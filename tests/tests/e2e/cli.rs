@@ -8,7 +8,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use kestrel_tests::{run, stdout};
 
 /// Flags whose help text is per command by design: where this command writes, what it prints.
-const PER_COMMAND: [&str; 2] = ["--out", "--json"];
+/// Flags whose meaning is the command's own: what it writes (`--out`), reads (`--from`), prints.
+const PER_COMMAND: [&str; 3] = ["--out", "--from", "--json"];
 
 /// A command's flags with their help text (`[default: ...]` removed, whitespace collapsed).
 fn flags(bin: &str, path: &[&str]) -> BTreeMap<String, String> {

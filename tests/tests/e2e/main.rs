@@ -16,6 +16,7 @@ mod export;
 mod fleet_status;
 mod hardening;
 mod inputs;
+mod learning_loop;
 mod mlflow;
 // Needs the trainer built with `--features kestrel-trainer/mpi` and Open MPI's `mpirun`.
 #[cfg(feature = "mpi")]

@@ -398,7 +398,9 @@ mod tests {
             .collect();
         assert_eq!(replace(&t, &labelled).unwrap(), 2);
         let (mut back, _) = read(&t).unwrap();
+        let mut labelled = labelled;
         back.sort_by(|a, b| a.path.cmp(&b.path));
+        labelled.sort_by(|a, b| a.path.cmp(&b.path));
         assert_eq!(back, labelled, "one live file: the rewrite");
         // The general table reader sees the same rows (labels and content).
         let ds = crate::data::load(&t, &Default::default()).unwrap();

@@ -29,9 +29,9 @@ pub struct Args {
     /// Stop after storing this many new captures.
     #[arg(long, value_name = "N")]
     max: Option<u64>,
-    /// Rows per table commit (also committed every 2 s).
-    #[arg(long, default_value_t = 64)]
-    batch: usize,
+    /// Commit to the table after this many new captures (and at least every 2 s).
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    commit_every: usize,
     /// A JSON summary on stdout at the end.
     #[arg(long)]
     json: bool,
@@ -91,7 +91,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         let due = p
             .since
             .is_some_and(|t| t.elapsed() >= Duration::from_secs(2));
-        if p.rows.len() >= a.batch || due {
+        if p.rows.len() >= a.commit_every || due {
             commit(&a, &feed, &mut p, &mut s)?;
         }
     }
