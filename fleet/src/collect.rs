@@ -34,16 +34,8 @@ impl CaptureFeed {
     pub fn connect(cfg: &BrokerConfig, client_id: &str) -> Result<Self, FleetError> {
         let mut opts = cfg.options(client_id, false)?;
         opts.set_manual_acks(true);
-        let (client, mut conn) = Client::new(opts, 256);
-        let (tx, events) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for ev in conn.iter() {
-                let failed = ev.is_err();
-                if tx.send(ev).is_err() || failed {
-                    break;
-                }
-            }
-        });
+        let (client, conn) = Client::new(opts, 256);
+        let events = crate::conn::forward_events(conn);
         let err = |reason: String| FleetError::Broker {
             url: cfg.url.clone(),
             reason,

@@ -12,6 +12,23 @@ use rumqttc::{Client, Event, Outgoing, Packet, QoS};
 
 use crate::FleetError;
 
+/// The events of a connection, polled by a thread of its own until the receiver is dropped or
+/// the connection fails (reported, not retried).
+pub(crate) fn forward_events(
+    mut conn: rumqttc::Connection,
+) -> Receiver<Result<Event, rumqttc::ConnectionError>> {
+    let (tx, events) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for ev in conn.iter() {
+            let failed = ev.is_err();
+            if tx.send(ev).is_err() || failed {
+                break;
+            }
+        }
+    });
+    events
+}
+
 /// A connected blocking MQTT client. Its connection is driven by a thread of its own that
 /// forwards every event: polling is never cut short by a timeout (a cancelled poll can lose an
 /// acknowledgement, and rumqttd drops clients whose acknowledgements arrive out of order).
@@ -36,16 +53,8 @@ impl Conn {
             now_unix() % 100_000
         );
         let opts = cfg.options(&id, true)?;
-        let (client, mut conn) = Client::new(opts, 512);
-        let (tx, events) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for ev in conn.iter() {
-                let failed = ev.is_err();
-                if tx.send(ev).is_err() || failed {
-                    break; // the Conn is gone, or the connection failed (reported, not retried)
-                }
-            }
-        });
+        let (client, conn) = Client::new(opts, 512);
+        let events = forward_events(conn);
         let c = Self {
             client,
             events,

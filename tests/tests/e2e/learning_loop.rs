@@ -44,5 +44,8 @@ fn one_loop_teaches_the_fleet_the_kind_it_had_not_seen() {
     assert!(f("features_reused") > 0.0, "{r}");
     assert_eq!(r["rollout"], "completed", "{r}");
     let gates = r["gates"].as_array().unwrap();
-    assert!(!gates.is_empty() && gates.iter().all(|g| g["passed"] == true), "{r}");
+    assert!(
+        !gates.is_empty() && gates.iter().all(|g| g["passed"] == true),
+        "{r}"
+    );
 }
