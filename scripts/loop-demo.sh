@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The learning loop, end to end on one machine (issue 17): train v1 on the digits table with only
 # a few examples of two classes (the "new kind" of input: 3 and 8 by default), roll it out to a
-# simulated fleet of two devices, feed the devices images of that kind, capture the ones v1 is
+# simulated fleet of two devices, feed the devices images of that kind among ordinary ones (digits
+# v1 was not trained on), capture the ones v1 is
 # unsure of (`[capture] policy = "low-confidence"`), `trainer collect` them into a Delta table,
 # label them (the demo knows the truth: the images' checksums), retrain v2 on the old table plus
 # the captures (the backbone runs only on images it has not seen), export it and roll it out with
@@ -50,10 +51,12 @@ for cls in sorted(os.listdir(src)):
         p = os.path.join(src, cls, f)
         if i % 10 < 3:                    # 30% held out, never trained on
             put("held-kind" if cls in kind else "held-rest", cls, f, p)
+            if cls not in kind:
+                put("feed-rest", ".", f"{cls}-{f}", p)  # ordinary traffic during the rollout
         elif cls in kind and i % 10 == 3 and i < 40:
             put("base", cls, f, p)         # v1 sees 4 of each
-        elif cls in kind:
-            put("feed-" + "ab"[i % 2], ".", f"{cls}-{f}", p)
+        elif cls in kind or i % 10 in (3, 4):
+            put("feed-" + "ab"[i % 2], ".", f"{cls}-{f}", p)  # the new kind, and ordinary traffic
         else:
             put("base", cls, f, p)
 PY
@@ -61,7 +64,7 @@ PY
 import os, sys
 d = sys.argv[1]
 count = lambda p: sum(len(fs) for _, _, fs in os.walk(os.path.join(d, p)))
-print("  " + ", ".join(f"{p}: {count(p)}" for p in ["base", "feed-a", "feed-b", "held-kind", "held-rest"]))
+print("  " + ", ".join(f"{p}: {count(p)}" for p in ["base", "feed-a", "feed-b", "held-kind", "held-rest", "feed-rest"]))
 PY
 
 keys="$work/keys"
@@ -75,9 +78,11 @@ for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && brea
 # The collector's persistent session exists before any device captures.
 "$trainer" collect --broker "$broker" --out "$work/captures" --until-idle 1 2>/dev/null
 
-log "v1: fit on the base table and export (int8 weights)"
+# f32 artifacts: on these small digits heads the int8-weights form can lose more than the export's
+# 1-point gate (2.8 points on v1's 145 validation images, 2026-12-02), and the loop is about data.
+log "v1: fit on the base table and export (f32)"
 "$trainer" fit --data "$work/data/base" --out "$work/runs/v1" 2>&1 | grep -E "^(samples|features)" | sed 's/^/  /'
-"$trainer" export --run "$work/runs/v1" --out "$work/art/v1" --quantize int8-weights \
+"$trainer" export --run "$work/runs/v1" --out "$work/art/v1" --quantize none \
   --model-name digits --model-version 1 >/dev/null
 
 mkdir -p "$work/fleet"
@@ -94,7 +99,7 @@ period_s = 2
 [capture]
 enabled = true
 policy = "low-confidence"
-min_confidence = 0.9
+min_confidence = 0.97
 max_per_hour = 1000
 EOF
 start_fleet() { # traffic: feed arguments
@@ -129,12 +134,13 @@ print(int(sys.argv[1]) - sum(d["latency"]["count"] for d in s) + sum(d["captures
   [ "$left" -le 0 ] && break
   sleep 1
 done
+log "collect the captures, label them (the truth from the images' checksums)"
+"$trainer" collect --broker "$broker" --out "$work/captures" --until-idle 3 --json >"$work/collect.json"
+# Measured after collecting: the held-out requests are live traffic too, and what they capture
+# must not reach the training table.
 kind_before=$(accuracy "$work/data/held-kind")
 rest_before=$(accuracy "$work/data/held-rest")
 log "v1 on held-out images: new kind $kind_before, original classes $rest_before"
-
-log "collect the captures, label them (the truth from the images' checksums)"
-"$trainer" collect --broker "$broker" --out "$work/captures" --until-idle 3 --json >"$work/collect.json"
 "$trainer" label --table "$work/captures" --export "$work/todo.csv"
 "$py" - "$digits" "$work/todo.csv" "$work/labels.csv" <<'PY'
 import csv, hashlib, os, sys
@@ -152,12 +158,12 @@ PY
 log "v2: fit on the base table plus the captures, export"
 "$trainer" fit --data "$work/data/base" --data "$work/captures" --out "$work/runs/v2" 2>&1 |
   grep -E "^(samples|features)" | sed 's/^/  /'
-"$trainer" export --run "$work/runs/v2" --out "$work/art/v2" --quantize int8-weights \
+"$trainer" export --run "$work/runs/v2" --out "$work/art/v2" --quantize none \
   --model-name digits --model-version 2 >/dev/null
 
 log "roll v2 out with quality gates while the devices serve images of the original classes"
 stop_fleet
-start_fleet --feed "$work/data/held-rest" --feed-rate 10
+start_fleet --feed "$work/data/feed-rest" --feed-rate 10
 for _ in $(seq 120); do # both devices report a window of v1 (the confidence gate's baseline)
   n=$("$trainer" status --broker "$broker" --quality --json | "$py" -c '
 import json, sys
@@ -197,7 +203,7 @@ out = {
     "kind_before": kb, "kind_after": ka, "rest_before": rb, "rest_after": ra,
     "captures": collected["stored"],
     "backbone_runs": summary.get("backbone_runs"), "features_reused": summary.get("features_reused"),
-    "rollout": rollout.get("state"), "gates": rollout.get("gates", []),
+    "rollout": (rollout.get("state") or {}).get("state"), "gates": rollout.get("gates", []),
 }
 print(f"captured and labelled: {out['captures']}; v2's backbone runs: {out['backbone_runs']}, "
       f"reused features: {out['features_reused']}; rollout {out['rollout']}")
