@@ -169,6 +169,16 @@ pub struct LoadedModel {
     pub limits: ImageLimits,
 }
 
+/// The ONNX bytes an engine loads for a verified artifact: an `int8-weights` graph with its
+/// weights dequantized once ([`crate::dequant`]; the download stays int8, the engines run f32
+/// kernels on the same weights), any other form as it is.
+pub fn engine_bytes(onnx: Vec<u8>, m: &Manifest) -> Result<Vec<u8>, ArtifactError> {
+    if m.quantization.form == "int8-weights" {
+        return Ok(crate::dequant::dequantize_weights(&onnx)?.0);
+    }
+    Ok(onnx)
+}
+
 impl LoadedModel {
     /// Verifies the device files, builds the engine's plan and runs the golden samples on it.
     pub fn load(
@@ -181,6 +191,7 @@ impl LoadedModel {
         verify_device_files(dir, &manifest, max_bytes)?;
         let onnx = dir.join("model.onnx");
         let bytes = std::fs::read(&onnx).map_err(|e| io(&onnx, e))?;
+        let bytes = engine_bytes(bytes, &manifest)?;
         let shape: Vec<usize> = manifest.input.shape[1..]
             .iter()
             .map(|d| d.as_u64().unwrap_or(0) as usize)

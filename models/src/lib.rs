@@ -6,6 +6,7 @@
 
 pub mod arch;
 pub mod artifact;
+pub mod dequant;
 pub mod engine;
 pub mod onnx;
 pub mod quant;

@@ -36,6 +36,7 @@ fn load_model(
         model.to_path_buf()
     };
     let bytes = std::fs::read(&onnx_path).map_err(ExportError::io(&onnx_path))?;
+    let bytes = kestrel_models::artifact::engine_bytes(bytes, &m)?;
     let input_shape: Vec<usize> = m.input.shape[1..]
         .iter()
         .map(|d| d.as_u64().unwrap_or(0) as usize)
