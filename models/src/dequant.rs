@@ -33,7 +33,12 @@ pub fn dequantize_weights(bytes: &[u8]) -> Result<(Vec<u8>, usize), EngineError>
     let (mut folded, mut kept) = (Vec::new(), Vec::new());
     for node in std::mem::take(&mut graph.node) {
         let consts: Option<Vec<&TensorProto>> = (node.op_type == "DequantizeLinear")
-            .then(|| node.input.iter().map(|n| index.get(n).map(|&i| &graph.initializer[i])).collect())
+            .then(|| {
+                node.input
+                    .iter()
+                    .map(|n| index.get(n).map(|&i| &graph.initializer[i]))
+                    .collect()
+            })
             .flatten();
         match consts {
             Some(inputs) if node.output.len() == 1 => folded.push(fold(&node, &inputs)?),
@@ -59,8 +64,10 @@ pub fn dequantize_weights(bytes: &[u8]) -> Result<(Vec<u8>, usize), EngineError>
 /// after its output.
 fn fold(node: &NodeProto, inputs: &[&TensorProto]) -> Result<TensorProto, EngineError> {
     let name = &node.output[0];
-    let q = ints(inputs[0]).ok_or_else(|| bad(format!("{name}: weights are not int8/uint8 raw data")))?;
-    let scale = floats(inputs.get(1).copied()).ok_or_else(|| bad(format!("{name}: no f32 scale")))?;
+    let q = ints(inputs[0])
+        .ok_or_else(|| bad(format!("{name}: weights are not int8/uint8 raw data")))?;
+    let scale =
+        floats(inputs.get(1).copied()).ok_or_else(|| bad(format!("{name}: no f32 scale")))?;
     let zp = match inputs.get(2) {
         Some(t) => ints(t).ok_or_else(|| bad(format!("{name}: zero point not int8/uint8")))?,
         None => vec![0; scale.len()],
@@ -71,15 +78,24 @@ fn fold(node: &NodeProto, inputs: &[&TensorProto]) -> Result<TensorProto, Engine
         .iter()
         .find(|a| a.name == "axis")
         .map_or(1, |a| a.i);
-    let axis = if axis < 0 { axis + dims.len() as i64 } else { axis } as usize;
+    let axis = if axis < 0 {
+        axis + dims.len() as i64
+    } else {
+        axis
+    } as usize;
     let (channels, inner) = if scale.len() == 1 {
         (1, q.len().max(1))
     } else {
-        let c = *dims.get(axis).ok_or_else(|| bad(format!("{name}: axis {axis} out of range")))?;
+        let c = *dims
+            .get(axis)
+            .ok_or_else(|| bad(format!("{name}: axis {axis} out of range")))?;
         (c, dims[axis + 1..].iter().product::<usize>())
     };
-    if scale.len() != channels || zp.len() != channels || q.len() != dims.iter().product::<usize>() {
-        return Err(bad(format!("{name}: scale/zero point/weight sizes disagree")));
+    if scale.len() != channels || zp.len() != channels || q.len() != dims.iter().product::<usize>()
+    {
+        return Err(bad(format!(
+            "{name}: scale/zero point/weight sizes disagree"
+        )));
     }
     let data: Vec<f32> = q
         .iter()
@@ -140,7 +156,13 @@ mod tests {
         let mut g = GraphBuilder::default();
         let wn = quant.weight(&mut g, "fc.weight", w);
         let b = g.initializer(crate::onnx::f32_tensor("fc.bias", &[3], &[0.5, -1.0, 2.0]));
-        g.node("Gemm", "fc", &["x", &wn, &b], vec![attr_int("transB", 1)], Some("y"));
+        g.node(
+            "Gemm",
+            "fc",
+            &["x", &wn, &b],
+            vec![attr_int("transB", 1)],
+            Some("y"),
+        );
         let graph = GraphProto {
             name: "t".into(),
             node: g.nodes,
@@ -156,7 +178,9 @@ mod tests {
     fn folded_weights_give_the_operator_s_values() {
         let w = Tensor::new(
             vec![3, 4],
-            (0..12).map(|i| (i as f32 * 0.37).sin() * (i as f32 + 1.0)).collect(),
+            (0..12)
+                .map(|i| (i as f32 * 0.37).sin() * (i as f32 + 1.0))
+                .collect(),
         );
         let q = gemm(&Quant::Weights, &w);
         let (f, n) = dequantize_weights(&q).unwrap();
@@ -164,9 +188,19 @@ mod tests {
         let m = ModelProto::decode(f.as_slice()).unwrap();
         let g = m.graph.unwrap();
         assert!(g.node.iter().all(|n| n.op_type != "DequantizeLinear"));
-        assert_eq!(g.initializer.len(), 2, "the int8 weight, scale and zero point are gone");
+        assert_eq!(
+            g.initializer.len(),
+            2,
+            "the int8 weight, scale and zero point are gone"
+        );
         let x = Tensor::new(vec![1, 4], vec![1.0, -2.0, 0.25, 3.0]);
-        let run = |b: &[u8]| TractEngine::from_onnx(b, vec![4], 1).unwrap().run(&x).unwrap().data;
+        let run = |b: &[u8]| {
+            TractEngine::from_onnx(b, vec![4], 1)
+                .unwrap()
+                .run(&x)
+                .unwrap()
+                .data
+        };
         assert_eq!(run(&q), run(&f), "the same f32 weights");
         let exact = run(&gemm(&Quant::None, &w));
         assert!(run(&f).iter().zip(&exact).all(|(a, b)| (a - b).abs() < 0.1));
