@@ -14,7 +14,8 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
-"$here/setup.sh"
+# KESTREL_SKIP_SETUP=1: the caller (the e2e test) has set up and built everything already.
+[ "${KESTREL_SKIP_SETUP:-0}" = 1 ] || "$here/setup.sh"
 json=0
 [ "${1:-}" = "--json" ] && json=1
 trainer="$KESTREL_BIN/trainer"

@@ -20,6 +20,7 @@ fn one_loop_teaches_the_fleet_the_kind_it_had_not_seen() {
         .arg(&script)
         .arg("--json")
         .env("KESTREL_LOOP_DIR", tmp.path().join("loop"))
+        .env("KESTREL_SKIP_SETUP", "1")
         .output()
         .unwrap();
     let (out, err) = (
