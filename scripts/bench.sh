@@ -146,14 +146,14 @@ echo
 echo "# Edge over MQTT: embedded rumqttd, one agent (tract, 1 thread), the int8-weights LFW artifact above"
 pids=()
 trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"' EXIT
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(free_port)
 broker="mqtt://127.0.0.1:$port"
 "$trainer" broker --listen "127.0.0.1:$port" 2>/dev/null & pids+=($!)
 "$trainer" keygen --out "$work/keys" >/dev/null
 mkdir -p "$work/agent"
 printf 'device_id = "bench-pi"\nstore = "store"\ntrusted_keys = ["%s"]\n[broker]\nurl = "%s"\n' \
   "$work/keys/kestrel.pub" "$broker" > "$work/agent/agent.toml"
-for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+wait_port "$port"
 "$KESTREL_BIN/edge-agent" run --config "$work/agent/agent.toml" 2>/dev/null & pids+=($!)
 start=$(date +%s.%N)
 "$trainer" publish --broker "$broker" --artifact "$work/art-int8-weights" --key "$work/keys/kestrel.key" \
@@ -200,12 +200,12 @@ cat "$work/quality.txt"
 
 echo
 echo "# Fleet rollout: 100 simulated devices (one process, one connection each) on Mosquitto, 3 phases (5%, 50%, 100%)"
-mport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+mport=$(free_port)
 mkdir -p "$work/mosq" "$work/fleet"
 printf 'listener %s 127.0.0.1\nallow_anonymous true\npersistence false\nuser root\nmax_queued_messages 10000\n' "$mport" > "$work/mosq/m.conf"
 mosquitto=$(command -v mosquitto || echo /usr/sbin/mosquitto)
 "$mosquitto" -c "$work/mosq/m.conf" 2>/dev/null & pids+=($!)
-for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$mport") 2>/dev/null && break; sleep 0.1; done
+wait_port "$mport"
 printf 'device_id = "sim"\nstore = "store"\ntrusted_keys = ["%s"]\n[broker]\nurl = "mqtt://127.0.0.1:%s"\n' \
   "$work/keys/kestrel.pub" "$mport" > "$work/fleet/agent.toml"
 "$KESTREL_BIN/edge-agent" run --config "$work/fleet/agent.toml" --simulate 100 2>/dev/null & pids+=($!)

@@ -38,13 +38,13 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(free_port)
 broker="mqtt://127.0.0.1:$port"
 
 log "start the embedded broker (rumqttd) on $broker"
 "$trainer" broker --listen "127.0.0.1:$port" 2>"$work/broker.log" &
 pids+=($!)
-for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+wait_port "$port"
 
 log "start an edge agent (device demo-pi, trusts $keys/kestrel.pub)"
 cat >"$work/agent.toml" <<EOF

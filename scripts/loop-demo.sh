@@ -70,12 +70,12 @@ PY
 
 keys="$work/keys"
 [ -f "$keys/kestrel.key" ] || "$trainer" keygen --out "$keys" >/dev/null
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(free_port)
 broker="mqtt://127.0.0.1:$port"
 log "start the embedded broker on $broker"
 "$trainer" broker --listen "127.0.0.1:$port" 2>"$work/broker.log" &
 pids+=($!)
-for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+wait_port "$port"
 # The collector's persistent session exists before any device captures.
 "$trainer" collect --broker "$broker" --out "$work/captures" --until-idle 1 2>/dev/null
 
