@@ -7,7 +7,8 @@
 //! Here: the journal, status, actions and message dispatch; [`wanted`]: desired states and key
 //! lists; [`download`]: offers and chunks; [`lifecycle`]: start, serve, stop, the inference
 //! workers and fed traffic; [`quality`]: telemetry over live requests; [`shadow`]: a candidate
-//! model run beside the active one.
+//! model run beside the active one; [`capture`]: inputs kept for training; [`publish`]: the
+//! outbox and the capture queue on the wire.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -38,6 +39,7 @@ use crate::update::{Action, Event, Phase, Report, Updater};
 mod capture;
 mod download;
 mod lifecycle;
+mod publish;
 mod quality;
 mod shadow;
 mod wanted;
@@ -560,68 +562,6 @@ impl Agent {
         } else {
             Ok(())
         }
-    }
-
-    /// Publishes the next message of the outbox and of the capture queue (within its upload
-    /// cap), each with one in flight. Only one publish at a time waits for its packet id, so
-    /// the client's `Outgoing::Publish(pkid)` belongs to it.
-    async fn flush(&mut self) {
-        if !self.connected {
-            return;
-        }
-        let capture_waits = self
-            .captures
-            .as_ref()
-            .is_some_and(|c| c.outbox.awaits_pkid());
-        if !capture_waits && let Some(m) = self.outbox.next().cloned() {
-            self.publish(m).await;
-        }
-        if let Some(c) = self.captures.as_mut()
-            && !self.outbox.awaits_pkid()
-            && c.may_send()
-            && let Some(m) = c.outbox.next().cloned()
-        {
-            self.publish(m).await;
-        }
-    }
-
-    async fn publish(&self, m: Message) {
-        if let Err(e) = self
-            .client
-            .publish(m.topic, QoS::AtLeastOnce, m.retain, m.payload)
-            .await
-        {
-            eprintln!("error: publish: {e}");
-        }
-    }
-
-    /// The packet id of a publish (a resent one keeps its id: never given to the other queue).
-    fn on_sent(&mut self, pkid: u16) {
-        let captures = self.captures.as_mut().map(|c| &mut c.outbox);
-        let capture_id = captures.as_ref().and_then(|o| o.in_flight_pkid());
-        if self.outbox.awaits_pkid() && capture_id != Some(pkid) {
-            self.outbox.sent(pkid);
-        } else if let Some(o) = captures
-            && o.awaits_pkid()
-            && self.outbox.in_flight_pkid() != Some(pkid)
-        {
-            o.sent(pkid);
-        }
-    }
-
-    fn on_acked(&mut self, pkid: u16) -> Result<()> {
-        if self.outbox.acked(pkid)? {
-            return Ok(());
-        }
-        if let Some(c) = self.captures.as_mut()
-            && c.outbox.acked(pkid)?
-        {
-            if let Err(e) = c.sent() {
-                eprintln!("{}: captures: {e}", self.cfg.device_id);
-            }
-            self.status_dirty = true;
-        }
-        Ok(())
     }
 
     async fn on_mqtt(&mut self, ev: MqttEvent) -> Result<()> {

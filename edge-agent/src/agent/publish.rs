@@ -1,0 +1,73 @@
+//! Publishing: the outbox (events, results, status) and the capture queue, each with one message
+//! in flight, share one MQTT client; only one of their publishes waits for its packet id at a
+//! time, so every `Outgoing::Publish(pkid)` and PUBACK is matched to its queue.
+
+use anyhow::Result;
+use rumqttc::QoS;
+
+use super::Agent;
+use crate::outbox::Message;
+
+impl Agent {
+    /// Publishes the next message of the outbox and of the capture queue (within its upload
+    /// cap), each with one in flight. Only one publish at a time waits for its packet id, so
+    /// the client's `Outgoing::Publish(pkid)` belongs to it.
+    pub(super) async fn flush(&mut self) {
+        if !self.connected {
+            return;
+        }
+        let capture_waits = self
+            .captures
+            .as_ref()
+            .is_some_and(|c| c.outbox.awaits_pkid());
+        if !capture_waits && let Some(m) = self.outbox.next().cloned() {
+            self.publish(m).await;
+        }
+        if let Some(c) = self.captures.as_mut()
+            && !self.outbox.awaits_pkid()
+            && c.may_send()
+            && let Some(m) = c.outbox.next().cloned()
+        {
+            self.publish(m).await;
+        }
+    }
+
+    async fn publish(&self, m: Message) {
+        if let Err(e) = self
+            .client
+            .publish(m.topic, QoS::AtLeastOnce, m.retain, m.payload)
+            .await
+        {
+            eprintln!("error: publish: {e}");
+        }
+    }
+
+    /// The packet id of a publish (a resent one keeps its id: never given to the other queue).
+    pub(super) fn on_sent(&mut self, pkid: u16) {
+        let captures = self.captures.as_mut().map(|c| &mut c.outbox);
+        let capture_id = captures.as_ref().and_then(|o| o.in_flight_pkid());
+        if self.outbox.awaits_pkid() && capture_id != Some(pkid) {
+            self.outbox.sent(pkid);
+        } else if let Some(o) = captures
+            && o.awaits_pkid()
+            && self.outbox.in_flight_pkid() != Some(pkid)
+        {
+            o.sent(pkid);
+        }
+    }
+
+    pub(super) fn on_acked(&mut self, pkid: u16) -> Result<()> {
+        if self.outbox.acked(pkid)? {
+            return Ok(());
+        }
+        if let Some(c) = self.captures.as_mut()
+            && c.outbox.acked(pkid)?
+        {
+            if let Err(e) = c.sent() {
+                eprintln!("{}: captures: {e}", self.cfg.device_id);
+            }
+            self.status_dirty = true;
+        }
+        Ok(())
+    }
+}
