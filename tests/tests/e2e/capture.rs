@@ -11,7 +11,7 @@ use kestrel_shared::protocol::Class;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, agent_config, fixture, publish_ok, start_agent_with, wait_status,
 };
-use kestrel_tests::{lfw, python, run, s, stderr, stdout};
+use kestrel_tests::{lfw, python, run, run_fails, run_ok, s, stderr, stdout};
 use serde_json::Value;
 
 /// `trainer collect ... --json` as a user types it.
@@ -171,7 +171,57 @@ fn limits_hold_and_nothing_is_stored_twice(kind: BrokerKind) {
         "all acknowledged"
     );
     assert_eq!(python_rows(&table), (kept + 1, kept + 1));
+    labels_go_in_or_are_refused(&table, &dir, kept + 1);
     drop(agent);
+}
+
+/// `trainer label` as a user types it: `--export` lists every unlabelled row with its image; a
+/// label that is no class, or a path that is no row, is refused and nothing changes; the
+/// exported CSV with its label column filled in labels every row.
+fn labels_go_in_or_are_refused(table: &Path, dir: &Path, rows: u64) {
+    let t = s(table);
+    let todo = dir.join("todo.csv");
+    run_ok("trainer", &["label", "--table", &t, "--export", &s(&todo)]);
+    let text = std::fs::read_to_string(&todo).unwrap();
+    let lines: Vec<&str> = text.lines().skip(1).collect();
+    assert_eq!(lines.len() as u64, rows, "{text}");
+    let first = lines[0].split(',').collect::<Vec<_>>();
+    assert!(
+        dir.join(first[1]).is_file(),
+        "the image beside the CSV: {}",
+        first[1]
+    );
+    let bad = dir.join("bad.csv");
+    std::fs::write(&bad, format!("path,label\n{},zebra\n", first[0])).unwrap();
+    let e = stderr(&run_fails(
+        "trainer",
+        &["label", "--table", &t, "--from", &s(&bad)],
+    ));
+    assert!(e.contains("zebra") && e.contains("--add-classes"), "{e}");
+    std::fs::write(&bad, "path,label\nnobody/1-1,face\n").unwrap();
+    let e = stderr(&run_fails(
+        "trainer",
+        &["label", "--table", &t, "--from", &s(&bad)],
+    ));
+    assert!(e.contains("no row `nobody/1-1`"), "{e}");
+    let filled: String = std::iter::once("path,label".to_string())
+        .chain(
+            lines
+                .iter()
+                .map(|l| format!("{},face", l.split(',').next().unwrap())),
+        )
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(&bad, filled).unwrap();
+    let o = run_ok(
+        "trainer",
+        &["label", "--table", &t, "--from", &s(&bad), "--json"],
+    );
+    let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(
+        (v["labelled"].as_u64(), v["unlabelled"].as_u64()),
+        (Some(rows), Some(0))
+    );
 }
 
 #[test]
