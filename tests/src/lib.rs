@@ -149,7 +149,13 @@ pub fn read_jsonl(path: &Path) -> Vec<Value> {
 }
 
 /// Runs `code` in the venv's Python (`python -c CODE ARGS...`), which must succeed.
+///
+/// The script leaves through `os._exit(0)` once its output is flushed: pyarrow and delta-rs
+/// sometimes abort in interpreter shutdown (`terminate called without an active exception`,
+/// apache/arrow#34314, delta-rs#2184) after all their work is done, which CI saw once here.
 pub fn python<S: AsRef<OsStr>>(code: &str, args: &[S]) -> Output {
+    let code =
+        format!("{code}\nimport os, sys\nsys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n");
     let o = Command::new(fetched("venv/bin/python"))
         .arg("-c")
         .arg(code)
