@@ -31,11 +31,12 @@ def main():
                    help="batch-1 inference time of the first image (preprocessed once), in ms")
     p.add_argument("--all", action="store_true",
                    help="process every image once in batches (extraction time) instead of timed rounds")
-    p.add_argument("images", nargs="+", help="image files, or directories searched recursively for *.png")
+    p.add_argument("images", nargs="+", help="image files, or directories searched recursively for *.png and *.jpg")
     a = p.parse_args()
     files = []
     for x in a.images:
-        files += sorted(glob.glob(os.path.join(x, "**", "*.png"), recursive=True)) if os.path.isdir(x) else [x]
+        files += sorted(f for e in ("png", "jpg") for f in glob.glob(os.path.join(x, "**", "*." + e), recursive=True)) \
+            if os.path.isdir(x) else [x]
     a.images = files
     so = ort.SessionOptions()
     so.intra_op_num_threads = a.threads

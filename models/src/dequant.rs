@@ -154,7 +154,7 @@ mod tests {
     /// `y = x W^T + b` with W behind int8 weights (`Quant::Weights`).
     fn gemm(quant: &Quant, w: &Tensor) -> Vec<u8> {
         let mut g = GraphBuilder::default();
-        let wn = quant.weight(&mut g, "fc.weight", w);
+        let wn = quant.weight(&mut g, "fc", "fc.weight", w);
         let b = g.initializer(crate::onnx::f32_tensor("fc.bias", &[3], &[0.5, -1.0, 2.0]));
         g.node(
             "Gemm",

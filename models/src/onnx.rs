@@ -209,9 +209,12 @@ pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProt
     let mut folded = convs[first_conv..].iter();
     for block in &net.blocks[opts.blocks.clone()] {
         let block_in = x.clone();
+        // The block's input as its first conv reads it (quantized in static int8): the residual
+        // Add reads the same, so ONNX Runtime fuses it into an integer Add.
+        let mut block_in_q = None;
         for c in &block.convs {
             let f = folded.next().expect("one folded conv per conv");
-            let w = q.weight(&mut g, &c.weight_name(), &f.weight);
+            let w = q.weight(&mut g, &c.name, &c.weight_name(), &f.weight);
             let b = g.initializer(f32_tensor(
                 &format!("{}.conv.bias", c.name),
                 &[c.cout],
@@ -228,17 +231,24 @@ pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProt
             ];
             let xin = q.activation(&mut g, &c.name, &x);
             probe(&mut g, &mut probes, &c.name, &xin);
+            block_in_q.get_or_insert_with(|| xin.clone());
             x = g.node("Conv", &c.name, &[&xin, &w, &b], attrs, None);
             if c.relu6 {
                 x = g.node("Clip", &c.name, &[&x, &lo, &hi], vec![], None);
             }
         }
         if block.residual {
-            x = g.node("Add", &block.name, &[&block_in, &x], vec![], None);
+            let key = format!("{}.residual", block.name);
+            let y = q.activation(&mut g, &key, &x);
+            probe(&mut g, &mut probes, &key, &y);
+            let a = block_in_q.unwrap_or(block_in);
+            x = g.node("Add", &block.name, &[&a, &y], vec![], None);
         }
     }
     if opts.pool {
-        x = g.node("GlobalAveragePool", "pool", &[&x], vec![], None);
+        let xin = q.activation(&mut g, "pool", &x);
+        probe(&mut g, &mut probes, "pool", &xin);
+        x = g.node("GlobalAveragePool", "pool", &[&xin], vec![], None);
         x = g.node("Flatten", "pool", &[&x], vec![attr_int("axis", 1)], None);
     }
     let mut extra = Vec::new();
@@ -247,7 +257,7 @@ pub fn lower(net: &Network, convs: &[FoldedConv], opts: &LowerOpts) -> ModelProt
         extra.push(value_info(name, &[net.feature_dim]));
     }
     if let Some(l) = &opts.classifier {
-        let w = q.weight(&mut g, "classifier.weight", &l.weight);
+        let w = q.weight(&mut g, "classifier", "classifier.weight", &l.weight);
         let b = g.initializer(f32_tensor("classifier.bias", &[l.bias.len()], &l.bias));
         let xin = q.activation(&mut g, "classifier", &x);
         probe(&mut g, &mut probes, "classifier", &xin);

@@ -2,8 +2,11 @@
 //! - weights: int8, symmetric, per output channel, stored as int8 initializers behind
 //!   `DequantizeLinear(axis=0)` (activations stay float; ~4x smaller, same speed in tract);
 //! - activations (static int8): uint8, asymmetric, per tensor, a `QuantizeLinear → DequantizeLinear`
-//!   pair on the input of every Conv and Gemm, with ranges calibrated on training samples (the QDQ
-//!   form that ONNX Runtime fuses into integer kernels and tract executes as written).
+//!   pair on the input of every Conv and Gemm, on both inputs of every residual Add and on the
+//!   pooling's input, with ranges calibrated on training samples: the QDQ form that ONNX Runtime
+//!   fuses into integer kernels end to end (QLinearConv, QLinearAdd, QLinearGlobalAveragePool,
+//!   QGemm: a quantized tensor stays quantized from one layer to the next) and tract executes as
+//!   written, in float.
 //!
 //! Softmax never appears (graphs output logits), which keeps clear of tract's Q/DQ-after-Softmax bug.
 
@@ -28,18 +31,21 @@ pub enum Quant {
 
 /// Symmetric per-output-channel int8 quantization of a weight `[out, ...]`: `w ≈ q * scale[out]`.
 pub fn quantize_per_channel(t: &Tensor) -> (Vec<i8>, Vec<f32>) {
+    quantize_per_channel_to(t, 127)
+}
+
+/// [`quantize_per_channel`] onto `-qmax..=qmax`.
+pub fn quantize_per_channel_to(t: &Tensor, qmax: i8) -> (Vec<i8>, Vec<f32>) {
+    let qmax = f32::from(qmax);
     let out = t.shape[0];
     let per = t.numel() / out;
     let mut q = Vec::with_capacity(t.numel());
     let mut scales = Vec::with_capacity(out);
     for row in t.data.chunks(per) {
         let max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let s = if max > 0.0 { max / 127.0 } else { 1.0 };
+        let s = if max > 0.0 { max / qmax } else { 1.0 };
         scales.push(s);
-        q.extend(
-            row.iter()
-                .map(|v| (v / s).round().clamp(-127.0, 127.0) as i8),
-        );
+        q.extend(row.iter().map(|v| (v / s).round().clamp(-qmax, qmax) as i8));
     }
     (q, scales)
 }
@@ -62,24 +68,39 @@ fn typed_tensor(name: &str, dims: &[usize], dt: DataType, raw: Vec<u8>) -> Tenso
 }
 
 impl Quant {
-    /// Adds weight `w` (named `name`) and returns the tensor name a Conv/Gemm should read.
-    pub fn weight(&self, g: &mut GraphBuilder, name: &str, w: &Tensor) -> String {
+    /// The weights' integer range `-qmax..=qmax`. Static int8 uses 7 bits (ONNX Runtime's
+    /// `reduce_range`): its uint8 x int8 kernels on x86 without VNNI add pairs of products in
+    /// saturating int16 (`vpmaddubsw`), and 255 x 63 x 2 stays below 32767 where 255 x 127 x 2
+    /// does not (digits lost 1.1 points to that saturation with 8-bit weights, AVX2 EPYC,
+    /// 2026-12-01). The int8-weights form is dequantized before it runs and keeps 8 bits.
+    pub fn weight_max(&self) -> i8 {
         match self {
-            Quant::None => g.initializer(f32_tensor(name, &w.shape, &w.data)),
-            Quant::Weights | Quant::Static(_) => {
-                let (q, scales) = quantize_per_channel(w);
-                // Static int8 stores the same values as uint8 with zero point 128, so ONNX Runtime
-                // runs its uint8 x uint8 integer kernels: on x86 without VNNI its uint8 x int8
-                // ones add pairs of products in saturating int16, and digits lost 1.1 points
-                // that way (AVX2 EPYC, 2026-12-01). Dequantized, both are q * scale.
-                let (dt, raw, zp) = match self {
-                    Quant::Static(_) => (
-                        DataType::Uint8,
-                        q.iter().map(|v| (*v as i16 + 128) as u8).collect(),
-                        128u8,
-                    ),
-                    _ => (DataType::Int8, q.iter().map(|v| *v as u8).collect(), 0u8),
-                };
+            Quant::Static(_) => 63,
+            _ => 127,
+        }
+    }
+
+    /// Whether layer `layer`'s weights are int8 in this form.
+    pub fn quantizes_weights(&self, layer: &str) -> bool {
+        match self {
+            Quant::None => false,
+            Quant::Weights => true,
+            Quant::Static(ranges) => ranges.contains_key(layer),
+        }
+    }
+
+    /// Adds the weight `w` (named `name`) of layer `layer` and returns the tensor name its
+    /// Conv/Gemm should read. In static int8, a layer kept with float activations keeps f32
+    /// weights: int8 ones there would be dequantized on every run (ONNX Runtime keeps constant
+    /// `DequantizeLinear`s unfolded for its QDQ fusions) for a few kilobytes saved.
+    pub fn weight(&self, g: &mut GraphBuilder, layer: &str, name: &str, w: &Tensor) -> String {
+        match self {
+            _ if !self.quantizes_weights(layer) => {
+                g.initializer(f32_tensor(name, &w.shape, &w.data))
+            }
+            _ => {
+                let (q, scales) = quantize_per_channel_to(w, self.weight_max());
+                let (dt, raw, zp) = (DataType::Int8, q.iter().map(|v| *v as u8).collect(), 0u8);
                 let qn = g.initializer(typed_tensor(&format!("{name}.int8"), &w.shape, dt, raw));
                 let s = g.initializer(f32_tensor(
                     &format!("{name}.scale"),
@@ -131,7 +152,7 @@ impl Quant {
         match self {
             Quant::None => vec![],
             Quant::Weights => vec!["Conv (weights)".into(), "Gemm (weights)".into()],
-            Quant::Static(_) => vec!["Conv".into(), "Gemm".into()],
+            Quant::Static(_) => vec!["Conv".into(), "Gemm".into(), "Add (residual)".into()],
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod mqtt;
 pub mod preprocess;
 pub mod protocol;
 pub mod quality;
+pub mod resize;
 pub mod signing;
 pub mod time;
 

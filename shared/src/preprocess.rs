@@ -345,7 +345,14 @@ impl PreprocessSpec {
     /// Caches store these (4x smaller than the f32 tensor); [`Self::normalize`] finishes the job.
     pub fn to_pixels(&self, img: &DynamicImage) -> Result<RgbImage, PreprocessError> {
         self.validate()?;
-        let rgb = self.to_rgb8(img);
+        let converted;
+        let rgb = match (img, self.alpha) {
+            (DynamicImage::ImageRgb8(rgb), _) => rgb,
+            _ => {
+                converted = self.to_rgb8(img);
+                &converted
+            }
+        };
         let [h, w] = self.input_size;
         let (rw, rh) = match self.resize {
             Resize::ShorterSide(s) => {
@@ -364,16 +371,22 @@ impl PreprocessSpec {
             Crop::Center => (rw.max(w), rh.max(h)),
             Crop::None => (rw, rh),
         };
-        let resized = if (rw, rh) == (rgb.width(), rgb.height()) {
-            rgb
-        } else {
-            image::imageops::resize(&rgb, rw, rh, self.filter.into())
+        // The window of the resized image the crop keeps.
+        let window = match self.crop {
+            Crop::Center => ((rw - w) / 2, (rh - h) / 2, w, h),
+            Crop::None => (0, 0, rw, rh),
         };
-        Ok(match self.crop {
-            Crop::Center if (rw, rh) != (w, h) => {
-                image::imageops::crop_imm(&resized, (rw - w) / 2, (rh - h) / 2, w, h).to_image()
-            }
-            _ => resized,
+        if (rw, rh) != (rgb.width(), rgb.height()) && self.filter == Filter::Bilinear {
+            return Ok(crate::resize::triangle_rgb8_window(rgb, (rw, rh), window));
+        }
+        let resized = if (rw, rh) == (rgb.width(), rgb.height()) {
+            rgb.clone()
+        } else {
+            image::imageops::resize(rgb, rw, rh, self.filter.into())
+        };
+        Ok(match window {
+            (0, 0, ..) if (rw, rh) == (w, h) => resized,
+            (x, y, w, h) => image::imageops::crop_imm(&resized, x, y, w, h).to_image(),
         })
     }
 

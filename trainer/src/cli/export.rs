@@ -33,9 +33,9 @@ pub struct Args {
     /// quantized forms).
     #[arg(long, default_value_t = 200)]
     calibration: usize,
-    /// Static int8 only: keep float activations in the stem and this many leading blocks
-    /// (their weights stay int8); the layers nearest the input are the most sensitive.
-    #[arg(long, default_value_t = 2)]
+    /// Static int8 only: keep float activations (and f32 weights) in the stem and this many
+    /// leading blocks; the layers nearest the input are the most sensitive to quantization.
+    #[arg(long, default_value_t = 1)]
     float_blocks: usize,
     /// Precision of model.safetensors: f32 | f16.
     #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]

@@ -7,7 +7,8 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use image::RgbImage;
-use kestrel_shared::{ImageLimits, PreprocessSpec, preprocess::decode};
+use kestrel_shared::{ImageLimits, PreprocessError, PreprocessSpec, preprocess::decode};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -65,13 +66,42 @@ fn canonical_order(ds: &Dataset, spec: &PreprocessSpec) -> (String, Vec<(usize, 
     (hex::encode(h.finalize()), order)
 }
 
+/// Decodes and preprocesses the samples of `order` (to `input_size` RGB8 pixels) on `threads`
+/// threads, with a progress bar; results in `order`.
+fn decode_all(
+    ds: &Dataset,
+    spec: &PreprocessSpec,
+    order: &[(usize, String)],
+    threads: usize,
+) -> Vec<Result<Vec<u8>, PreprocessError>> {
+    let limits = ImageLimits::default();
+    let pb = progress(order.len() as u64, "decoding");
+    let one = |&(i, _): &(usize, String)| {
+        let s = &ds.samples[i];
+        let px = decode(&s.bytes, &s.id, &limits).and_then(|img| spec.to_pixels(&img));
+        pb.inc(1);
+        px.map(RgbImage::into_raw)
+    };
+    let out = match rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .build()
+    {
+        Ok(pool) => pool.install(|| order.par_iter().map(one).collect()),
+        Err(_) => order.iter().map(one).collect(),
+    };
+    pb.finish_and_clear();
+    out
+}
+
 impl Prepared {
-    /// Opens the cache for `ds` under `root`, building it (or re-sharding it) when needed.
+    /// Opens the cache for `ds` under `root`, building it (or re-sharding it) when needed; a
+    /// build decodes on `threads` threads.
     pub fn open_or_build(
         root: &Path,
         ds: &Dataset,
         spec: &PreprocessSpec,
         workers: usize,
+        threads: usize,
         skip_invalid: bool,
     ) -> Result<Prepared, CacheError> {
         let (key, order) = canonical_order(ds, spec);
@@ -101,17 +131,15 @@ impl Prepared {
             };
             return Self::write(p.dir, meta, &pixels, true);
         }
-        let limits = ImageLimits::default();
-        let pb = progress(ds.samples.len() as u64, "decoding");
+        let decoded = decode_all(ds, spec, &order, threads);
         let mut pixels = Vec::with_capacity(ds.samples.len());
         let (mut ids, mut labels, mut content, mut skipped) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (i, sha) in order {
+        for ((i, sha), px) in order.into_iter().zip(decoded) {
             let s = &ds.samples[i];
-            pb.inc(1);
-            match decode(&s.bytes, &s.id, &limits).and_then(|img| spec.to_pixels(&img)) {
+            match px {
                 Ok(px) => {
-                    pixels.push(px.into_raw());
+                    pixels.push(px);
                     ids.push(s.id.clone());
                     labels.push(s.label);
                     content.push(sha);
@@ -120,7 +148,6 @@ impl Prepared {
                 Err(e) => return Err(CacheError::Invalid(e)),
             }
         }
-        pb.finish_and_clear();
         if pixels.is_empty() {
             return Err(CacheError::Empty(ds.source.clone()));
         }

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use kestrel_models::Tensor;
 use kestrel_models::engine::TractEngine;
 use kestrel_models::onnx::{self, Linear, LowerOpts};
-use kestrel_models::quant::{Quant, quantize_per_channel};
+use kestrel_models::quant::{Quant, quantize_per_channel_to};
 use kestrel_models::weights::FoldedConv;
 
 use super::trained::Trained;
@@ -61,7 +61,13 @@ pub(super) fn quantize(
     };
     let (mut qf, mut qh) = (folded.clone(), head.clone());
     let qcal = calibrate(&run.pp, &qf, &qh, &quant, &samples)?;
-    bias_correct(run.net(), (folded, head), (&mut qf, &mut qh), &qcal.means);
+    bias_correct(
+        run.net(),
+        (folded, head),
+        (&mut qf, &mut qh),
+        &qcal.means,
+        &quant,
+    );
     Ok(Quantized {
         quant,
         folded: qf,
@@ -163,9 +169,9 @@ fn channel_dot(w: &Tensor, groups: usize, mean: &[f64]) -> Vec<f64> {
         .collect()
 }
 
-/// The int8 weights as the graph dequantizes them.
-fn dequantized(w: &Tensor) -> Tensor {
-    let (q, scales) = quantize_per_channel(w);
+/// The int8 weights (on `-qmax..=qmax`) as the graph dequantizes them.
+fn dequantized(w: &Tensor, qmax: i8) -> Tensor {
+    let (q, scales) = quantize_per_channel_to(w, qmax);
     let per = w.numel() / w.shape[0];
     Tensor::new(
         w.shape.clone(),
@@ -187,11 +193,15 @@ fn bias_correct(
     float: (&[FoldedConv], &Linear),
     quant: (&mut [FoldedConv], &mut Linear),
     means: &BTreeMap<String, Vec<f64>>,
+    form: &Quant,
 ) {
+    let qmax = form.weight_max();
     let correct = |w: &Tensor, b: &[f32], groups: usize, name: &str, out: &mut Vec<f32>| {
-        let Some(m) = means.get(name) else { return };
+        let Some(m) = means.get(name).filter(|_| form.quantizes_weights(name)) else {
+            return;
+        };
         let exact = channel_dot(w, groups, m);
-        let rounded = channel_dot(&dequantized(w), groups, m);
+        let rounded = channel_dot(&dequantized(w, qmax), groups, m);
         for (o, v) in out.iter_mut().enumerate() {
             *v = (b[o] as f64 + exact[o] - rounded[o]) as f32;
         }

@@ -79,7 +79,7 @@ pub fn evaluate_model(
 ) -> Result<crate::report::Evaluation, ExportError> {
     let (m, engine) = load_model(model, engine, threads)?;
     let ds = data::load(data_path, source)?;
-    let prepared = Prepared::open_or_build(cache_root, &ds, &m.preprocess, 1, false)?;
+    let prepared = Prepared::open_or_build(cache_root, &ds, &m.preprocess, 1, threads, false)?;
     let map: Vec<usize> = prepared
         .meta
         .labels

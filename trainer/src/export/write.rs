@@ -140,9 +140,13 @@ fn manifest(
     let mut int8_ops = q.quant.int8_ops();
     if o.quantize == QuantForm::Int8 {
         int8_ops.push(format!(
-            "float activations: stem and blocks 0..{} (int8 weights)",
+            "float activations and f32 weights: stem and blocks 0..{}",
             o.float_blocks
         ));
+        int8_ops.push(
+            "onnxruntime: integer kernels (QLinearConv, QLinearAdd, QGemm); tract: the              QuantizeLinear/DequantizeLinear pairs run in float, slower than the f32 form              (roll int8-weights out to tract devices)"
+                .into(),
+        );
     }
     Manifest {
         format_version: FORMAT_VERSION,

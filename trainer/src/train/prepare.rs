@@ -96,6 +96,7 @@ pub fn prepare(p: &FitParams, job: &Job) -> Result<Prepped, TrainError> {
             &ds,
             &backbone.net.preprocess,
             job.world(),
+            job.threads(),
             p.skip_invalid,
         )
     })?;
