@@ -63,6 +63,35 @@ PY
 done
 
 echo
+echo "# Camera photos: prepare + extraction of 400 distinct 640x480 JPEGs (random crops of the scikit-image photos"
+echo "# with jitter, scripts/camera_photos.py), fresh cache, $threads threads; the peer decodes with PIL, one image after another"
+"$KESTREL_PY" "$here/camera_photos.py" --photos "$KESTREL_HOME/photos" --out "$work/camera" --count 400
+"$KESTREL_PY" "$here/bench_peer.py" --all --model "$work/lite0-features.onnx" --batch 32 --threads "$threads" \
+  "$work/camera" > "$work/peer-camera.json"
+printf '%-16s%10s%12s%12s%10s\n' engine images seconds "images/s" "vs peer"
+for engine in ort tract; do
+  rm -rf "$work/cache-camera"
+  start=$(date +%s.%N)
+  "$trainer" prepare --threads "$threads" --data "$work/camera" --engine "$engine" --cache "$work/cache-camera" \
+    --json > "$work/prep-camera.json" 2>/dev/null
+  end=$(date +%s.%N)
+  python3 - "$engine" "$start" "$end" "$work/peer-camera.json" "$work/prep-camera.json" <<'PY'
+import json, sys
+engine, start, end, peer, prep = sys.argv[1:]
+s = float(end) - float(start)
+n = json.load(open(prep))["samples"]
+p = json.load(open(peer))["seconds"]
+print(f"{'kestrel ' + engine:<16}{n:>10}{s:>12.2f}{n / s:>12.1f}{p / s:>9.2f}x")
+PY
+done
+python3 - "$work/peer-camera.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"{'python ort+PIL':<16}{r['images']:>10}{r['seconds']:>12.2f}{r['images_per_s']:>12.1f}{1:>9.2f}x")
+PY
+echo "(Kestrel: the whole command, table load and caches included; the peer: its decode and inference loop only)"
+
+echo
 echo "# Head training on cached features (EfficientNet-Lite0 features): the default L-BFGS solve, and SGD"
 echo "# (momentum, batch 32, 30 epochs, candle); samples/s = training samples x iterations (or epochs) / seconds"
 printf '%-10s%-12s%10s%12s%14s%12s\n' dataset recipe val_acc seconds samples/s "peak MB"
@@ -102,21 +131,23 @@ PY
 
 echo
 echo "# Exported LFW model per form: file size and batch-1 latency, 1 thread (inference only)"
-printf '%-14s%10s%10s%10s%12s%14s\n' form "MB" "tract ms" "ort ms" "python ms" "tract/python"
+printf '%-14s%10s%10s%10s%12s%14s%14s\n' form "MB" "tract ms" "ort ms" "python ms" "tract/python" "ort f32/this"
 for form in none int8-weights int8; do
   "$trainer" export --run "$work/run-lfw" --out "$work/art-$form" --quantize "$form" --cache "$work/cache" >/dev/null 2>&1
   model="$work/art-$form/model.onnx"
   t=$("$trainer" latency --threads 1 --model "$model" --engine tract --json "$KESTREL_HOME/photos/coffee.png")
   o=$("$trainer" latency --threads 1 --model "$model" --engine ort --json "$KESTREL_HOME/photos/coffee.png")
   p=$("$KESTREL_PY" "$here/bench_peer.py" --latency --model "$model" --threads 1 --rounds 50 "$KESTREL_HOME/photos/coffee.png")
-  python3 - "$form" "$model" "$t" "$o" "$p" <<'PY'
+  [ "$form" = none ] && ort_f32="$o"
+  python3 - "$form" "$model" "$t" "$o" "$p" "$ort_f32" <<'PY'
 import json, os, sys
-form, model, t, o, p = sys.argv[1:]
-t, o, p = (json.loads(x)["ms"] for x in (t, o, p))
-print(f"{form:<14}{os.path.getsize(model) / 1e6:>10.1f}{t:>10.1f}{o:>10.1f}{p:>12.1f}{t / p:>13.2f}x")
+form, model, t, o, p, f32 = sys.argv[1:]
+t, o, p, f32 = (json.loads(x)["ms"] for x in (t, o, p, f32))
+print(f"{form:<14}{os.path.getsize(model) / 1e6:>10.1f}{t:>10.1f}{o:>10.1f}{p:>12.1f}{t / p:>13.2f}x{f32 / o:>13.2f}x")
 PY
 done
-echo "(tract runs the static int8 QDQ graph in float with extra Q/DQ work: slower than f32 here, as measured above.)"
+echo "(Kestrel's engines dequantize int8-weights once at load; Python's ONNX Runtime runs the file as it is. tract runs"
+echo " the static int8 QDQ graph in float with extra Q/DQ work: slower than f32, as measured above.)"
 
 echo
 echo "# Edge agent, batch 1 (one image per request, as on the device): tract with 1 and 2 threads"
@@ -143,7 +174,7 @@ PY
 done
 
 echo
-echo "# Edge over MQTT: embedded rumqttd, one agent (tract, 1 thread), the int8-weights LFW artifact above"
+echo "# Edge over MQTT: embedded rumqttd, one agent (tract, the default engine, 1 thread), the int8-weights LFW artifact above"
 pids=()
 trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"' EXIT
 port=$(free_port)
@@ -197,6 +228,32 @@ print(f"{'telemetry':<12}{'p50 ms':>10}")
 print(f"{'on':<12}{on:>10.2f}\n{'off':<12}{off:>10.2f}\n{'on / off':<12}{on / off:>10.3f}")
 PY
 cat "$work/quality.txt"
+
+echo
+echo "# Edge over MQTT with the agent on ONNX Runtime ([inference] engine = \"ort\", 1 thread), one agent at a time;"
+echo "# the peer: Python ONNX Runtime's batch-1 inference alone on the same model.onnx, 1 thread"
+printf '%-14s%12s%12s%14s%10s\n' form "images/s" "device p50" "python ms" "vs peer"
+for form in int8-weights int8; do
+  kill "${pids[-1]}" 2>/dev/null || true
+  dev="bench-ort-$form"
+  mkdir -p "$work/$dev"
+  printf 'device_id = "%s"\nstore = "store"\ntrusted_keys = ["%s"]\n[broker]\nurl = "%s"\n[inference]\nengine = "ort"\nthreads = 1\n' \
+    "$dev" "$work/keys/kestrel.pub" "$broker" > "$work/$dev/agent.toml"
+  "$KESTREL_BIN/edge-agent" run --config "$work/$dev/agent.toml" 2>/dev/null & pids+=($!)
+  "$trainer" publish --broker "$broker" --artifact "$work/art-$form" --key "$work/keys/kestrel.key" \
+    --target "device/$dev" --json > /dev/null
+  "$trainer" status --broker "$broker" --device "$dev" --wait-active 1 --timeout 120 >/dev/null
+  "$trainer" infer --broker "$broker" --device "$dev" --json "${lfw[@]}" > "$work/infer-$dev.jsonl"
+  p=$("$KESTREL_PY" "$here/bench_peer.py" --latency --model "$work/art-$form/model.onnx" --threads 1 --rounds 50 "${lfw[0]}")
+  python3 - "$form" "$work/infer-$dev.jsonl" "$p" <<'PY'
+import json, sys
+form, infer, peer = sys.argv[1:]
+s = [json.loads(l) for l in open(infer)][-1]
+peer_ms = json.loads(peer)["ms"]
+rate = s["requests"] / s["seconds"]
+print(f"{form:<14}{rate:>12.1f}{s['device_latency_p50_ms']:>10.1f}ms{peer_ms:>12.1f}ms{rate * peer_ms / 1000:>9.2f}x")
+PY
+done
 
 echo
 echo "# Fleet rollout: 100 simulated devices (one process, one connection each) on Mosquitto, 3 phases (5%, 50%, 100%)"
