@@ -160,7 +160,7 @@ for form in none int8-weights; do
   for t in 1 2; do
     "$KESTREL_BIN/edge-agent" --threads "$t" predict --model "$work/art-$form" --json --top-k 1 "${lfw_all[@]}" \
       > "$work/edge-$form-$t.jsonl"
-    "$trainer" --threads "$t" latency --model "$work/art-$form/model.onnx" --engine ort --json \
+    "$trainer" latency --threads "$t" --model "$work/art-$form/model.onnx" --engine ort --json \
       "$KESTREL_HOME/photos/coffee.png" > "$work/ort-$form-$t.json"
   done
   python3 - "$form" "$work" <<'PY'

@@ -15,6 +15,11 @@ use crate::tensor::Tensor;
 /// Largest accepted |logit − expected| of a golden sample.
 pub const GOLDEN_TOLERANCE: f32 = 1e-3;
 
+/// Largest `|a[i] - b[i]|` over the common length.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ArtifactError {
     #[error("{path}: {reason}")]
@@ -217,7 +222,8 @@ impl LoadedModel {
     }
 
     /// Golden samples: the preprocessed tensor must hash as recorded (no preprocessing skew),
-    /// top-1 must match and logits agree within [`GOLDEN_TOLERANCE`].
+    /// top-1 must match and logits agree within [`GOLDEN_TOLERANCE`] with those recorded for
+    /// this engine (tract's, unless the manifest has the engine's own).
     pub fn health_check(&self, dir: &Path) -> Result<(), ArtifactError> {
         if self.manifest.golden.is_empty() {
             return Err(ArtifactError::Health(
@@ -240,11 +246,12 @@ impl LoadedModel {
             }
             let logits = self.logits(x.data)?;
             let top = argmax(&logits);
-            let diff = logits
-                .iter()
-                .zip(&g.logits)
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            if top != g.expected_top1 || logits.len() != g.logits.len() || diff > GOLDEN_TOLERANCE {
+            let want = g
+                .runtime_logits
+                .get(self.engine.kind().name())
+                .unwrap_or(&g.logits);
+            let diff = max_abs_diff(&logits, want);
+            if top != g.expected_top1 || logits.len() != want.len() || diff > GOLDEN_TOLERANCE {
                 return Err(ArtifactError::Health(format!(
                     "{}: top-1 {top} (expected {}), max |logit diff| {diff:.3e} (tolerance {GOLDEN_TOLERANCE:e})",
                     g.file, g.expected_top1

@@ -94,34 +94,35 @@ impl Quant {
     /// weights: int8 ones there would be dequantized on every run (ONNX Runtime keeps constant
     /// `DequantizeLinear`s unfolded for its QDQ fusions) for a few kilobytes saved.
     pub fn weight(&self, g: &mut GraphBuilder, layer: &str, name: &str, w: &Tensor) -> String {
-        match self {
-            _ if !self.quantizes_weights(layer) => {
-                g.initializer(f32_tensor(name, &w.shape, &w.data))
-            }
-            _ => {
-                let (q, scales) = quantize_per_channel_to(w, self.weight_max());
-                let (dt, raw, zp) = (DataType::Int8, q.iter().map(|v| *v as u8).collect(), 0u8);
-                let qn = g.initializer(typed_tensor(&format!("{name}.int8"), &w.shape, dt, raw));
-                let s = g.initializer(f32_tensor(
-                    &format!("{name}.scale"),
-                    &[scales.len()],
-                    &scales,
-                ));
-                let z = g.initializer(typed_tensor(
-                    &format!("{name}.zero_point"),
-                    &[scales.len()],
-                    dt,
-                    vec![zp; scales.len()],
-                ));
-                g.node(
-                    "DequantizeLinear",
-                    name,
-                    &[&qn, &s, &z],
-                    vec![attr_int("axis", 0)],
-                    None,
-                )
-            }
+        if !self.quantizes_weights(layer) {
+            return g.initializer(f32_tensor(name, &w.shape, &w.data));
         }
+        let (q, scales) = quantize_per_channel_to(w, self.weight_max());
+        let raw = q.iter().map(|v| *v as u8).collect();
+        let qn = g.initializer(typed_tensor(
+            &format!("{name}.int8"),
+            &w.shape,
+            DataType::Int8,
+            raw,
+        ));
+        let s = g.initializer(f32_tensor(
+            &format!("{name}.scale"),
+            &[scales.len()],
+            &scales,
+        ));
+        let z = g.initializer(typed_tensor(
+            &format!("{name}.zero_point"),
+            &[scales.len()],
+            DataType::Int8,
+            vec![0; scales.len()],
+        ));
+        g.node(
+            "DequantizeLinear",
+            name,
+            &[&qn, &s, &z],
+            vec![attr_int("axis", 0)],
+            None,
+        )
     }
 
     /// Passes activation `x` entering layer `layer`, returning the tensor name to read

@@ -79,7 +79,13 @@ pub struct Golden {
     pub file: String,
     pub input_sha256: String,
     pub expected_top1: usize,
+    /// The outputs tract gives.
     pub logits: Vec<f32>,
+    /// Another runtime's outputs, where they differ from tract's by more than the health
+    /// check's tolerance (static int8 in ONNX Runtime's integer kernels rounds otherwise than
+    /// tract's float execution of the same Q/DQ graph); keyed by engine name (`ort`).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub runtime_logits: std::collections::BTreeMap<String, Vec<f32>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -346,8 +346,8 @@ impl PreprocessSpec {
     pub fn to_pixels(&self, img: &DynamicImage) -> Result<RgbImage, PreprocessError> {
         self.validate()?;
         let converted;
-        let rgb = match (img, self.alpha) {
-            (DynamicImage::ImageRgb8(rgb), _) => rgb,
+        let rgb = match img {
+            DynamicImage::ImageRgb8(rgb) => rgb,
             _ => {
                 converted = self.to_rgb8(img);
                 &converted

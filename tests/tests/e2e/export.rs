@@ -127,6 +127,27 @@ pub(crate) fn three_forms_pass_the_gates(
             python_check(&art.join("model.onnx")),
             format!("(3, {classes})")
         );
+        // The device's health check passes on either engine (static int8 in ONNX Runtime's
+        // integer kernels against the outputs the manifest records for it).
+        for engine in ["tract", "ort"] {
+            let o = run(
+                "edge-agent",
+                &[
+                    "--engine",
+                    engine,
+                    "check",
+                    "--model",
+                    art.to_str().unwrap(),
+                ],
+            );
+            assert!(
+                o.status.success()
+                    && stdout(&o).contains(&format!("golden samples pass on {engine}")),
+                "{name} {form} edge-agent check on {engine}: {}{}",
+                stdout(&o),
+                stderr(&o)
+            );
+        }
         // The manifest alone drives evaluation, in both runtimes (the whole digits table only once, for time).
         let engines: &[&str] = match (name, form) {
             ("lfw", _) => &["tract", "ort"],
