@@ -63,6 +63,24 @@ fn three_forms_for_lfw_and_digits() {
     }
 }
 
+/// The device's health check of artifact `art` passes on either engine (static int8 in ONNX
+/// Runtime's integer kernels against the outputs the manifest records for it).
+fn device_check_passes(art: &Path) {
+    for engine in ["tract", "ort"] {
+        let model = art.to_str().unwrap();
+        let o = run(
+            "edge-agent",
+            &["--engine", engine, "check", "--model", model],
+        );
+        assert!(
+            o.status.success() && stdout(&o).contains(&format!("golden samples pass on {engine}")),
+            "{model}: edge-agent check on {engine}: {}{}",
+            stdout(&o),
+            stderr(&o)
+        );
+    }
+}
+
 /// Exports `run_dir` (trained on the `name` table's ImageFolder form) in the three forms and
 /// checks each: both runtimes verify (f32 logits within 1e-3 of the trainer's), the golden
 /// samples match, every file is listed with its hash and size, Python's ONNX Runtime runs it,
@@ -127,27 +145,7 @@ pub(crate) fn three_forms_pass_the_gates(
             python_check(&art.join("model.onnx")),
             format!("(3, {classes})")
         );
-        // The device's health check passes on either engine (static int8 in ONNX Runtime's
-        // integer kernels against the outputs the manifest records for it).
-        for engine in ["tract", "ort"] {
-            let o = run(
-                "edge-agent",
-                &[
-                    "--engine",
-                    engine,
-                    "check",
-                    "--model",
-                    art.to_str().unwrap(),
-                ],
-            );
-            assert!(
-                o.status.success()
-                    && stdout(&o).contains(&format!("golden samples pass on {engine}")),
-                "{name} {form} edge-agent check on {engine}: {}{}",
-                stdout(&o),
-                stderr(&o)
-            );
-        }
+        device_check_passes(&art);
         // The manifest alone drives evaluation, in both runtimes (the whole digits table only once, for time).
         let engines: &[&str] = match (name, form) {
             ("lfw", _) => &["tract", "ort"],
