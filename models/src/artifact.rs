@@ -11,14 +11,10 @@ use kestrel_shared::{ImageLimits, PreprocessError};
 
 use crate::engine::{self, Engine, EngineError, EngineKind};
 use crate::tensor::Tensor;
+pub use crate::tensor::max_abs_diff;
 
 /// Largest accepted |logit − expected| of a golden sample.
 pub const GOLDEN_TOLERANCE: f32 = 1e-3;
-
-/// Largest `|a[i] - b[i]|` over the common length.
-pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ArtifactError {

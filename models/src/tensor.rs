@@ -34,13 +34,13 @@ impl Tensor {
 
     /// Largest absolute element-wise difference; `None` when shapes differ.
     pub fn max_abs_diff(&self, other: &Tensor) -> Option<f32> {
-        (self.shape == other.shape).then(|| {
-            self.data
-                .iter()
-                .zip(&other.data)
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
-        })
+        (self.shape == other.shape).then(|| max_abs_diff(&self.data, &other.data))
     }
+}
+
+/// Largest `|a[i] - b[i]|` over the common length.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
 /// Named weights, sorted by name (canonical or source names).

@@ -51,11 +51,6 @@ fn triangle(x: f32) -> f32 {
     if x.abs() < 1.0 { 1.0 - x.abs() } else { 0.0 }
 }
 
-/// `src` resized to `width` x `height` with the triangle filter (both sides positive).
-pub fn triangle_rgb8(src: &RgbImage, width: u32, height: u32) -> RgbImage {
-    triangle_rgb8_window(src, (width, height), (0, 0, width, height))
-}
-
 /// The window `(x, y, w, h)` of `src` resized to `size` with the triangle filter: the resize and
 /// a crop in one, computing only the window's pixels (each output pixel depends on its own
 /// coordinates alone, so they are the bytes a full resize then crop gives).
@@ -139,7 +134,7 @@ mod tests {
         for (i, ((w, h), (nw, nh))) in cases.into_iter().enumerate() {
             let src = noise(w, h, i as u32);
             let want = resize(&src, nw, nh, FilterType::Triangle);
-            let got = triangle_rgb8(&src, nw, nh);
+            let got = triangle_rgb8_window(&src, (nw, nh), (0, 0, nw, nh));
             assert_eq!(got.dimensions(), want.dimensions());
             let diff = got
                 .as_raw()
