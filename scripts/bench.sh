@@ -68,20 +68,21 @@ echo "# with jitter, scripts/camera_photos.py), fresh cache, $threads threads; t
 "$KESTREL_PY" "$here/camera_photos.py" --photos "$KESTREL_HOME/photos" --out "$work/camera" --count 400
 "$KESTREL_PY" "$here/bench_peer.py" --all --model "$work/lite0-features.onnx" --batch 32 --threads "$threads" \
   "$work/camera" > "$work/peer-camera.json"
-printf '%-16s%10s%12s%12s%10s\n' engine images seconds "images/s" "vs peer"
+printf '%-16s%10s%12s%12s%10s%10s\n' engine images seconds "images/s" "vs peer" "peak MB"
 for engine in ort tract; do
   rm -rf "$work/cache-camera"
   start=$(date +%s.%N)
-  "$trainer" prepare --threads "$threads" --data "$work/camera" --engine "$engine" --cache "$work/cache-camera" \
-    --json > "$work/prep-camera.json" 2>/dev/null
+  /usr/bin/time -f '%M' -o "$work/rss-camera" "$trainer" prepare --threads "$threads" --data "$work/camera" \
+    --engine "$engine" --cache "$work/cache-camera" --json > "$work/prep-camera.json" 2>/dev/null
   end=$(date +%s.%N)
-  python3 - "$engine" "$start" "$end" "$work/peer-camera.json" "$work/prep-camera.json" <<'PY'
+  python3 - "$engine" "$start" "$end" "$work/peer-camera.json" "$work/prep-camera.json" "$work/rss-camera" <<'PY'
 import json, sys
-engine, start, end, peer, prep = sys.argv[1:]
+engine, start, end, peer, prep, rss = sys.argv[1:]
 s = float(end) - float(start)
 n = json.load(open(prep))["samples"]
 p = json.load(open(peer))["seconds"]
-print(f"{'kestrel ' + engine:<16}{n:>10}{s:>12.2f}{n / s:>12.1f}{p / s:>9.2f}x")
+mb = int(open(rss).read().split()[-1]) / 1024
+print(f"{'kestrel ' + engine:<16}{n:>10}{s:>12.2f}{n / s:>12.1f}{p / s:>9.2f}x{mb:>10.0f}")
 PY
 done
 python3 - "$work/peer-camera.json" <<'PY'

@@ -9,35 +9,76 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// temporary file in the same directory, fsync, rename, then a best-effort fsync of the directory.
 /// The temporary file is removed when anything fails.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let name = path
-        .file_name()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?
-        .to_string_lossy();
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let tmp = dir.join(format!(".{name}.tmp.{}.{n}", std::process::id()));
-    let result = (|| {
-        let mut f = File::create_new(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        drop(f);
-        fs::rename(&tmp, path)
-    })();
-    match result {
-        Ok(()) => {
-            if let Ok(d) = File::open(dir) {
+    let mut f = AtomicFile::create(path)?;
+    f.write_all(bytes)?;
+    f.commit()
+}
+
+/// A file written piece by piece that appears at its path only when [`AtomicFile::commit`] is
+/// called (the crash-safety of [`write_atomic`] for files too large to hold in memory): until then
+/// it is a unique temporary file beside it, removed when the writer is dropped uncommitted.
+pub struct AtomicFile {
+    path: PathBuf,
+    tmp: PathBuf,
+    file: Option<io::BufWriter<File>>,
+}
+
+impl AtomicFile {
+    pub fn create(path: &Path) -> io::Result<AtomicFile> {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let name = path
+            .file_name()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?
+            .to_string_lossy();
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let tmp = parent(path).join(format!(".{name}.tmp.{}.{n}", std::process::id()));
+        let file = io::BufWriter::new(File::create_new(&tmp)?);
+        Ok(AtomicFile {
+            path: path.to_path_buf(),
+            tmp,
+            file: Some(file),
+        })
+    }
+
+    /// Flushes, fsyncs and renames the file into place, then fsyncs the directory (best effort).
+    pub fn commit(mut self) -> io::Result<()> {
+        let file = self.file.take().expect("not yet committed");
+        let result = (|| {
+            let f = file.into_inner().map_err(io::IntoInnerError::into_error)?;
+            f.sync_all()?;
+            drop(f);
+            fs::rename(&self.tmp, &self.path)
+        })();
+        if result.is_ok() {
+            if let Ok(d) = File::open(parent(&self.path)) {
                 let _ = d.sync_all();
             }
-            Ok(())
         }
-        Err(e) => {
-            let _ = fs::remove_file(&tmp);
-            Err(e)
-        }
+        result
+    }
+}
+
+impl Write for AtomicFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.file.as_mut().expect("not yet committed").write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.file.as_mut().expect("not yet committed").flush()
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        // Committed (renamed) or not: a temporary file left at `tmp` is never wanted.
+        let _ = fs::remove_file(&self.tmp);
+    }
+}
+
+fn parent(path: &Path) -> &Path {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
     }
 }
 

@@ -399,19 +399,35 @@ impl PreprocessSpec {
             (w, h),
             "normalize needs input_size pixels"
         );
+        let mut data = vec![0f32; 3 * (h * w) as usize];
+        self.normalize_into(pixels.as_raw(), &mut data);
+        data
+    }
+
+    /// [`Self::normalize`] of raw RGB8 HWC pixels of `input_size` into `out` (3 x h x w values),
+    /// so a batch is filled in place.
+    pub fn normalize_into(&self, pixels: &[u8], out: &mut [f32]) {
+        let [h, w] = self.input_size;
         let plane = (h * w) as usize;
-        let mut data = vec![0f32; 3 * plane];
+        assert_eq!(pixels.len(), 3 * plane, "normalize needs input_size pixels");
+        assert_eq!(
+            out.len(),
+            3 * plane,
+            "normalize writes 3 x input_size values"
+        );
         let order: [usize; 3] = match self.channel_order {
             ChannelOrder::Rgb => [0, 1, 2],
             ChannelOrder::Bgr => [2, 1, 0],
         };
-        for (i, p) in pixels.pixels().enumerate() {
-            for (c, &src) in order.iter().enumerate() {
-                data[c * plane + i] =
-                    (p.0[src] as f32 * self.scale - self.mean[src]) / self.std[src];
+        let (planes, rest) = out.split_at_mut(plane);
+        let (p1, p2) = rest.split_at_mut(plane);
+        let outs = [planes, p1, p2];
+        for (dst, src) in outs.into_iter().zip(order) {
+            let (scale, mean, std) = (self.scale, self.mean[src], self.std[src]);
+            for (o, p) in dst.iter_mut().zip(pixels.chunks_exact(3)) {
+                *o = (p[src] as f32 * scale - mean) / std;
             }
         }
-        data
     }
 
     fn to_rgb8(&self, img: &DynamicImage) -> RgbImage {

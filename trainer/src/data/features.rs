@@ -14,11 +14,13 @@ use indicatif::ProgressBar;
 use kestrel_models::backbone::Backbone;
 use kestrel_models::onnx::LowerOpts;
 use kestrel_models::{Engine, EngineKind, Tensor};
+use kestrel_shared::PreprocessSpec;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::Dataset;
 use super::cache::{CacheError, io, read_json, write_atomic, write_json};
-use super::samples::{Prepared, PreparedMeta};
+use super::samples::{Prepared, PreparedMeta, SamplePlan};
 use crate::distributed::{self, Job, Rank, WorkerError};
 
 /// Identity of a backbone's weights: sha256 over the architecture and every canonical tensor.
@@ -103,17 +105,18 @@ pub fn frozen_opts(b: &Backbone, boundary: usize) -> LowerOpts {
 /// Runs the frozen part over normalised samples in batches of 32, with a progress bar.
 pub fn run_frozen(
     engine: &dyn Engine,
-    prepared: &Prepared,
+    spec: &PreprocessSpec,
     pixels: &[&[u8]],
     out_per_sample: usize,
     pb: &ProgressBar,
 ) -> Result<Vec<f32>, CacheError> {
-    let [h, w] = prepared.meta.spec.input_size;
+    let [h, w] = spec.input_size;
+    let per = 3 * (h * w) as usize;
     let mut out = Vec::with_capacity(pixels.len() * out_per_sample);
     for chunk in pixels.chunks(32) {
-        let mut data = Vec::with_capacity(chunk.len() * prepared.sample_bytes());
-        for px in chunk {
-            data.extend(prepared.normalize(px));
+        let mut data = vec![0f32; chunk.len() * per];
+        for (px, dst) in chunk.iter().zip(data.chunks_exact_mut(per)) {
+            spec.normalize_into(px, dst);
         }
         let y = engine.run(&Tensor::new(
             vec![chunk.len(), 3, h as usize, w as usize],
@@ -126,12 +129,9 @@ pub fn run_frozen(
     Ok(out)
 }
 
-fn feature_dir(root: &Path, prepared: &Prepared, bid: &str, boundary: usize) -> PathBuf {
-    root.join("features").join(format!(
-        "{}-{}-b{boundary}",
-        &prepared.meta.key[..16],
-        &bid[..16]
-    ))
+fn feature_dir(root: &Path, samples_key: &str, bid: &str, boundary: usize) -> PathBuf {
+    root.join("features")
+        .join(format!("{}-{}-b{boundary}", &samples_key[..16], &bid[..16]))
 }
 
 /// Opens or computes the feature cache of `prepared` at `boundary` on the job's ranks: the ranks
@@ -194,55 +194,168 @@ fn open_or_extract(
     rank: &Rank<'_>,
 ) -> Result<Features, CacheError> {
     let comm = rank.comm;
-    let bid = backbone_id(backbone);
-    let dir = feature_dir(root, prepared, &bid, boundary);
-    let opts = frozen_opts(backbone, boundary);
-    let dims = opts.output_shape(&backbone.net);
-    let per: usize = dims.iter().product();
-    let cached = read_features(&dir, prepared, per)?;
+    let target = Target::new(root, &prepared.meta.key, backbone, boundary);
+    let per = target.per_sample();
+    let cached = read_features(&target.dir, prepared, per)?;
     let mut have = [f64::from(u8::from(cached.is_some()))];
     comm.allreduce_sum_f64(&mut have)?;
     if have[0] as usize == comm.world() {
         return Ok(cached.expect("this rank has it"));
     }
     let start = Instant::now();
-    let reuse = Reusable::find(root, prepared, &bid, boundary, &dims, &dir)?;
+    let content: Vec<&str> = prepared
+        .meta
+        .content_sha256
+        .iter()
+        .map(String::as_str)
+        .collect();
+    let reuse = Reusable::find(root, &content, &prepared.meta.spec, &target)?;
     let reuse = reuse.agreed(prepared.len(), per, comm)?;
     let computed = reuse.missing.len();
+    let opts = &target.opts;
     let data = if computed == prepared.len() {
-        extract_rank(prepared, backbone, &opts, engine, rank)?
+        extract_rank(prepared, backbone, opts, engine, rank)?
     } else {
         let mut data = reuse.data;
-        let new = extract_samples(prepared, backbone, &opts, engine, rank, &reuse.missing)?;
+        let new = extract_samples(prepared, backbone, opts, engine, rank, &reuse.missing)?;
         for (&i, row) in reuse.missing.iter().zip(new.chunks_exact(per)) {
             data[i * per..(i + 1) * per].copy_from_slice(row);
         }
         data
     };
-    let meta = FeatureMeta {
-        samples_key: prepared.meta.key.clone(),
-        backbone_id: bid,
-        arch: backbone.net.arch.to_string(),
-        boundary,
-        dims,
+    let ran = Ran {
         engine,
-        seconds: start.elapsed().as_secs_f64(),
+        start,
         workers: comm.world(),
-        reused: prepared.len() - computed,
-    };
-    if comm.rank() == 0 {
-        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-        write_atomic(&dir.join("features.f32"), &bytes)?;
-        write_json(&dir.join("meta.json"), &meta)?;
-    }
-    Ok(Features {
-        meta,
         computed,
-        reused: prepared.len() - computed,
-        hit: false,
-        data,
-        dir,
-    })
+    };
+    target.store(prepared, data, ran, comm.rank() == 0)
+}
+
+/// Where a sample set's features at a boundary go, and how the frozen part is lowered for them.
+struct Target {
+    bid: String,
+    boundary: usize,
+    arch: String,
+    opts: LowerOpts,
+    dims: Vec<usize>,
+    dir: PathBuf,
+}
+
+/// How a feature cache's rows were computed.
+struct Ran {
+    engine: EngineKind,
+    start: Instant,
+    workers: usize,
+    /// Rows the backbone ran on (the others were reused).
+    computed: usize,
+}
+
+impl Target {
+    fn new(root: &Path, samples_key: &str, backbone: &Backbone, boundary: usize) -> Target {
+        let bid = backbone_id(backbone);
+        let opts = frozen_opts(backbone, boundary);
+        Target {
+            dims: opts.output_shape(&backbone.net),
+            dir: feature_dir(root, samples_key, &bid, boundary),
+            arch: backbone.net.arch.to_string(),
+            bid,
+            boundary,
+            opts,
+        }
+    }
+
+    fn per_sample(&self) -> usize {
+        self.dims.iter().product()
+    }
+
+    /// Writes the cache (when `write`: rank 0) and returns it.
+    fn store(
+        self,
+        prepared: &Prepared,
+        data: Vec<f32>,
+        ran: Ran,
+        write: bool,
+    ) -> Result<Features, CacheError> {
+        let reused = prepared.len() - ran.computed;
+        let meta = FeatureMeta {
+            samples_key: prepared.meta.key.clone(),
+            backbone_id: self.bid,
+            arch: self.arch,
+            boundary: self.boundary,
+            dims: self.dims,
+            engine: ran.engine,
+            seconds: ran.start.elapsed().as_secs_f64(),
+            workers: ran.workers,
+            reused,
+        };
+        if write {
+            let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            write_atomic(&self.dir.join("features.f32"), &bytes)?;
+            write_json(&self.dir.join("meta.json"), &meta)?;
+        }
+        Ok(Features {
+            meta,
+            computed: ran.computed,
+            reused,
+            hit: false,
+            data,
+            dir: self.dir,
+        })
+    }
+}
+
+/// Builds a new sample cache and its feature cache in one pass, for a one-worker job whose
+/// samples no cache holds yet (neither pixels nor any feature row by content): the frozen
+/// backbone runs on each chunk of samples as soon as it is decoded, while the next chunks
+/// decode ([`Prepared::open_or_build`]'s bounded pipeline), instead of after the whole table.
+/// `None` when that does not apply (then [`Prepared::open_or_build`] and [`features`]).
+pub fn extract_while_decoding(
+    job: &Job,
+    plan: &SamplePlan,
+    ds: &Dataset,
+    backbone: &Backbone,
+    boundary: usize,
+    engine: EngineKind,
+    skip_invalid: bool,
+) -> Result<Option<(Prepared, Features)>, CacheError> {
+    if job.world() != 1 || job.mpi().is_some() || plan.is_built() {
+        return Ok(None);
+    }
+    let root = job.cache_root();
+    let target = Target::new(root, &plan.key, backbone, boundary);
+    let content: Vec<&str> = plan.content().collect();
+    if Reusable::find(root, &content, &plan.spec, &target)?
+        .missing
+        .len()
+        != content.len()
+    {
+        return Ok(None);
+    }
+    let start = Instant::now();
+    let frozen = backbone.engine(engine, &target.opts, job.threads())?;
+    let per = target.per_sample();
+    let mut data = Vec::with_capacity(content.len() * per);
+    let prepared = Prepared::open_or_build(plan, ds, 1, job.threads(), skip_invalid, &mut |px| {
+        let refs: Vec<&[u8]> = px.iter().map(Vec::as_slice).collect();
+        let hidden = ProgressBar::hidden();
+        data.extend(run_frozen(
+            frozen.as_ref(),
+            &plan.spec,
+            &refs,
+            per,
+            &hidden,
+        )?);
+        Ok(())
+    })?;
+    let ran = Ran {
+        engine,
+        start,
+        workers: 1,
+        computed: prepared.len(),
+    };
+    let features = target.store(&prepared, data, ran, true)?;
+    Ok(Some((prepared, features)))
 }
 
 /// Rows of other feature caches that hold some of a sample set's features: the features of every
@@ -261,25 +374,23 @@ impl Reusable {
     /// candidates that have some): a cache that cannot be read is passed over.
     fn find(
         root: &Path,
-        prepared: &Prepared,
-        bid: &str,
-        boundary: usize,
-        dims: &[usize],
-        own: &Path,
+        content: &[&str],
+        spec: &PreprocessSpec,
+        target: &Target,
     ) -> Result<Reusable, CacheError> {
-        let n = prepared.len();
-        let per: usize = dims.iter().product();
+        let n = content.len();
+        let per = target.per_sample();
         let mut wanted: HashMap<&str, Vec<usize>> = HashMap::new();
-        for (i, sha) in prepared.meta.content_sha256.iter().enumerate() {
-            wanted.entry(sha.as_str()).or_default().push(i);
+        for (i, sha) in content.iter().enumerate() {
+            wanted.entry(sha).or_default().push(i);
         }
         let mut data = vec![0f32; n * per];
-        let suffix = format!("-{}-b{boundary}", &bid[..16]);
+        let suffix = format!("-{}-b{}", &target.bid[..16], target.boundary);
         let mut dirs: Vec<PathBuf> = fs::read_dir(root.join("features"))
             .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
             .unwrap_or_default();
         dirs.retain(|d| {
-            d.as_path() != own
+            *d != target.dir
                 && d.file_name()
                     .is_some_and(|f| f.to_string_lossy().ends_with(&suffix))
         });
@@ -288,13 +399,12 @@ impl Reusable {
             if wanted.is_empty() {
                 break;
             }
-            let Some(rows) = candidate_rows(root, &dir, prepared, bid, boundary, dims, &wanted)
-            else {
+            let Some(rows) = candidate_rows(root, &dir, spec, target, &wanted) else {
                 continue;
             };
             if read_rows(&dir.join("features.f32"), per, &rows, &mut data).is_ok() {
                 for (_, dst) in &rows {
-                    wanted.remove(prepared.meta.content_sha256[dst[0]].as_str());
+                    wanted.remove(content[dst[0]]);
                 }
             }
         }
@@ -340,20 +450,21 @@ impl Reusable {
 fn candidate_rows(
     root: &Path,
     dir: &Path,
-    prepared: &Prepared,
-    bid: &str,
-    boundary: usize,
-    dims: &[usize],
+    spec: &PreprocessSpec,
+    target: &Target,
     wanted: &HashMap<&str, Vec<usize>>,
 ) -> Option<Vec<(usize, Vec<usize>)>> {
     let meta: FeatureMeta = read_json(&dir.join("meta.json")).ok()?;
-    if meta.backbone_id != bid || meta.boundary != boundary || meta.dims != dims {
+    if meta.backbone_id != target.bid
+        || meta.boundary != target.boundary
+        || meta.dims != target.dims
+    {
         return None;
     }
     let key = meta.samples_key.get(..32)?;
     let samples: PreparedMeta =
         read_json(&root.join("samples").join(key).join("meta.json")).ok()?;
-    if samples.key != meta.samples_key || samples.spec != prepared.meta.spec {
+    if samples.key != meta.samples_key || samples.spec != *spec {
         return None;
     }
     let mut rows: Vec<(usize, Vec<usize>)> = Vec::new();
@@ -367,7 +478,7 @@ fn candidate_rows(
         }
     }
     let bytes = fs::metadata(dir.join("features.f32")).ok()?.len();
-    let per: usize = dims.iter().product();
+    let per = target.per_sample();
     let complete = bytes == (samples.content_sha256.len() * per * 4) as u64;
     (complete && !rows.is_empty()).then_some(rows)
 }
@@ -420,7 +531,7 @@ fn extract_samples(
             _ => format!("features (new rows) {rank}/{world}"),
         };
         let pb = r.progress(refs.len() as u64, &label);
-        run_frozen(engine_impl.as_ref(), prepared, &refs, per, &pb)?
+        run_frozen(engine_impl.as_ref(), &prepared.meta.spec, &refs, per, &pb)?
     };
     if world == 1 {
         return Ok(local);
@@ -464,7 +575,7 @@ pub fn extract_rank(
         format!("features {rank}/{world}")
     };
     let pb = r.progress(refs.len() as u64, &label);
-    let local = run_frozen(engine_impl.as_ref(), prepared, &refs, per, &pb)?;
+    let local = run_frozen(engine_impl.as_ref(), &prepared.meta.spec, &refs, per, &pb)?;
     if world == 1 {
         return Ok(local);
     }

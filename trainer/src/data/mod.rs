@@ -28,7 +28,7 @@ pub mod split;
 mod table;
 
 pub use features::Features;
-pub use samples::Prepared;
+pub use samples::{Prepared, SamplePlan};
 pub use split::Split;
 #[cfg(test)]
 use table::HIVE_NULL;

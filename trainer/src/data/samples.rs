@@ -3,17 +3,18 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::fs::{self, File};
-use std::io::{Read, Seek, SeekFrom};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use image::RgbImage;
+use kestrel_shared::fsutil::AtomicFile;
 use kestrel_shared::{ImageLimits, PreprocessError, PreprocessSpec, preprocess::decode};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::Dataset;
-use super::cache::{CacheError, io, read_json, sha256_hex, write_atomic, write_json};
+use super::cache::{CacheError, io, read_json, sha256_hex, write_json};
 use crate::report::progress;
 
 /// What the sample cache holds, besides the pixels.
@@ -45,149 +46,244 @@ pub fn shard_count(samples: usize, workers: usize) -> usize {
     workers * samples.div_ceil(workers * 4096).max(1)
 }
 
-/// The canonical sample order — by label, then content hash — and the cache key over it. Paths and
-/// table order do not matter, so every source of the same images gives the same cache, split and run.
-fn canonical_order(ds: &Dataset, spec: &PreprocessSpec) -> (String, Vec<(usize, String)>) {
-    let mut order: Vec<(usize, String)> = ds
-        .samples
-        .iter()
-        .enumerate()
-        .map(|(i, s)| (i, sha256_hex(&s.bytes)))
-        .collect();
-    order.sort_by(|a, b| (ds.samples[a.0].label, &a.1).cmp(&(ds.samples[b.0].label, &b.1)));
-    let mut h = Sha256::new();
-    h.update(b"kestrel-samples-v1\0");
-    h.update(serde_json::to_vec(spec).expect("spec serializes"));
-    for (i, sha) in &order {
-        h.update(sha.as_bytes());
-        h.update(ds.labels[ds.samples[*i].label].as_bytes());
-        h.update([0]);
-    }
-    (hex::encode(h.finalize()), order)
+/// The sample cache a table maps to before anything is decoded: the canonical sample order — by
+/// label, then content hash — and the cache key over it. Paths and table order do not matter, so
+/// every source of the same images gives the same cache, split and run.
+pub struct SamplePlan {
+    pub key: String,
+    pub spec: PreprocessSpec,
+    /// The cache directory (`meta.json` marks it complete).
+    pub dir: PathBuf,
+    /// (row of the table, content sha256) in sample order.
+    order: Vec<(usize, String)>,
 }
 
+impl SamplePlan {
+    pub fn new(root: &Path, ds: &Dataset, spec: &PreprocessSpec) -> SamplePlan {
+        let mut order: Vec<(usize, String)> = ds
+            .samples
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (i, sha256_hex(&s.bytes)))
+            .collect();
+        order.sort_by(|a, b| (ds.samples[a.0].label, &a.1).cmp(&(ds.samples[b.0].label, &b.1)));
+        let mut h = Sha256::new();
+        h.update(b"kestrel-samples-v1\0");
+        h.update(serde_json::to_vec(spec).expect("spec serializes"));
+        for (i, sha) in &order {
+            h.update(sha.as_bytes());
+            h.update(ds.labels[ds.samples[*i].label].as_bytes());
+            h.update([0]);
+        }
+        let key = hex::encode(h.finalize());
+        SamplePlan {
+            dir: root.join("samples").join(&key[..32]),
+            key,
+            spec: spec.clone(),
+            order,
+        }
+    }
+
+    /// Whether the cache is already built.
+    pub fn is_built(&self) -> bool {
+        self.dir.join("meta.json").exists()
+    }
+
+    /// The content hashes of the table's rows, in sample order (invalid images included).
+    pub fn content(&self) -> impl Iterator<Item = &str> {
+        self.order.iter().map(|(_, sha)| sha.as_str())
+    }
+}
+
+/// Samples decoded ahead of their consumer, in chunks of this many (the backbone's batch).
+const CHUNK: usize = 32;
+
 /// Decodes and preprocesses the samples of `order` (to `input_size` RGB8 pixels) on `threads`
-/// threads, with a progress bar; results in `order`.
-fn decode_all(
+/// threads, a chunk at a time, handing each chunk to `consume` in order while the next ones are
+/// decoded: a bounded pipeline (at most three chunks of pixels exist at once), so the consumer's
+/// work overlaps decoding and memory stays flat whatever the table's size.
+fn decode_stream(
     ds: &Dataset,
     spec: &PreprocessSpec,
     order: &[(usize, String)],
     threads: usize,
-) -> Vec<Result<Vec<u8>, PreprocessError>> {
+    mut consume: impl FnMut(Vec<Result<Vec<u8>, PreprocessError>>) -> Result<(), CacheError>,
+) -> Result<(), CacheError> {
     let limits = ImageLimits::default();
-    let pb = progress(order.len() as u64, "decoding");
     let one = |&(i, _): &(usize, String)| {
         let s = &ds.samples[i];
-        let px = decode(&s.bytes, &s.id, &limits).and_then(|img| spec.to_pixels(&img));
-        pb.inc(1);
-        px.map(RgbImage::into_raw)
+        decode(&s.bytes, &s.id, &limits)
+            .and_then(|img| spec.to_pixels(&img))
+            .map(RgbImage::into_raw)
     };
-    let out = match rayon::ThreadPoolBuilder::new()
+    let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .build()
-    {
-        Ok(pool) => pool.install(|| order.par_iter().map(one).collect()),
-        Err(_) => order.iter().map(one).collect(),
-    };
-    pb.finish_and_clear();
-    out
+        .ok();
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            for chunk in order.chunks(CHUNK) {
+                let decoded: Vec<_> = match &pool {
+                    Some(pool) => pool.install(|| chunk.par_iter().map(one).collect()),
+                    None => chunk.iter().map(one).collect(),
+                };
+                if tx.send(decoded).is_err() {
+                    break; // the consumer stopped on an error
+                }
+            }
+        });
+        // An error returns here, dropping `rx`: the decoder's next send fails and it stops.
+        rx.into_iter().try_for_each(&mut consume)
+    })
+}
+
+/// What a sample cache build hands each chunk of decoded pixels to (the samples that were
+/// kept, in sample order), besides the cache: the frozen backbone, while the next chunks decode.
+pub type Sink<'a> = &'a mut dyn FnMut(&[Vec<u8>]) -> Result<(), CacheError>;
+
+/// The shard files of a sample cache being written: sample `i` goes to shard `i % shards`, each
+/// file appended in sample order and put in place only when complete.
+struct ShardWriter {
+    files: Vec<AtomicFile>,
+    next: usize,
+}
+
+impl ShardWriter {
+    fn create(dir: &Path, shards: usize) -> Result<ShardWriter, CacheError> {
+        fs::create_dir_all(dir).map_err(io(dir))?;
+        let files = (0..shards)
+            .map(|s| {
+                let path = dir.join(format!("shard-{s:05}.bin"));
+                AtomicFile::create(&path).map_err(io(&path))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(ShardWriter { files, next: 0 })
+    }
+
+    fn push(&mut self, dir: &Path, pixels: &[u8]) -> Result<(), CacheError> {
+        let shard = self.next % self.files.len();
+        self.next += 1;
+        self.files[shard].write_all(pixels).map_err(io(dir))
+    }
+
+    /// Commits every shard, then `meta.json`: its presence marks a complete cache.
+    fn finish(
+        self,
+        dir: PathBuf,
+        meta: PreparedMeta,
+        reused: bool,
+    ) -> Result<Prepared, CacheError> {
+        for f in self.files {
+            f.commit().map_err(io(&dir))?;
+        }
+        write_json(&dir.join("meta.json"), &meta)?;
+        Ok(Prepared { dir, meta, reused })
+    }
 }
 
 impl Prepared {
-    /// Opens the cache for `ds` under `root`, building it (or re-sharding it) when needed; a
-    /// build decodes on `threads` threads.
+    /// Opens the cache of `plan`, building it (or re-sharding it) when needed; a build decodes on
+    /// `threads` threads and hands every chunk of kept samples to `sink` as it goes.
     pub fn open_or_build(
-        root: &Path,
+        plan: &SamplePlan,
         ds: &Dataset,
-        spec: &PreprocessSpec,
         workers: usize,
         threads: usize,
         skip_invalid: bool,
+        sink: Sink<'_>,
     ) -> Result<Prepared, CacheError> {
-        let (key, order) = canonical_order(ds, spec);
-        let dir = root.join("samples").join(&key[..32]);
-        let meta_path = dir.join("meta.json");
-        if meta_path.exists() {
-            let meta: PreparedMeta = read_json(&meta_path)?;
-            let p = Prepared {
-                dir,
-                meta,
-                reused: true,
-            };
-            if p.meta.ids.len() < workers.max(1) {
-                return Err(CacheError::TooFewSamples {
-                    samples: p.meta.ids.len(),
-                    workers,
-                });
-            }
-            if p.meta.shards >= workers.max(1) && p.meta.key == key {
-                return Ok(p);
-            }
-            // Fewer shards than workers: re-shard the cached pixels, no decoding.
-            let pixels = p.load_pixels()?;
-            let meta = PreparedMeta {
-                shards: shard_count(pixels.len(), workers),
-                ..p.meta.clone()
-            };
-            return Self::write(p.dir, meta, &pixels, true);
+        let meta_path = plan.dir.join("meta.json");
+        if !meta_path.exists() {
+            return Self::build(plan, ds, workers, threads, skip_invalid, sink);
         }
-        let decoded = decode_all(ds, spec, &order, threads);
-        let mut pixels = Vec::with_capacity(ds.samples.len());
+        let meta: PreparedMeta = read_json(&meta_path)?;
+        let p = Prepared {
+            dir: plan.dir.clone(),
+            meta,
+            reused: true,
+        };
+        if p.meta.ids.len() < workers.max(1) {
+            return Err(CacheError::TooFewSamples {
+                samples: p.meta.ids.len(),
+                workers,
+            });
+        }
+        if p.meta.shards >= workers.max(1) && p.meta.key == plan.key {
+            return Ok(p);
+        }
+        // Fewer shards than workers: re-shard the cached pixels, no decoding.
+        let pixels = p.load_pixels()?;
+        let meta = PreparedMeta {
+            shards: shard_count(pixels.len(), workers),
+            ..p.meta.clone()
+        };
+        let mut w = ShardWriter::create(&p.dir, meta.shards)?;
+        for px in &pixels {
+            w.push(&p.dir, px)?;
+        }
+        w.finish(p.dir, meta, true)
+    }
+
+    fn build(
+        plan: &SamplePlan,
+        ds: &Dataset,
+        workers: usize,
+        threads: usize,
+        skip_invalid: bool,
+        sink: Sink<'_>,
+    ) -> Result<Prepared, CacheError> {
+        let dir = plan.dir.clone();
+        // Shards for every row: one an invalid image leaves out never makes fewer than the workers.
+        let shards = shard_count(plan.order.len(), workers);
+        let mut w = ShardWriter::create(&dir, shards)?;
         let (mut ids, mut labels, mut content, mut skipped) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for ((i, sha), px) in order.into_iter().zip(decoded) {
-            let s = &ds.samples[i];
-            match px {
-                Ok(px) => {
-                    pixels.push(px);
-                    ids.push(s.id.clone());
-                    labels.push(s.label);
-                    content.push(sha);
+        let pb = progress(plan.order.len() as u64, "decoding");
+        let mut rows = plan.order.iter();
+        decode_stream(ds, &plan.spec, &plan.order, threads, |chunk| {
+            let mut kept = Vec::with_capacity(chunk.len());
+            // The chunk first: `zip` would take a row past the chunk's end and lose it.
+            for (px, (i, sha)) in chunk.into_iter().zip(rows.by_ref()) {
+                let s = &ds.samples[*i];
+                match px {
+                    Ok(px) => {
+                        w.push(&dir, &px)?;
+                        kept.push(px);
+                        ids.push(s.id.clone());
+                        labels.push(s.label);
+                        content.push(sha.clone());
+                    }
+                    Err(e) if skip_invalid => skipped.push((s.id.clone(), e.to_string())),
+                    Err(e) => return Err(CacheError::Invalid(e)),
                 }
-                Err(e) if skip_invalid => skipped.push((s.id.clone(), e.to_string())),
-                Err(e) => return Err(CacheError::Invalid(e)),
             }
-        }
-        if pixels.is_empty() {
+            sink(&kept)?;
+            pb.inc(kept.len() as u64);
+            Ok(())
+        })?;
+        pb.finish_and_clear();
+        if ids.is_empty() {
             return Err(CacheError::Empty(ds.source.clone()));
         }
-        if pixels.len() < workers.max(1) {
+        if ids.len() < workers.max(1) {
             return Err(CacheError::TooFewSamples {
-                samples: pixels.len(),
+                samples: ids.len(),
                 workers,
             });
         }
         let meta = PreparedMeta {
-            key,
+            key: plan.key.clone(),
             source: ds.source.clone(),
-            spec: spec.clone(),
+            spec: plan.spec.clone(),
             labels: ds.labels.clone(),
             ids,
             sample_labels: labels,
             content_sha256: content,
-            shards: shard_count(pixels.len(), workers),
+            shards,
             skipped,
         };
-        Self::write(dir, meta, &pixels, false)
-    }
-
-    fn write(
-        dir: PathBuf,
-        meta: PreparedMeta,
-        pixels: &[Vec<u8>],
-        reused: bool,
-    ) -> Result<Prepared, CacheError> {
-        fs::create_dir_all(&dir).map_err(io(&dir))?;
-        for shard in 0..meta.shards {
-            let mut buf = Vec::new();
-            for px in pixels.iter().skip(shard).step_by(meta.shards) {
-                buf.extend_from_slice(px);
-            }
-            write_atomic(&dir.join(format!("shard-{shard:05}.bin")), &buf)?;
-        }
-        // meta.json last: its presence marks a complete cache.
-        write_json(&dir.join("meta.json"), &meta)?;
-        Ok(Prepared { dir, meta, reused })
+        w.finish(dir, meta, false)
     }
 
     pub fn len(&self) -> usize {
@@ -277,9 +373,9 @@ impl Prepared {
 
     /// One sample's normalised tensor (CHW f32), from its cached pixels.
     pub fn normalize(&self, pixels: &[u8]) -> Vec<f32> {
-        let [h, w] = self.meta.spec.input_size;
-        let img = RgbImage::from_raw(w, h, pixels.to_vec()).expect("cached pixels have input_size");
-        self.meta.spec.normalize(&img)
+        let mut out = vec![0f32; pixels.len()];
+        self.meta.spec.normalize_into(pixels, &mut out);
+        out
     }
 }
 

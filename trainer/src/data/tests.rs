@@ -590,3 +590,106 @@ fn data_unlabelled_rows_fail_or_are_skipped() {
     let e = crate::data::load_all(&paths, &SourceOpts::default()).unwrap_err();
     assert!(e.to_string().contains("none.parquet"), "{e}");
 }
+
+/// Building the sample and feature caches in one pass (decode overlapped with the backbone) gives
+/// the same shards, metadata and features as building them one after the other, skips the same
+/// invalid rows, and applies only where no cache holds the samples yet.
+#[test]
+fn caches_built_in_one_pass_equal_two_passes() {
+    use crate::distributed::{Job, JobOpts};
+    use kestrel_models::backbone::Backbone;
+    let mut samples: Vec<Sample> = (0..70u8)
+        .map(|i| Sample {
+            id: format!("img-{i}.png"),
+            bytes: png(i),
+            label: usize::from(i % 3 == 0),
+        })
+        .collect();
+    samples.push(Sample {
+        id: "torn.png".into(),
+        bytes: png(200)[..20].to_vec(),
+        label: 1,
+    });
+    let ds = Dataset {
+        samples,
+        labels: vec!["a".into(), "b".into()],
+        source: "test".into(),
+        unlabelled: Vec::new(),
+    };
+    let backbone = Backbone::resolve("random:3", Some(kestrel_models::Arch::EfficientnetLite0))
+        .expect("random weights");
+    let boundary = backbone.net.blocks.len();
+    let spec = &backbone.net.preprocess;
+    let tract = kestrel_models::EngineKind::Tract;
+    let job = |root: &Path| {
+        Job::local(JobOpts {
+            threads: 2,
+            cache_root: root.to_path_buf(),
+            ..JobOpts::default()
+        })
+        .quiet()
+    };
+    let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let job1 = job(one.path());
+    let plan1 = SamplePlan::new(one.path(), &ds, spec);
+    let (p1, f1) =
+        features::extract_while_decoding(&job1, &plan1, &ds, &backbone, boundary, tract, true)
+            .unwrap()
+            .expect("no cache yet: one pass");
+    assert_eq!((f1.computed, f1.reused, f1.hit), (70, 0, false));
+    // Every row kept once, with its own label and pixels (chunks of 32 end mid-table).
+    for (k, id) in p1.meta.ids.iter().enumerate() {
+        let s = ds.samples.iter().find(|s| s.id == *id).unwrap();
+        assert_eq!(p1.meta.sample_labels[k], s.label, "{id}");
+        assert_eq!(
+            p1.meta.content_sha256[k],
+            super::cache::sha256_hex(&s.bytes),
+            "{id}"
+        );
+        let img = kestrel_shared::preprocess::decode(&s.bytes, id, &Default::default()).unwrap();
+        let want = spec.to_pixels(&img).unwrap().into_raw();
+        assert_eq!(p1.load_samples(&[k]).unwrap()[0], want, "{id}");
+    }
+    // Built now: the one-pass path steps aside, and the usual path finds both caches.
+    assert!(
+        features::extract_while_decoding(&job1, &plan1, &ds, &backbone, boundary, tract, true)
+            .unwrap()
+            .is_none()
+    );
+    let job2 = job(two.path());
+    let plan2 = SamplePlan::new(two.path(), &ds, spec);
+    let p2 = Prepared::open_or_build(&plan2, &ds, 1, 2, true, &mut |_| Ok(())).unwrap();
+    let f2 = features::features(&job2, &p2, &backbone, boundary, tract).unwrap();
+    assert_eq!(f2.computed, 70);
+    assert_eq!(p1.meta.key, p2.meta.key);
+    assert_eq!(p1.meta.ids, p2.meta.ids);
+    assert_eq!(p1.meta.content_sha256, p2.meta.content_sha256);
+    assert_eq!(p1.meta.skipped.len(), 1);
+    assert_eq!(p1.meta.skipped[0].0, "torn.png");
+    assert_eq!(p1.meta.skipped, p2.meta.skipped);
+    assert_eq!(p1.load_pixels().unwrap(), p2.load_pixels().unwrap());
+    assert_eq!(f1.meta.dims, f2.meta.dims);
+    assert_eq!(
+        f1.data, f2.data,
+        "features differ between one and two passes"
+    );
+    let reread = features::features(&job1, &p1, &backbone, boundary, tract).unwrap();
+    assert!(reread.hit);
+    assert_eq!(reread.data, f1.data);
+    // Without --skip-invalid the torn image stops the build, naming it, and leaves no cache.
+    let three = tempfile::tempdir().unwrap();
+    let plan3 = SamplePlan::new(three.path(), &ds, spec);
+    let err = features::extract_while_decoding(
+        &job(three.path()),
+        &plan3,
+        &ds,
+        &backbone,
+        boundary,
+        tract,
+        false,
+    )
+    .err()
+    .expect("a torn image fails the build");
+    assert!(err.to_string().contains("torn.png"), "{err}");
+    assert!(!plan3.is_built());
+}

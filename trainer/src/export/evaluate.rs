@@ -10,7 +10,7 @@ use kestrel_shared::ImageLimits;
 use kestrel_shared::manifest::Manifest;
 
 use super::ExportError;
-use crate::data::{self, Prepared, features};
+use crate::data::{self, Prepared, SamplePlan, features};
 
 /// Reads the manifest beside an exported `model.onnx` (or in an artifact directory).
 pub fn read_manifest(model: &Path) -> Result<(PathBuf, Manifest), ExportError> {
@@ -79,7 +79,8 @@ pub fn evaluate_model(
 ) -> Result<crate::report::Evaluation, ExportError> {
     let (m, engine) = load_model(model, engine, threads)?;
     let ds = data::load(data_path, source)?;
-    let prepared = Prepared::open_or_build(cache_root, &ds, &m.preprocess, 1, threads, false)?;
+    let plan = SamplePlan::new(cache_root, &ds, &m.preprocess);
+    let prepared = Prepared::open_or_build(&plan, &ds, 1, threads, false, &mut |_| Ok(()))?;
     let map: Vec<usize> = prepared
         .meta
         .labels
@@ -99,7 +100,7 @@ pub fn evaluate_model(
     let refs: Vec<&[u8]> = pixels.iter().map(|p| p.as_slice()).collect();
     let logits = features::run_frozen(
         engine.as_ref(),
-        &prepared,
+        &m.preprocess,
         &refs,
         m.labels.len(),
         &crate::report::progress(refs.len() as u64, "evaluate"),

@@ -91,7 +91,7 @@ impl Augmenter {
         let refs: Vec<&[u8]> = views.iter().map(|v| v.as_slice()).collect();
         Ok(run_frozen(
             self.frozen.as_ref(),
-            &pp.prepared,
+            &pp.prepared.meta.spec,
             &refs,
             pp.features.per_sample(),
             &ProgressBar::hidden(),

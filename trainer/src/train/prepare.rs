@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use super::head::FeatureRows;
 use super::{FitParams, TrainError};
 use crate::data::split::{self, Split};
-use crate::data::{self, Dataset, Features, Prepared, features};
+use crate::data::{self, Dataset, Features, Prepared, SamplePlan, features};
 use crate::distributed::Job;
 
 /// Data ready for training: cached samples and features, labels and split.
@@ -90,16 +90,33 @@ pub fn prepare(p: &FitParams, job: &Job) -> Result<Prepped, TrainError> {
         )));
     }
     let boundary = blocks - p.unfreeze_last;
-    let prepared = job.lead_first(|| {
-        Prepared::open_or_build(
-            job.cache_root(),
-            &ds,
-            &backbone.net.preprocess,
-            job.world(),
-            job.threads(),
-            p.skip_invalid,
-        )
-    })?;
+    let plan = SamplePlan::new(job.cache_root(), &ds, &backbone.net.preprocess);
+    let fused = features::extract_while_decoding(
+        job,
+        &plan,
+        &ds,
+        &backbone,
+        boundary,
+        p.engine,
+        p.skip_invalid,
+    )?;
+    let (prepared, features) = match fused {
+        Some(both) => both,
+        None => {
+            let prepared = job.lead_first(|| {
+                Prepared::open_or_build(
+                    &plan,
+                    &ds,
+                    job.world(),
+                    job.threads(),
+                    p.skip_invalid,
+                    &mut |_| Ok(()),
+                )
+            })?;
+            let features = features::features(job, &prepared, &backbone, boundary, p.engine)?;
+            (prepared, features)
+        }
+    };
     job.log(format!(
         "samples: {} from {} ({} classes){}, cache {} {}",
         prepared.len(),
@@ -115,7 +132,6 @@ pub fn prepare(p: &FitParams, job: &Job) -> Result<Prepped, TrainError> {
     for (id, why) in prepared.meta.skipped.iter().take(5) {
         job.log(format!("  skipped {id}: {why}"));
     }
-    let features = features::features(job, &prepared, &backbone, boundary, p.engine)?;
     job.log(format!(
         "features: boundary {boundary}/{blocks} dims {:?}, backbone runs: {} ({})",
         features.meta.dims,
