@@ -16,6 +16,7 @@
 //! devices) must hold, over its devices' quality reports, before it is promoted; a breach
 //! aborts.
 
+pub mod command;
 pub mod driver;
 pub mod gates;
 #[cfg(test)]
@@ -561,6 +562,20 @@ impl Controller {
         self.phase_started = now;
         self.phase_succeeded = None;
         out.extend(self.start(now));
+        out
+    }
+
+    /// An operator's abort (a signed [`command::Command`]): stops the rollout as a failure
+    /// would and sends every device already moved back.
+    pub fn on_abort(&mut self, reason: &str, by: &str) -> Vec<Output> {
+        if self.state != RolloutState::Running {
+            return vec![];
+        }
+        let mut out = self.abort(format!(
+            "phase {} `{}`: aborted by {by}: {reason}",
+            self.phase, self.plan.phases[self.phase].name
+        ));
+        out.push(Output::Save);
         out
     }
 
