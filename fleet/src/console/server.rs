@@ -122,36 +122,13 @@ fn presented(req: &Request) -> Option<String> {
     let query = req.uri().query().and_then(|q| {
         q.split('&')
             .find_map(|kv| kv.strip_prefix("token="))
-            .map(|t| percent_decode(t))
+            .map(|t| {
+                percent_encoding::percent_decode_str(t)
+                    .decode_utf8_lossy()
+                    .into_owned()
+            })
     });
     bearer.map(String::from).or(cookie).or(query)
-}
-
-fn percent_decode(s: &str) -> String {
-    let mut out = Vec::new();
-    let b = s.as_bytes();
-    let mut i = 0;
-    while i < b.len() {
-        match (
-            b[i],
-            s.get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok()),
-        ) {
-            (b'%', Some(x)) => {
-                out.push(x);
-                i += 3;
-            }
-            (b'+', _) => {
-                out.push(b' ');
-                i += 1;
-            }
-            (c, _) => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Equal without an early exit (the time taken does not tell how much of a guess was right).
