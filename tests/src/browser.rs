@@ -134,9 +134,19 @@ impl Browser {
             .to_string()
     }
 
+    /// Clicks the element; found again if the page replaced it in between (a live page
+    /// re-renders).
     pub fn click(&self, css: &str) {
-        let e = self.find(css);
-        self.post(&format!("element/{e}/click"), json!({}));
+        for _ in 0..5 {
+            let e = self.find(css);
+            let url = format!("{}/element/{e}/click", self.session);
+            match try_call(&self.http, reqwest::Method::POST, &url, Some(json!({}))) {
+                Ok(_) => return,
+                Err(e) if e.contains("stale element") => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        panic!("{css}: replaced five times while clicking it");
     }
 
     /// Types `text` into the element, as a keyboard would.
@@ -192,15 +202,25 @@ fn call(
     url: &str,
     body: Option<Value>,
 ) -> Value {
+    try_call(http, method, url, body).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// One WebDriver call: its `value`, or the driver's error.
+fn try_call(
+    http: &reqwest::blocking::Client,
+    method: reqwest::Method,
+    url: &str,
+    body: Option<Value>,
+) -> Result<Value, String> {
     let mut req = http.request(method, url);
     if let Some(b) = body {
         req = req.json(&b);
     }
-    let r = req
-        .send()
-        .unwrap_or_else(|e| panic!("WebDriver {url}: {e}"));
+    let r = req.send().map_err(|e| format!("WebDriver {url}: {e}"))?;
     let ok = r.status().is_success();
-    let v: Value = r.json().unwrap_or_else(|e| panic!("WebDriver {url}: {e}"));
-    assert!(ok, "WebDriver {url}: {}", v["value"]);
-    v["value"].clone()
+    let v: Value = r.json().map_err(|e| format!("WebDriver {url}: {e}"))?;
+    if !ok {
+        return Err(format!("WebDriver {url}: {}", v["value"]));
+    }
+    Ok(v["value"].clone())
 }

@@ -21,7 +21,7 @@ use serde_json::Value;
 const DEVICES: usize = 200;
 /// The devices the rollouts move (each downloads the 3.5 MB artifact: all 200 would take minutes
 /// on the CI's 2 cores); the page still lists all 200.
-const ROLLED: usize = 20;
+const ROLLED: usize = 200;
 
 /// The plan's fleet: `devices = ["cs-000", ...]`, the first [`ROLLED`] devices.
 fn plan_devices() -> String {
@@ -162,7 +162,7 @@ fn console_in_chromium_shows_the_fleet_a_rollout_an_error_and_filters() {
     let west = format!("west={}", feed_dir(&dir.join("west"), "nonface", 8));
     let n = DEVICES.to_string();
     let args = ["--simulate", &n, "--feed", &east, "--feed", &west];
-    let mut fleet = start_agent_with(&conf, &[], &[&args[..], &["--feed-rate", "0.5"]].concat());
+    let mut fleet = start_agent_with(&conf, &[], &[&args[..], &["--feed-rate", "0.1"]].concat());
     wait_fleet(&b.config(), DEVICES);
     let key = s(&f.key());
     let (_console, url) = start_console(
@@ -177,6 +177,13 @@ fn console_in_chromium_shows_the_fleet_a_rollout_an_error_and_filters() {
             &key,
         ],
     );
+    let t0 = Instant::now();
+    let stage = |what: &str| {
+        eprintln!(
+            "console test: {what} at {:.1} s",
+            t0.elapsed().as_secs_f64()
+        )
+    };
     let shots = dir.join("screenshots");
     std::fs::create_dir_all(&shots).unwrap();
     let browser = Browser::start(&dir.join("chromium"), 1280, 900);
@@ -208,6 +215,7 @@ fn console_in_chromium_shows_the_fleet_a_rollout_an_error_and_filters() {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert!(rollout_ended(rollout, 30), "the rollout completed");
+    stage("rollout completed in the page");
     let phases: Vec<i64> = seen.iter().filter_map(|v| v[1].as_i64()).collect();
     assert!(
         phases.contains(&0) && phases.iter().any(|p| *p >= 1),
@@ -238,6 +246,7 @@ fn console_in_chromium_shows_the_fleet_a_rollout_an_error_and_filters() {
         "cs-007's health check error",
     );
     eprintln!("cs-007 in the page: {err}");
+    stage("health check error shown");
     let status = trainer_json(&[
         "status",
         "--broker",
@@ -272,9 +281,11 @@ fn console_in_chromium_shows_the_fleet_a_rollout_an_error_and_filters() {
     browser.click("#filters button[type=reset]");
     browser.wait_for(&rows, 10, "every device again");
 
+    stage("filtered");
     abort_from_the_page(&browser, &dir, &b, &url);
+    stage("aborted from the page");
     api_reads_the_same(&url);
-    phone_and_keyboard(&browser, &shots);
+    phone_and_keyboard(&browser, &shots, &url);
     assert!(fleet.is_running(), "{}", fleet.output());
 }
 
@@ -323,7 +334,11 @@ fn abort_from_the_page(browser: &Browser, dir: &Path, b: &Broker, url: &str) {
     );
     // Its canary is back on v1.
     let v = get_json(&format!("{url}api/rollouts/console-v2"));
-    assert_eq!(v["phases"][0]["rolled_back"].as_u64(), Some(10), "{v}");
+    assert_eq!(
+        v["phases"][0]["rolled_back"].as_u64(),
+        Some(ROLLED as u64 / 2),
+        "{v}"
+    );
 }
 
 /// The JSON API and /metrics say what the page says.
@@ -365,7 +380,7 @@ fn api_reads_the_same(url: &str) {
 }
 
 /// A phone's width: nothing but the tables scrolls sideways; the keyboard reaches the page.
-fn phone_and_keyboard(browser: &Browser, shots: &Path) {
+fn phone_and_keyboard(browser: &Browser, shots: &Path, url: &str) {
     browser.resize(390, 844);
     browser.wait_for(
         "return document.documentElement.scrollWidth <= window.innerWidth + 1",
@@ -374,7 +389,13 @@ fn phone_and_keyboard(browser: &Browser, shots: &Path) {
     );
     browser.screenshot(&shots.join("phone.png"));
     browser.resize(1280, 900);
-    browser.eval("document.activeElement.blur(); window.scrollTo(0, 0); return 1");
+    // A fresh load: Tab starts from the top of the page.
+    browser.goto(url);
+    browser.wait_for(
+        "return document.querySelectorAll('#device-rows tr').length > 0",
+        20,
+        "rows",
+    );
     browser.press("\u{E004}");
     assert_eq!(
         browser.eval("return document.activeElement.className"),

@@ -8,6 +8,7 @@ let events = [];
 let actions = false;
 let connected = false;
 let dirty = false;
+let eventsDirty = false;
 let firstRender = true;
 
 const $ = (id) => document.getElementById(id);
@@ -103,7 +104,8 @@ function gateRows(r) {
     "</tbody></table></div>";
 }
 
-function rolloutCard(r) {
+// A rollout's header (name, model, state, reason) and body (phases, gates), as HTML.
+function rolloutParts(r) {
   const badge = { running: "▶ running", completed: "✓ completed", aborted: "✗ aborted" }[r.state] || r.state;
   const mark = { done: "✓ done", current: r.state === "running" ? "▶ current" : "■ stopped here", pending: "… pending" };
   const phases = r.phases.map((p) => `<tr data-phase="${p.index}" data-progress="${p.progress}">` +
@@ -112,20 +114,58 @@ function rolloutCard(r) {
     `<td class="num">${p.active}</td><td class="num">${p.failed}</td><td class="num">${p.rolled_back}</td></tr>` +
     (p.failures.length ? `<tr class="failures"><td colspan="8">${p.failures.map(([d, why]) =>
       `<span class="bad">⚠ ${esc(d)}: ${esc(why)}</span>`).join("<br>")}</td></tr>` : "")).join("");
-  const abort = actions && r.state === "running"
-    ? `<button class="danger" data-abort="${esc(r.name)}">Abort ${esc(r.name)}…</button>` : "";
-  return `<article class="rollout ${r.state}" data-rollout="${esc(r.name)}" data-state="${r.state}">` +
-    `<h3>${esc(r.name)} <span class="muted">${esc(r.model)} v${r.version}</span> <span class="badge">${badge}</span></h3>` +
-    (r.reason ? `<p class="bad reason">${esc(r.reason)}</p>` : "") + abort +
-    `<div class="table-wrap"><table class="phases"><caption class="sr">Phases of ${esc(r.name)}</caption><thead><tr>` +
+  const head = `<h3>${esc(r.name)} <span class="muted">${esc(r.model)} v${r.version}</span> <span class="badge">${badge}</span></h3>` +
+    (r.reason ? `<p class="bad reason">${esc(r.reason)}</p>` : "");
+  const body = `<div class="table-wrap"><table class="phases"><caption class="sr">Phases of ${esc(r.name)}</caption><thead><tr>` +
     `<th scope="col">Phase</th><th scope="col">Progress</th><th scope="col">Devices</th><th scope="col">Waiting</th>` +
     `<th scope="col">Moved</th><th scope="col">Active</th><th scope="col">Failed</th><th scope="col">Rolled back</th>` +
-    `</tr></thead><tbody>${phases}</tbody></table></div>${gateRows(r)}</article>`;
+    `</tr></thead><tbody>${phases}</tbody></table></div>${gateRows(r)}`;
+  return [head, body];
+}
+
+// One card per rollout, kept across updates: only its text is replaced, so its Abort button
+// (and the keyboard focus on it) stays while the rollout's state changes under it.
+const cards = new Map();
+
+function card(r) {
+  const el = document.createElement("article");
+  el.dataset.rollout = r.name;
+  const head = document.createElement("div");
+  const button = document.createElement("button");
+  button.className = "danger";
+  button.dataset.abort = r.name;
+  button.textContent = `Abort ${r.name}…`;
+  const body = document.createElement("div");
+  el.append(head, button, body);
+  return { el, head, button, body, html: "" };
 }
 
 function renderRollouts() {
+  const box = $("rollout-list");
+  for (const [name, c] of cards) {
+    if (!rollouts.has(name)) {
+      c.el.remove();
+      cards.delete(name);
+    }
+  }
   const list = [...rollouts.values()].sort((a, b) => (a.state === "running") - (b.state === "running") || (a.name < b.name ? -1 : 1)).reverse();
-  $("rollout-list").innerHTML = list.length ? list.map(rolloutCard).join("") : '<p class="empty">No rollout on this broker.</p>';
+  const empty = box.querySelector(".empty");
+  if (empty && list.length) empty.remove();
+  if (!list.length && !empty) box.innerHTML = '<p class="empty">No rollout on this broker.</p>';
+  list.forEach((r, i) => {
+    if (!cards.has(r.name)) cards.set(r.name, card(r));
+    const c = cards.get(r.name);
+    const [head, body] = rolloutParts(r);
+    if (head + body !== c.html) {
+      c.head.innerHTML = head;
+      c.body.innerHTML = body;
+      c.html = head + body;
+    }
+    c.el.className = `rollout ${r.state}`;
+    c.el.dataset.state = r.state;
+    c.button.hidden = !(actions && r.state === "running");
+    if (box.children[i] !== c.el) box.insertBefore(c.el, box.children[i] || null);
+  });
 }
 
 function renderEvents() {
@@ -140,7 +180,10 @@ function render() {
   const focused = document.activeElement && document.activeElement.id;
   renderDevices();
   renderRollouts();
-  renderEvents();
+  if (eventsDirty) {
+    eventsDirty = false;
+    renderEvents();
+  }
   const link = $("link");
   link.innerHTML = connected ? '<span aria-hidden="true">●</span> broker connected'
     : '<span aria-hidden="true">○</span> broker not connected';
@@ -173,7 +216,10 @@ function onDelta(msg) {
   }
   for (const x of d.devices) devices.set(x.id, x);
   for (const r of d.rollouts) rollouts.set(r.name, r);
-  events = events.concat(d.events).slice(-500);
+  if (d.full || d.events.length) {
+    events = events.concat(d.events).slice(-500);
+    eventsDirty = true;
+  }
   connected = d.connected;
   schedule();
 }
