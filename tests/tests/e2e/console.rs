@@ -12,23 +12,13 @@ use std::time::{Duration, Instant};
 
 use kestrel_tests::browser::Browser;
 use kestrel_tests::fleet::{
-    Broker, BrokerKind, Proc, agent_config, fixture, free_port, publish_ok, start_agent_with,
-    wait_fleet,
+    Broker, BrokerKind, Proc, agent_config, fixture, free_port, publish_ok, rollout_command,
+    start_agent_with, wait_fleet,
 };
 use kestrel_tests::{bin, lfw, run, s, stderr, trainer_json};
 use serde_json::Value;
 
 const DEVICES: usize = 200;
-/// The devices the rollouts move (each downloads the 3.5 MB artifact: all 200 would take minutes
-/// on the CI's 2 cores); the page still lists all 200.
-const ROLLED: usize = 200;
-
-/// The plan's fleet: `devices = ["cs-000", ...]`, the first [`ROLLED`] devices.
-fn plan_devices() -> String {
-    let ids: Vec<String> = (0..ROLLED).map(|i| format!("\"cs-{i:03}\"")).collect();
-    format!("devices = [{}]\n", ids.join(", "))
-}
-
 /// An emptied `target/tmp/NAME` (kept after the test for its logs and screenshots), and a broker.
 /// The fleet's is Mosquitto: rumqttd gave a subscriber that came after 1,000 devices only 100
 /// retained messages per topic filter (`trainer status` listed 100, a console saw 189 devices).
@@ -94,25 +84,14 @@ fn feed_dir(dir: &Path, class: &str, n: usize) -> String {
 
 fn write_plan(dir: &Path, name: &str, body: &str) -> String {
     let p = dir.join(format!("{name}.toml"));
-    std::fs::write(&p, format!("name = \"{name}\"\n{}{body}", plan_devices())).unwrap();
+    std::fs::write(&p, format!("name = \"{name}\"\n{body}")).unwrap();
     s(&p)
 }
 
 /// `trainer rollout` from the CLI, in the background.
 fn start_rollout(dir: &Path, b: &Broker, art: &Path, plan: &str, name: &str) -> Proc {
-    let f = fixture();
-    let mut c = Command::new(bin("trainer"));
-    c.args([
-        "rollout",
-        "--broker",
-        &b.url(),
-        "--artifact",
-        &s(art),
-        "--key",
-    ])
-    .arg(f.key())
-    .args(["--fleet", plan]);
-    Proc::spawn(&mut c, &dir.join(format!("rollout-{name}.log")))
+    let log = dir.join(format!("rollout-{name}.log"));
+    Proc::spawn(&mut rollout_command(b, art, plan), &log)
 }
 
 /// Waits for a background rollout to end; returns whether it succeeded.
@@ -192,75 +171,11 @@ fn console_in_chromium_shows_the_fleet_a_rollout_an_error_and_filters() {
     browser.wait_for(&rows, 30, "200 device rows");
     let first = browser.eval("return document.documentElement.dataset.firstRenderMs");
     eprintln!("console: first render with {DEVICES} devices after {first} ms");
-    // A marker that a reload would lose.
-    browser.eval("window.kestrelNoReload = 1; return 1");
-
-    // A rollout started from the CLI: the page shows its phases advancing.
-    let plan = write_plan(&dir, "console-v1", THREE_PHASES);
-    let rollout = start_rollout(&dir, &b, &f.v1, &plan, "v1");
-    let mut seen: Vec<Value> = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(150);
-    loop {
-        let v = browser.eval(ROLLOUT_PROGRESS);
-        if !v.is_null() && seen.last() != Some(&v) {
-            if v[0] == "running" && v[1] == 1 {
-                browser.screenshot(&shots.join("rollout.png"));
-            }
-            seen.push(v.clone());
-        }
-        if v[0] == "completed" {
-            break;
-        }
-        assert!(Instant::now() < deadline, "rollout in the page: {seen:?}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    assert!(rollout_ended(rollout, 30), "the rollout completed");
+    rollout_advances_in_the_page(&browser, &dir, &b, &shots);
     stage("rollout completed in the page");
-    let phases: Vec<i64> = seen.iter().filter_map(|v| v[1].as_i64()).collect();
-    assert!(
-        phases.contains(&0) && phases.iter().any(|p| *p >= 1),
-        "phases seen advancing: {seen:?}"
-    );
-    assert_eq!(
-        browser.eval("return window.kestrelNoReload"),
-        1,
-        "no reload"
-    );
-    let active = format!(
-        "return [...document.querySelectorAll('#device-rows td[data-col=\"active\"]')]\
-         .filter(td => td.textContent === 'lfw v1').length === {ROLLED}"
-    );
-    browser.wait_for(&active, 60, "the rolled-out devices show lfw v1 active");
 
-    // A device whose new model fails its health check shows the error.
-    let bad = f.variant(&f.v2, 9, |m| {
-        for g in m["golden"].as_array_mut().unwrap() {
-            g["expected_top1"] = (1 - g["expected_top1"].as_u64().unwrap()).into();
-        }
-    });
-    publish_ok(&b, &bad, &f.key(), "device/cs-007");
-    let err = browser.wait_for(
-        "const td = document.querySelector('tr[data-device=\"cs-007\"] td[data-col=\"error\"]'); \
-         return td && td.textContent.includes('health check failed') ? td.textContent : null",
-        90,
-        "cs-007's health check error",
-    );
-    eprintln!("cs-007 in the page: {err}");
+    health_check_error_shows(&browser, &b);
     stage("health check error shown");
-    let status = trainer_json(&[
-        "status",
-        "--broker",
-        &b.url(),
-        "--device",
-        "cs-007",
-        "--json",
-    ]);
-    assert!(
-        err.as_str()
-            .unwrap()
-            .contains(status["last_error"].as_str().unwrap()),
-        "{err} vs {status}"
-    );
     // Confidence with its sparkline (the feeds' windows since v1 became active).
     browser.wait_for(
         "return document.querySelectorAll('#device-rows svg.spark').length > 0",
@@ -287,6 +202,79 @@ fn console_in_chromium_shows_the_fleet_a_rollout_an_error_and_filters() {
     api_reads_the_same(&url);
     phone_and_keyboard(&browser, &shots, &url);
     assert!(fleet.is_running(), "{}", fleet.output());
+}
+
+/// A rollout started from the CLI: the page shows its phases advancing, without a reload.
+fn rollout_advances_in_the_page(browser: &Browser, dir: &Path, b: &Broker, shots: &Path) {
+    let f = fixture();
+    // A marker that a reload would lose.
+    browser.eval("window.kestrelNoReload = 1; return 1");
+    let plan = write_plan(&dir, "console-v1", THREE_PHASES);
+    let rollout = start_rollout(&dir, &b, &f.v1, &plan, "v1");
+    let mut seen: Vec<Value> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(150);
+    loop {
+        let v = browser.eval(ROLLOUT_PROGRESS);
+        if !v.is_null() && seen.last() != Some(&v) {
+            if v[0] == "running" && v[1] == 1 {
+                browser.screenshot(&shots.join("rollout.png"));
+            }
+            seen.push(v.clone());
+        }
+        if v[0] == "completed" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "rollout in the page: {seen:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(rollout_ended(rollout, 30), "the rollout completed");
+    let phases: Vec<i64> = seen.iter().filter_map(|v| v[1].as_i64()).collect();
+    assert!(
+        phases.contains(&0) && phases.iter().any(|p| *p >= 1),
+        "phases seen advancing: {seen:?}"
+    );
+    assert_eq!(
+        browser.eval("return window.kestrelNoReload"),
+        1,
+        "no reload"
+    );
+    let active = format!(
+        "return [...document.querySelectorAll('#device-rows td[data-col=\"active\"]')]\
+         .filter(td => td.textContent === 'lfw v1').length === {DEVICES}"
+    );
+    browser.wait_for(&active, 60, "every device shows lfw v1 active");
+}
+
+/// A device whose new model fails its health check shows the error the device reports.
+fn health_check_error_shows(browser: &Browser, b: &Broker) {
+    let f = fixture();
+    let bad = f.variant(&f.v2, 9, |m| {
+        for g in m["golden"].as_array_mut().unwrap() {
+            g["expected_top1"] = (1 - g["expected_top1"].as_u64().unwrap()).into();
+        }
+    });
+    publish_ok(b, &bad, &f.key(), "device/cs-007");
+    let err = browser.wait_for(
+        "const td = document.querySelector('tr[data-device=\"cs-007\"] td[data-col=\"error\"]'); \
+         return td && td.textContent.includes('health check failed') ? td.textContent : null",
+        90,
+        "cs-007's health check error",
+    );
+    eprintln!("cs-007 in the page: {err}");
+    let status = trainer_json(&[
+        "status",
+        "--broker",
+        &b.url(),
+        "--device",
+        "cs-007",
+        "--json",
+    ]);
+    assert!(
+        err.as_str()
+            .unwrap()
+            .contains(status["last_error"].as_str().unwrap()),
+        "{err} vs {status}"
+    );
 }
 
 /// A running rollout aborted from the page: confirmation typed, the controller rolls back.
@@ -336,7 +324,7 @@ fn abort_from_the_page(browser: &Browser, dir: &Path, b: &Broker, url: &str) {
     let v = get_json(&format!("{url}api/rollouts/console-v2"));
     assert_eq!(
         v["phases"][0]["rolled_back"].as_u64(),
-        Some(ROLLED as u64 / 2),
+        Some(DEVICES as u64 / 2),
         "{v}"
     );
 }
