@@ -1,5 +1,6 @@
 //! The console's HTTP side (axum): the page and its assets (embedded), the JSON API, the live
-//! stream (server-sent events), `/metrics`, the token check and the abort action.
+//! stream (server-sent events), `/metrics`, the token check and the actions (abort, pause,
+//! resume a rollout).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -94,7 +95,7 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/devices/:id", get(device))
         .route("/api/rollouts", get(rollouts))
         .route("/api/rollouts/:name", get(rollout))
-        .route("/api/rollouts/:name/abort", post(abort))
+        .route("/api/rollouts/:name/:action", post(act))
         .route("/api/events", get(events))
         .route("/api/stream", get(stream))
         .route("/metrics", get(prometheus))
@@ -255,20 +256,21 @@ async fn stream(State(app): AppState) -> Sse<impl Stream<Item = Result<Event, In
 }
 
 #[derive(Deserialize)]
-struct AbortRequest {
+struct ActionRequest {
     /// The rollout's name typed again: the confirmation.
     confirm: String,
     #[serde(default)]
     reason: String,
 }
 
-/// `POST /api/rollouts/NAME/abort` (JSON `{"confirm": NAME, "reason": ...}`): publishes a signed
-/// abort for the rollout's controller. 403 without `--allow-actions`; the JSON body (a
-/// non-simple request) keeps other sites' pages from posting it.
-async fn abort(
+/// `POST /api/rollouts/NAME/ACTION` (`abort`, `pause` or `resume`; JSON `{"confirm": NAME,
+/// "reason": ...}`): publishes a signed command for the rollout's controller. 403 without
+/// `--allow-actions`; the JSON body (a non-simple request) keeps other sites' pages from posting
+/// it.
+async fn act(
     State(app): AppState,
-    Path(name): Path<String>,
-    Json(req): Json<AbortRequest>,
+    Path((name, action)): Path<(String, Action)>,
+    Json(req): Json<ActionRequest>,
 ) -> Response {
     let Some(key) = app.actions.clone() else {
         return (
@@ -289,7 +291,7 @@ async fn abort(
     }
     let cmd = Command {
         rollout: name,
-        action: Action::Abort,
+        action,
         reason: if req.reason.trim().is_empty() {
             "operator request".into()
         } else {

@@ -174,6 +174,8 @@ pub struct RolloutRow {
     pub state: String,
     pub reason: Option<String>,
     pub phase: usize,
+    /// Held in its phase by an operator (`trainer console --allow-actions`).
+    pub paused: bool,
     /// Unix seconds when the current phase started.
     pub phase_started: u64,
     pub phases: Vec<PhaseRow>,
@@ -196,6 +198,7 @@ impl RolloutRow {
             state: state.into(),
             reason,
             phase: c.phase,
+            paused: c.paused,
             phase_started: c.phase_started,
             phases,
             gates: c.gates.clone(),
@@ -442,6 +445,10 @@ impl FleetView {
             )),
             Some(b) if b.phase != row.phase => out.push(event("phase", phase_text(row.phase))),
             _ => {}
+        }
+        if let Some(b) = before.as_ref().filter(|b| b.paused != row.paused) {
+            let kind = if b.paused { "resumed" } else { "paused" };
+            out.push(event(kind, phase_text(row.phase)));
         }
         if before.as_ref().is_some_and(|b| b.state != row.state) {
             let text = match &row.reason {

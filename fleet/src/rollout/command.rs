@@ -17,6 +17,10 @@ pub const FRESH_MS: u64 = 120_000;
 pub enum Action {
     /// Stop the rollout and send every device already moved back to its previous model.
     Abort,
+    /// Hold the rollout in its current phase (its devices go on; the next phase does not start).
+    Pause,
+    /// Let a paused rollout go on.
+    Resume,
 }
 
 /// The command itself (the signed `body`).

@@ -213,12 +213,17 @@ fn command(
 ) -> Vec<Output> {
     let now_ms = kestrel_shared::issued_now();
     match Command::open(payload, &key.verifying_key(), &c.name, now_ms) {
-        Ok(cmd) => match cmd.action {
-            Action::Abort => {
-                log(format!("abort requested by {}: {}", cmd.by, cmd.reason));
-                c.on_abort(&cmd.reason, &cmd.by)
+        Ok(cmd) => {
+            log(format!(
+                "{:?} requested by {}: {}",
+                cmd.action, cmd.by, cmd.reason
+            ));
+            match cmd.action {
+                Action::Abort => c.on_abort(&cmd.reason, &cmd.by),
+                Action::Pause => c.on_pause(true, &cmd.by, now_unix()),
+                Action::Resume => c.on_pause(false, &cmd.by, now_unix()),
             }
-        },
+        }
         Err(e) => {
             log(format!("command refused: {e}"));
             vec![]

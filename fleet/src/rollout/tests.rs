@@ -485,3 +485,31 @@ fn an_operator_abort_rolls_back_the_moved_devices_once() {
     // An ended rollout ignores a second abort.
     assert!(c.on_abort("again", "x").is_empty());
 }
+
+#[test]
+fn a_paused_rollout_holds_its_phase_until_resumed() {
+    let plan = Plan::parse(PLAN, "fleet.toml").unwrap();
+    let mut c = Controller::new("r1", "m", 2, plan, &fleet(100)).unwrap();
+    let canary = desired_devices(&c.start(10));
+    let out = c.on_pause(true, "console@x", 11);
+    assert!(c.paused && out.last() == Some(&Output::Save));
+    assert!(
+        c.on_pause(true, "console@x", 11).is_empty(),
+        "already paused"
+    );
+    // The canary finishes while paused, but the next phase does not start.
+    for d in &canary {
+        c.on_status(&status(d, &[], Some(2), None), 12);
+    }
+    assert_eq!(c.counts(0), (5, 0, 0));
+    assert!(desired_devices(&c.on_tick(100)).is_empty());
+    assert_eq!(c.phase, 0);
+    // Resumed, a ready phase is promoted at once.
+    let out = c.on_pause(false, "console@x", 101);
+    assert!(!c.paused);
+    assert_eq!(c.phase, 1);
+    assert_eq!(desired_devices(&out).len(), 45);
+    // The saved state says paused only while it is.
+    let json = serde_json::to_value(&c).unwrap();
+    assert!(json.get("paused").is_none(), "{json}");
+}

@@ -1,8 +1,8 @@
 //! The fleet console (`trainer console`) in a real browser: headless Chromium driven over
 //! WebDriver looks at 200 simulated devices (`edge-agent run --simulate 200`, two groups fed
 //! live images), a rollout started from the CLI advancing through its phases without a reload, a
-//! device whose model fails its health check, the group filter, and an abort from the page
-//! (`--allow-actions`) that the rollout's controller honours. Also the safety rules: no
+//! device whose model fails its health check, the group filter, and a pause, resume and abort
+//! from the page (`--allow-actions`) that the rollout's controller honours. Also the safety rules: no
 //! non-loopback address without a token, 401 without it, 403 for actions on a read-only
 //! console. Screenshots go to `target/tmp/console/screenshots/` (docs/console.png is one).
 
@@ -277,7 +277,39 @@ fn health_check_error_shows(browser: &Browser, b: &Broker) {
     );
 }
 
-/// A running rollout aborted from the page: confirmation typed, the controller rolls back.
+/// The button of `action` on rollout console-v2's card, once shown.
+const V2_BUTTON: &str =
+    "[data-rollout=\"console-v2\"] .actions:not([hidden]) [data-action=\"{}\"]:not([hidden])";
+
+/// Clicks `action` on console-v2, types its name in the confirmation and confirms.
+fn confirm_action(browser: &Browser, action: &str) {
+    let css = V2_BUTTON.replace("{}", action);
+    browser.wait_for(
+        &format!("return document.querySelector('{css}')"),
+        60,
+        &format!("console-v2's {action} button"),
+    );
+    browser.click(&css);
+    browser.type_into("#confirm-input", "console-v2");
+    browser.click("#confirm-ok");
+}
+
+/// Whether console-v2's card shows it paused (`paused`) or not, within 60 s.
+fn wait_paused(browser: &Browser, url: &str, paused: bool) {
+    browser.wait_for(
+        &format!(
+            "const r = document.querySelector('[data-rollout=\"console-v2\"] .badge'); \
+             return r && r.textContent.includes('paused') === {paused}"
+        ),
+        60,
+        &format!("console-v2 paused: {paused}"),
+    );
+    let v = get_json(&format!("{url}api/rollouts/console-v2"));
+    assert_eq!(v["paused"], paused, "{v}");
+}
+
+/// A running rollout paused, resumed and aborted from the page, each confirmed by typing its
+/// name; its controller honours each, and rolls back on the abort.
 fn abort_from_the_page(browser: &Browser, dir: &Path, b: &Broker, url: &str) {
     let f = fixture();
     // A canary that would soak for ten minutes: still running when the operator aborts it.
@@ -288,13 +320,13 @@ fn abort_from_the_page(browser: &Browser, dir: &Path, b: &Broker, url: &str) {
          [[phases]]\nname = \"all\"\npercent = 100\n",
     );
     let rollout = start_rollout(dir, b, &f.v2, &plan, "v2");
-    browser.wait_for(
-        "return document.querySelector('[data-rollout=\"console-v2\"] [data-abort]')",
-        60,
-        "console-v2 running with its abort button",
-    );
+    confirm_action(browser, "pause");
+    wait_paused(browser, url, true);
+    confirm_action(browser, "resume");
+    wait_paused(browser, url, false);
     // Without the name typed, nothing is sent.
-    browser.click("[data-rollout=\"console-v2\"] [data-abort]");
+    let abort = V2_BUTTON.replace("{}", "abort");
+    browser.click(&abort);
     browser.type_into("#confirm-input", "console-v1");
     browser.click("#confirm-ok");
     browser.wait_for(
@@ -351,7 +383,9 @@ fn api_reads_the_same(url: &str) {
         "{kinds:?}"
     );
     assert!(
-        kinds.contains(&"completed") && kinds.contains(&"aborted"),
+        ["completed", "paused", "resumed", "aborted"]
+            .iter()
+            .all(|k| kinds.contains(k)),
         "{kinds:?}"
     );
     let metrics = http()

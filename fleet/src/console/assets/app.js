@@ -106,7 +106,8 @@ function gateRows(r) {
 
 // A rollout's header (name, model, state, reason) and body (phases, gates), as HTML.
 function rolloutParts(r) {
-  const badge = { running: "▶ running", completed: "✓ completed", aborted: "✗ aborted" }[r.state] || r.state;
+  const badge = r.state === "running" && r.paused ? "⏸ paused"
+    : { running: "▶ running", completed: "✓ completed", aborted: "✗ aborted" }[r.state] || r.state;
   const mark = { done: "✓ done", current: r.state === "running" ? "▶ current" : "■ stopped here", pending: "… pending" };
   const phases = r.phases.map((p) => `<tr data-phase="${p.index}" data-progress="${p.progress}">` +
     `<th scope="row">${p.index} ${esc(p.name)}${p.mode === "shadow" ? " (shadow)" : ""}</th><td>${mark[p.progress]}</td>` +
@@ -127,17 +128,31 @@ function rolloutParts(r) {
 // (and the keyboard focus on it) stays while the rollout's state changes under it.
 const cards = new Map();
 
+const ACTIONS = {
+  pause: { label: "Pause", text: "The current phase goes on; the next one does not start until resumed." },
+  resume: { label: "Resume", text: "The rollout goes on from its current phase." },
+  abort: { label: "Abort", text: "Every device already moved goes back to its previous model. This cannot be undone." },
+};
+
 function card(r) {
   const el = document.createElement("article");
   el.dataset.rollout = r.name;
   const head = document.createElement("div");
-  const button = document.createElement("button");
-  button.className = "danger";
-  button.dataset.abort = r.name;
-  button.textContent = `Abort ${r.name}…`;
+  const bar = document.createElement("div");
+  bar.className = "actions";
+  const buttons = {};
+  for (const [action, a] of Object.entries(ACTIONS)) {
+    const b = document.createElement("button");
+    if (action === "abort") b.className = "danger";
+    b.dataset.action = action;
+    b.dataset.name = r.name;
+    b.textContent = `${a.label} ${r.name}…`;
+    buttons[action] = b;
+    bar.append(b);
+  }
   const body = document.createElement("div");
-  el.append(head, button, body);
-  return { el, head, button, body, html: "" };
+  el.append(head, bar, body);
+  return { el, head, bar, buttons, body, html: "" };
 }
 
 function renderRollouts() {
@@ -163,7 +178,10 @@ function renderRollouts() {
     }
     c.el.className = `rollout ${r.state}`;
     c.el.dataset.state = r.state;
-    c.button.hidden = !(actions && r.state === "running");
+    const running = actions && r.state === "running";
+    c.bar.hidden = !running;
+    c.buttons.pause.hidden = !running || r.paused;
+    c.buttons.resume.hidden = !running || !r.paused;
     if (box.children[i] !== c.el) box.insertBefore(c.el, box.children[i] || null);
   });
 }
@@ -224,7 +242,12 @@ function onDelta(msg) {
   schedule();
 }
 
-function openConfirm(name) {
+function openConfirm(action, name) {
+  $("confirm-action").textContent = ACTIONS[action].label;
+  $("confirm-text").textContent = ACTIONS[action].text;
+  $("confirm-ok").textContent = `${ACTIONS[action].label} rollout`;
+  $("confirm-ok").className = action === "abort" ? "danger" : "";
+  $("confirm").dataset.action = action;
   $("confirm-name").textContent = name;
   $("confirm-input").value = "";
   $("confirm-error").textContent = "";
@@ -237,7 +260,8 @@ async function submitAbort(ev) {
   ev.preventDefault();
   const dlg = $("confirm");
   const name = dlg.dataset.rollout;
-  const r = await fetch(`api/rollouts/${encodeURIComponent(name)}/abort`, {
+  const action = dlg.dataset.action;
+  const r = await fetch(`api/rollouts/${encodeURIComponent(name)}/${action}`, {
     method: "POST", headers: { "Content-Type": "application/json" },
     body: JSON.stringify({ confirm: $("confirm-input").value, reason: $("confirm-reason").value }),
   });
@@ -262,8 +286,8 @@ async function start() {
   $("f-text").addEventListener("input", schedule);
   $("filters").addEventListener("reset", () => setTimeout(schedule, 0));
   $("rollout-list").addEventListener("click", (e) => {
-    const b = e.target.closest("[data-abort]");
-    if (b) openConfirm(b.dataset.abort);
+    const b = e.target.closest("[data-action]");
+    if (b) openConfirm(b.dataset.action, b.dataset.name);
   });
   $("confirm-form").addEventListener("submit", submitAbort);
   $("confirm-cancel").addEventListener("click", () => $("confirm").close());
