@@ -1,12 +1,14 @@
 """The fleet console under load, for scripts/bench.sh (Python standard library only).
 
-  bench_console.py --console URL --broker HOST:PORT --driver URL --devices N [--seconds S] [--prefix P]
+  bench_console.py --console URL --broker HOST:PORT --driver URL --devices N --ids FORMAT
+                   [--synthetic] [--seconds S] [--prefix P]
 
 1. Time to first render: a fresh headless Chromium (through chromedriver's W3C WebDriver API)
    opens the console three times; the page marks its first render of the device table
    (`performance.mark("kestrel-first-render")`, also `data-first-render-ms` on <html>).
 2. Updates: for --seconds, every device gets a new status every 2 s (published here at QoS 0
-   over one plain MQTT 3.1.1 connection, as the devices' own statuses would arrive); the page's
+   over one plain MQTT 3.1.1 connection, in the devices' names: idle simulated agents publish
+   nothing new, so their statuses are written for them as busy devices would); the page's
    render times (`window.kestrelRenders`) and the time until a marked status shows up in the
    page are measured.
 Prints one JSON object.
@@ -91,19 +93,19 @@ def first_render(a, session):
 def updates(a, session, host, port):
     """Statuses of every device every 2 s; the page's render times and the lag of a marked one."""
     js(a.driver, session, "window.kestrelRenders = []; return 1")
+    ids = [a.ids.format(i) for i in range(a.devices)]
     mq = Mqtt(host, port)
     lags, stop = [], time.time() + a.seconds
     n = 0
     while time.time() < stop:
         t0 = time.time()
         n += 1
-        for i in range(a.devices):
-            dev = f"bench-{i:04d}"
+        for i, dev in enumerate(ids):
             mq.publish(f"{a.prefix}/devices/{dev}/status", status(dev, "east" if i % 2 else "west", 20 + (n % 7)))
         # A marked device: how long until the page shows its new p50.
         mark = 100 + n
-        mq.publish(f"{a.prefix}/devices/bench-0000/status", status("bench-0000", "west", mark))
-        check = ("const r = document.querySelector('tr[data-device=\"bench-0000\"] td.num'); "
+        mq.publish(f"{a.prefix}/devices/{ids[0]}/status", status(ids[0], "west", mark))
+        check = (f"const r = document.querySelector('tr[data-device=\"{ids[0]}\"] td.num'); "
                  f"return r && r.textContent === '{mark:.1f}'")
         wait_js(a.driver, session, check, 20)
         lags.append((time.time() - t0) * 1000)
@@ -121,13 +123,14 @@ def main():
     p.add_argument("--seconds", type=float, default=20)
     p.add_argument("--prefix", default="kestrel")
     p.add_argument("--profile", required=True)
+    p.add_argument("--ids", default="bench-{:04d}", help="device id format (Python), e.g. sim-{:03d}")
     p.add_argument("--synthetic", action="store_true", help="publish the devices' retained statuses first")
     a = p.parse_args()
     host, port = a.broker.rsplit(":", 1)
     if a.synthetic:
         mq = Mqtt(host, int(port))
         for i in range(a.devices):
-            dev = f"bench-{i:04d}"
+            dev = a.ids.format(i)
             mq.publish(f"{a.prefix}/devices/{dev}/status", status(dev, "east" if i % 2 else "west", 20))
         time.sleep(2)
     firsts = []

@@ -371,6 +371,7 @@ pub fn table(c: &Controller) -> String {
         c.model,
         c.version,
         match &c.state {
+            RolloutState::Running if c.paused => format!("running phase {}, paused", c.phase),
             RolloutState::Running => format!("running phase {}", c.phase),
             RolloutState::Completed => "completed".into(),
             RolloutState::Aborted(r) => format!("aborted: {r}"),
