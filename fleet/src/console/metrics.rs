@@ -19,6 +19,9 @@ fn family(out: &mut String, name: &str, help: &str, samples: &[(String, f64)]) {
     }
 }
 
+/// One per-device metric: its value for a device, if the device reported it.
+type PerDevice<'a> = &'a dyn Fn(&super::DeviceRow) -> Option<f64>;
+
 pub fn render(view: &FleetView, connected: bool) -> String {
     let mut out = String::new();
     let devices = view.devices(&DeviceFilter::default());
@@ -35,13 +38,13 @@ pub fn render(view: &FleetView, connected: bool) -> String {
         "Devices with a retained status or presence.",
         &one(devices.len() as f64),
     );
-    let per_device = |f: &dyn Fn(&super::DeviceRow) -> Option<f64>| -> Vec<(String, f64)> {
+    let per_device = |f: PerDevice| -> Vec<(String, f64)> {
         devices
             .iter()
             .filter_map(|d| f(d).map(|v| (format!("{{device=\"{}\"}}", label(&d.id)), v)))
             .collect()
     };
-    let device_families: [(&str, &str, &dyn Fn(&super::DeviceRow) -> Option<f64>); 6] = [
+    let device_families: [(&str, &str, PerDevice); 6] = [
         (
             "kestrel_device_online",
             "1 when the device is connected.",

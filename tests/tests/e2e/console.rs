@@ -209,8 +209,8 @@ fn rollout_advances_in_the_page(browser: &Browser, dir: &Path, b: &Broker, shots
     let f = fixture();
     // A marker that a reload would lose.
     browser.eval("window.kestrelNoReload = 1; return 1");
-    let plan = write_plan(&dir, "console-v1", THREE_PHASES);
-    let rollout = start_rollout(&dir, &b, &f.v1, &plan, "v1");
+    let plan = write_plan(dir, "console-v1", THREE_PHASES);
+    let rollout = start_rollout(dir, b, &f.v1, &plan, "v1");
     let mut seen: Vec<Value> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(150);
     loop {
