@@ -21,8 +21,8 @@ pub struct Args {
     /// carry it (Authorization: Bearer TOKEN; a browser opens /?token=TOKEN once).
     #[arg(long)]
     token_file: Option<PathBuf>,
-    /// Allow actions: aborting a rollout (after typing its name), as a command signed with --key
-    /// that the rollout's controller checks. Read-only without it.
+    /// Allow actions: pausing, resuming and aborting a rollout (after typing its name), as
+    /// commands signed with --key that the rollout's controller checks. Read-only without it.
     #[arg(long, requires = "key")]
     allow_actions: bool,
     /// Secret key file written by `trainer keygen` (signs manifests, desired states and rollout
