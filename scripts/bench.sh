@@ -280,4 +280,7 @@ import json, sys
 mb = json.load(open(sys.argv[3]))["bytes"] / 1e6
 print(f"100 devices, 3 phases, {mb:.1f} MB to each: {float(sys.argv[2]) - float(sys.argv[1]):.1f} s (goal <= 60 s)")
 PY
+
+echo
+"$here/bench-console.sh"
 "$here/bench-distributed.sh"

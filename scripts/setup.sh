@@ -8,10 +8,13 @@ mkdir -p "$KESTREL_HOME"/{wheels,onnxruntime,photos}
 
 # Debian packages: the font for the text in training-curve PNGs (plotters + ab_glyph read it at
 # run time; no fontconfig) and Mosquitto, the production broker the tests run against (each test
-# starts its own instance; no system service is needed).
+# starts its own instance; no system service is needed), and headless Chromium with its WebDriver
+# for the fleet console's browser test (tests/tests/e2e/console.rs).
 need=()
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
+[ -x /usr/bin/chromium ] || need+=(chromium)
+[ -x /usr/bin/chromedriver ] || need+=(chromium-driver)
 if [ ${#need[@]} -gt 0 ]; then
   log "installing ${need[*]}"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2

@@ -9,6 +9,7 @@
 //! - [`collect`]: captures from devices over a persistent session (`trainer collect`).
 //! - [`infer`]: inference requests to a device and their replies (`trainer infer`).
 //! - [`rollout`]: staged rollouts: a sans-IO controller and its MQTT driver (`trainer rollout`).
+//! - [`console`]: the fleet console, a web page and JSON API over the broker (`trainer console`).
 //!
 //! The embedded broker is the separate `kestrel-broker` package (`fleet/broker/`), so that
 //! rumqttd is built only into that binary. This crate needs no ML: it depends on
@@ -17,6 +18,7 @@
 pub mod bundle;
 pub mod collect;
 pub mod conn;
+pub mod console;
 pub mod infer;
 pub mod keys;
 pub mod publish;

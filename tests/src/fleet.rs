@@ -449,6 +449,23 @@ pub fn killed_mid_download(
     );
 }
 
+/// `trainer rollout --broker B --artifact ART --key KEY --fleet PLAN`, as a user types it, with
+/// the fixture's key.
+pub fn rollout_command(b: &Broker, art: &Path, plan: &str) -> Command {
+    let mut c = Command::new(bin("trainer"));
+    c.args([
+        "rollout",
+        "--broker",
+        &b.url(),
+        "--artifact",
+        &s(art),
+        "--key",
+    ])
+    .arg(fixture().key())
+    .args(["--fleet", plan]);
+    c
+}
+
 /// Waits until `n` devices have reported a status.
 pub fn wait_fleet(cfg: &BrokerConfig, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(60);

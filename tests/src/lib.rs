@@ -3,6 +3,7 @@
 //! binary, a module per area); run them through `scripts/test.sh`, which fetches and builds what
 //! they need.
 
+pub mod browser;
 pub mod fleet;
 
 use std::ffi::OsStr;

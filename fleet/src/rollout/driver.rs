@@ -13,11 +13,17 @@ use kestrel_shared::protocol::{
 use kestrel_shared::quality::DeviceQuality;
 use kestrel_shared::{issued_now, now_unix};
 
+use super::command::{Action, Command};
 use super::{Controller, DeviceState, Output, Plan, RolloutState};
 use crate::{Bundle, Conn, FleetError};
 
 pub fn state_topic(conn: &Conn, name: &str) -> String {
     format!("{}/rollouts/{name}/state", conn.topics.prefix())
+}
+
+/// Where operators' signed commands to rollout `name` arrive ([`super::command`]).
+pub fn command_topic(conn: &Conn, name: &str) -> String {
+    format!("{}/rollouts/{name}/command", conn.topics.prefix())
 }
 
 /// The rollout's retained controller, if any.
@@ -167,6 +173,8 @@ fn follow(
     execute(conn, c, signer, outputs, log)?;
     conn.subscribe(&conn.topics.status_filter())?;
     conn.subscribe(&conn.topics.quality_filter())?;
+    let commands = command_topic(conn, &c.name);
+    conn.subscribe(&commands)?;
     let mut last_tick = Instant::now();
     while c.state == RolloutState::Running {
         if let Some((t, p)) = conn.recv(Duration::from_millis(250))?
@@ -181,6 +189,9 @@ fn follow(
                 let q: DeviceQuality = parse(&t, &p)?;
                 let outputs = c.on_quality(&q, now_unix());
                 execute(conn, c, signer, outputs, log)?;
+            } else if t == commands {
+                let outputs = command(c, &p, signer.0, log);
+                execute(conn, c, signer, outputs, log)?;
             }
         }
         if last_tick.elapsed() >= Duration::from_secs(1) {
@@ -190,6 +201,34 @@ fn follow(
         }
     }
     Ok(())
+}
+
+/// An operator's command: honoured when signed by the rollout's own key, for this rollout and
+/// fresh; else refused with a log line.
+fn command(
+    c: &mut Controller,
+    payload: &[u8],
+    key: &SigningKey,
+    log: &mut dyn FnMut(String),
+) -> Vec<Output> {
+    let now_ms = kestrel_shared::issued_now();
+    match Command::open(payload, &key.verifying_key(), &c.name, now_ms) {
+        Ok(cmd) => {
+            log(format!(
+                "{:?} requested by {}: {}",
+                cmd.action, cmd.by, cmd.reason
+            ));
+            match cmd.action {
+                Action::Abort => c.on_abort(&cmd.reason, &cmd.by),
+                Action::Pause => c.on_pause(true, &cmd.by, now_unix()),
+                Action::Resume => c.on_pause(false, &cmd.by, now_unix()),
+            }
+        }
+        Err(e) => {
+            log(format!("command refused: {e}"));
+            vec![]
+        }
+    }
 }
 
 /// A new connection to the broker, tried every 2 s for [`RECONNECT_S`]; else `lost` and the
@@ -332,6 +371,7 @@ pub fn table(c: &Controller) -> String {
         c.model,
         c.version,
         match &c.state {
+            RolloutState::Running if c.paused => format!("running phase {}, paused", c.phase),
             RolloutState::Running => format!("running phase {}", c.phase),
             RolloutState::Completed => "completed".into(),
             RolloutState::Aborted(r) => format!("aborted: {r}"),

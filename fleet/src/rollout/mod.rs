@@ -16,6 +16,7 @@
 //! devices) must hold, over its devices' quality reports, before it is promoted; a breach
 //! aborts.
 
+pub mod command;
 pub mod driver;
 pub mod gates;
 #[cfg(test)]
@@ -246,6 +247,10 @@ pub struct Controller {
     /// Every phase's quality gates, as last evaluated.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gates: Vec<Gate>,
+    /// Paused by an operator: the current phase goes on (its devices finish, failures still
+    /// abort), but it is not promoted until resumed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
 }
 
 impl Controller {
@@ -337,6 +342,7 @@ impl Controller {
             phase_succeeded: None,
             state: RolloutState::Running,
             gates: Vec::new(),
+            paused: false,
         })
     }
 
@@ -537,7 +543,7 @@ impl Controller {
                 return vec![];
             }
         }
-        if now < since + spec.soak_s {
+        if now < since + spec.soak_s || self.paused {
             return vec![];
         }
         let mut out = vec![Output::Log(format!(
@@ -561,6 +567,37 @@ impl Controller {
         self.phase_started = now;
         self.phase_succeeded = None;
         out.extend(self.start(now));
+        out
+    }
+
+    /// An operator's abort (a signed [`command::Command`]): stops the rollout as a failure
+    /// would and sends every device already moved back.
+    pub fn on_abort(&mut self, reason: &str, by: &str) -> Vec<Output> {
+        if self.state != RolloutState::Running {
+            return vec![];
+        }
+        let mut out = self.abort(format!(
+            "phase {} `{}`: aborted by {by}: {reason}",
+            self.phase, self.plan.phases[self.phase].name
+        ));
+        out.push(Output::Save);
+        out
+    }
+
+    /// An operator's pause (`true`) or resume (a signed [`command::Command`]); a resumed phase
+    /// that is ready is promoted at once.
+    pub fn on_pause(&mut self, paused: bool, by: &str, now: u64) -> Vec<Output> {
+        if self.state != RolloutState::Running || self.paused == paused {
+            return vec![];
+        }
+        self.paused = paused;
+        let what = if paused { "paused" } else { "resumed" };
+        let mut out = vec![Output::Log(format!(
+            "phase {} `{}`: {what} by {by}",
+            self.phase, self.plan.phases[self.phase].name
+        ))];
+        out.extend(self.evaluate(now));
+        out.push(Output::Save);
         out
     }
 

@@ -447,3 +447,69 @@ fn shadow_plans_are_validated() {
     let e = Controller::new("r", "m", 2, p, &f).unwrap_err().to_string();
     assert!(e.contains("no model to run beside it"), "{e}");
 }
+
+#[test]
+fn an_operator_abort_rolls_back_the_moved_devices_once() {
+    let plan = Plan::parse(PLAN, "fleet.toml").unwrap();
+    let mut c = Controller::new("r1", "m", 2, plan, &fleet(100)).unwrap();
+    let started = desired_devices(&c.start(10));
+    assert_eq!(started.len(), 5);
+    let out = c.on_abort("drift on the canary", "console@127.0.0.1:8080");
+    let RolloutState::Aborted(reason) = &c.state else {
+        panic!("{:?}", c.state)
+    };
+    assert!(
+        reason.contains("phase 0 `canary`: aborted by console@127.0.0.1:8080: drift on the canary"),
+        "{reason}"
+    );
+    // The canary goes back to v1 (rollback), nobody else is told anything, and the state is saved.
+    let mut back = desired_devices(&out);
+    back.sort();
+    let mut expected = started.clone();
+    expected.sort();
+    assert_eq!(back, expected);
+    assert!(out.iter().any(|o| matches!(
+        o,
+        Output::Desired {
+            version: 1,
+            rollback: true,
+            ..
+        }
+    )));
+    assert_eq!(out.last(), Some(&Output::Save));
+    assert_eq!(
+        c.counts(0),
+        (0, 0, 5),
+        "rolled back devices count as pending"
+    );
+    // An ended rollout ignores a second abort.
+    assert!(c.on_abort("again", "x").is_empty());
+}
+
+#[test]
+fn a_paused_rollout_holds_its_phase_until_resumed() {
+    let plan = Plan::parse(PLAN, "fleet.toml").unwrap();
+    let mut c = Controller::new("r1", "m", 2, plan, &fleet(100)).unwrap();
+    let canary = desired_devices(&c.start(10));
+    let out = c.on_pause(true, "console@x", 11);
+    assert!(c.paused && out.last() == Some(&Output::Save));
+    assert!(
+        c.on_pause(true, "console@x", 11).is_empty(),
+        "already paused"
+    );
+    // The canary finishes while paused, but the next phase does not start.
+    for d in &canary {
+        c.on_status(&status(d, &[], Some(2), None), 12);
+    }
+    assert_eq!(c.counts(0), (5, 0, 0));
+    assert!(desired_devices(&c.on_tick(100)).is_empty());
+    assert_eq!(c.phase, 0);
+    // Resumed, a ready phase is promoted at once.
+    let out = c.on_pause(false, "console@x", 101);
+    assert!(!c.paused);
+    assert_eq!(c.phase, 1);
+    assert_eq!(desired_devices(&out).len(), 45);
+    // The saved state says paused only while it is.
+    let json = serde_json::to_value(&c).unwrap();
+    assert!(json.get("paused").is_none(), "{json}");
+}

@@ -8,8 +8,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use kestrel_tests::{run, stdout};
 
 /// Flags whose help text is per command by design: where this command writes, what it prints.
-/// Flags whose meaning is the command's own: what it writes (`--out`), reads (`--from`), prints.
-const PER_COMMAND: [&str; 3] = ["--out", "--from", "--json"];
+/// Flags whose meaning is the command's own: what it writes (`--out`), reads (`--from`), prints,
+/// and where it serves (`--listen`: MQTT for `broker`, HTTP for `console`).
+const PER_COMMAND: [&str; 4] = ["--out", "--from", "--json", "--listen"];
 
 /// A command's flags with their help text (`[default: ...]` removed, whitespace collapsed).
 fn flags(bin: &str, path: &[&str]) -> BTreeMap<String, String> {

@@ -9,6 +9,7 @@ mod backbone;
 mod capture;
 mod chaos;
 mod cli;
+mod console;
 mod cross;
 mod distributed;
 mod edge;

@@ -12,7 +12,7 @@ use kestrel_fleet::statuses;
 use kestrel_shared::protocol::sha256_hex;
 use kestrel_shared::quality::DeviceQuality;
 use kestrel_tests::fleet::{
-    Broker, BrokerKind, Proc, agent_config, fixture, start_agent_with, wait_fleet,
+    Broker, BrokerKind, Proc, agent_config, fixture, rollout_command, start_agent_with, wait_fleet,
 };
 use kestrel_tests::{export_ok, lfw, run, s, stderr, stdout, trainer_ok};
 use serde_json::Value;
@@ -103,22 +103,10 @@ fn rollout(b: &Broker, art: &Path, plan_dir: &Path, name: &str, phases: &str) ->
     std::fs::create_dir_all(plan_dir).unwrap();
     let plan = plan_dir.join(format!("{name}.toml"));
     std::fs::write(&plan, format!("name = \"{name}\"\n{phases}")).unwrap();
-    let key = fixture().key();
-    let o = run(
-        "trainer",
-        &[
-            "rollout",
-            "--broker",
-            &b.url(),
-            "--artifact",
-            &s(art),
-            "--key",
-            &s(&key),
-            "--fleet",
-            &s(&plan),
-            "--json",
-        ],
-    );
+    let o = rollout_command(b, art, &s(&plan))
+        .arg("--json")
+        .output()
+        .unwrap();
     let c =
         serde_json::from_str(stdout(&o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stderr(&o)));
     (o.status.success(), c)

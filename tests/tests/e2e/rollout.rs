@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use kestrel_fleet::statuses;
 use kestrel_tests::fleet::{
-    Broker, BrokerKind, Proc, agent_config, fixture, start_agent_with, wait_fleet,
+    Broker, BrokerKind, Proc, agent_config, fixture, rollout_command, start_agent_with, wait_fleet,
 };
-use kestrel_tests::{bin, run, s, stderr, stdout};
+use kestrel_tests::{run, s, stderr, stdout};
 use serde_json::Value;
 
 fn write_plan(dir: &Path, name: &str, body: &str) -> String {
@@ -22,17 +22,8 @@ fn write_plan(dir: &Path, name: &str, body: &str) -> String {
 }
 
 fn rollout_cmd(b: &Broker, art: &Path, plan: &str) -> Command {
-    let mut c = Command::new(bin("trainer"));
-    c.args([
-        "rollout",
-        "--broker",
-        &b.url(),
-        "--artifact",
-        &s(art),
-        "--key",
-    ])
-    .arg(fixture().key())
-    .args(["--fleet", plan, "--json"]);
+    let mut c = rollout_command(b, art, plan);
+    c.arg("--json");
     c
 }
 

@@ -14,7 +14,8 @@ use super::fleet::ArtifactArgs;
 pub struct Args {
     #[command(flatten)]
     artifact: ArtifactArgs,
-    /// Secret key file written by `trainer keygen` (signs manifests and desired states).
+    /// Secret key file written by `trainer keygen` (signs manifests, desired states and rollout
+    /// commands).
     #[arg(long)]
     key: PathBuf,
 }

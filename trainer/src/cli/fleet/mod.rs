@@ -1,9 +1,10 @@
 //! The trainer binary's fleet commands, one file per command: `broker`, `publish`, `keys`,
-//! `status`, `rollout`, `infer`. Each has its `Args`, one `run` and its output formatting; the operations
+//! `status`, `rollout`, `infer`, `collect`, `console`. Each has its `Args`, one `run` and its output formatting; the operations
 //! themselves are in the `kestrel_fleet` crate (the broker in the `kestrel-broker` binary).
 
 pub mod broker;
 pub mod collect;
+pub mod console;
 pub mod infer;
 pub mod keys;
 pub mod publish;
@@ -119,6 +120,9 @@ pub enum FleetCmd {
     /// Append the inputs devices captured (`[capture]` in agent.toml) to a Delta table, each
     /// once, over a persistent session; label them with `trainer label`.
     Collect(collect::Args),
+    /// Serve the fleet console: a live web page and JSON API of devices, rollouts and events
+    /// (loopback only unless --token-file; read-only unless --allow-actions).
+    Console(console::Args),
 }
 
 pub fn run(cmd: FleetCmd) -> Result<ExitCode> {
@@ -130,6 +134,7 @@ pub fn run(cmd: FleetCmd) -> Result<ExitCode> {
         FleetCmd::Rollout(args) => rollout::run(args),
         FleetCmd::Infer(args) => infer::run(args),
         FleetCmd::Collect(args) => collect::run(args),
+        FleetCmd::Console(args) => console::run(args),
     }
 }
 

@@ -15,7 +15,8 @@ pub struct Args {
     broker: BrokerArgs,
     #[command(flatten)]
     artifact: ArtifactArgs,
-    /// Secret key file written by `trainer keygen` (signs manifests and desired states).
+    /// Secret key file written by `trainer keygen` (signs manifests, desired states and rollout
+    /// commands).
     #[arg(long)]
     key: PathBuf,
     /// device/<id> or group/<name>.

@@ -21,7 +21,8 @@ pub struct Args {
     broker: BrokerArgs,
     #[command(flatten)]
     artifact: ArtifactArgs,
-    /// Secret key file written by `trainer keygen` (signs manifests and desired states).
+    /// Secret key file written by `trainer keygen` (signs manifests, desired states and rollout
+    /// commands).
     #[arg(long, required = true)]
     key: Option<PathBuf>,
     /// Rollout plan (TOML): [[phases]] with group or percent, success, failure or

@@ -1,0 +1,217 @@
+//! The console's state without a broker: messages in, rows, deltas and metrics out.
+
+use kestrel_shared::protocol::{LatencyStats, Status};
+use kestrel_shared::quality::{DeviceQuality, Drift, QualityReport};
+
+use super::view::{DeviceFilter, FleetView, Subject, subject};
+use crate::rollout::{Controller, Plan};
+
+const NOW: &str = "2026-12-03T09:00:00Z";
+
+fn status(id: &str, group: &str, active: Option<u64>, error: Option<&str>) -> Vec<u8> {
+    serde_json::to_vec(&Status {
+        device: id.into(),
+        groups: vec![group.into()],
+        state: "idle".into(),
+        model: active.map(|_| "lfw".into()),
+        active,
+        previous: None,
+        target: None,
+        progress: None,
+        last_error: error.map(String::from),
+        failed_version: None,
+        latency: LatencyStats {
+            count: 3,
+            mean_ms: 30.0,
+            p50_ms: 29.5,
+            p95_ms: 35.0,
+        },
+        updated: NOW.into(),
+        source: None,
+        refused: None,
+        keys_version: None,
+        shadow: None,
+        captures: None,
+    })
+    .unwrap()
+}
+
+fn quality(id: &str, total: u64, confidence: f64, z: f64) -> Vec<u8> {
+    serde_json::to_vec(&DeviceQuality {
+        device: id.into(),
+        model: "lfw".into(),
+        version: 1,
+        window: Some(QualityReport {
+            requests: 10,
+            total_requests: total,
+            mean_confidence: confidence,
+            confidence_histogram: vec![],
+            class_distribution: vec![],
+            class_distance: 0.0,
+            reference_confidence: 0.98,
+            drift: Drift {
+                max_z: z,
+                p_value: 1.0,
+                flagged: z > 4.0,
+            },
+            windows: 1,
+            flagged_windows: 0,
+            latency_p50_ms: 30.0,
+            latency_p99_ms: 40.0,
+        }),
+        note: None,
+        shadow: None,
+        updated: NOW.into(),
+    })
+    .unwrap()
+}
+
+#[test]
+fn topics_under_the_prefix_are_recognised() {
+    assert_eq!(
+        subject("k", "k/devices/pi-01/status"),
+        Some(Subject::Status("pi-01"))
+    );
+    assert_eq!(
+        subject("k", "k/rollouts/r1/state"),
+        Some(Subject::Rollout("r1"))
+    );
+    assert_eq!(subject("k", "k/rollouts/r1/command"), None);
+    assert_eq!(subject("k", "other/devices/pi-01/status"), None);
+    assert_eq!(subject("k", "kx/devices/pi-01/status"), None);
+}
+
+#[test]
+fn statuses_quality_and_presence_make_device_rows() {
+    let mut v = FleetView::new("k");
+    assert!(
+        v.apply(
+            "k/devices/a/status",
+            &status("a", "east", Some(1), None),
+            NOW
+        )
+        .unwrap()
+    );
+    v.apply(
+        "k/devices/b/status",
+        &status("b", "west", None, Some("health check failed")),
+        NOW,
+    )
+    .unwrap();
+    v.apply("k/devices/a/online", b"1", NOW).unwrap();
+    v.apply("k/devices/b/online", b"0", NOW).unwrap();
+    // Quality windows build the history; the same window delivered again does not.
+    v.apply("k/devices/a/quality", &quality("a", 10, 0.9, 1.0), NOW)
+        .unwrap();
+    v.apply("k/devices/a/quality", &quality("a", 10, 0.9, 1.0), NOW)
+        .unwrap();
+    v.apply("k/devices/a/quality", &quality("a", 20, 0.8, 5.0), NOW)
+        .unwrap();
+    let a = v.device_row("a").unwrap();
+    assert_eq!(a.confidence_history, [0.9, 0.8]);
+    assert_eq!(a.drift_history, [1.0, 5.0]);
+    assert_eq!(a.drift_flagged, Some(true));
+    assert_eq!(a.p50_ms, Some(29.5));
+    assert_eq!((a.online, a.active), (Some(true), Some(1)));
+    let b = v.device_row("b").unwrap();
+    assert_eq!(b.last_error.as_deref(), Some("health check failed"));
+    assert_eq!(b.online, Some(false));
+
+    let ids =
+        |f: DeviceFilter| -> Vec<String> { v.devices(&f).iter().map(|d| d.id.clone()).collect() };
+    let group = |g: &str| DeviceFilter {
+        group: Some(g.into()),
+        ..DeviceFilter::default()
+    };
+    assert_eq!(ids(group("east")), ["a"]);
+    assert_eq!(ids(group("north")), Vec::<String>::new());
+    for version in ["lfw v1", "v1", "1"] {
+        let f = DeviceFilter {
+            version: Some(version.into()),
+            ..DeviceFilter::default()
+        };
+        assert_eq!(ids(f), ["a"], "{version}");
+    }
+    let none = DeviceFilter {
+        version: Some("none".into()),
+        online: Some(false),
+        ..DeviceFilter::default()
+    };
+    assert_eq!(ids(none), ["b"]);
+    // A cleared status forgets the device; a bad payload is an error naming the topic.
+    v.apply("k/devices/b/status", b"", NOW).unwrap();
+    assert!(v.device_row("b").is_none());
+    let e = v.apply("k/devices/c/status", b"{", NOW).unwrap_err();
+    assert!(e.to_string().starts_with("k/devices/c/status: "), "{e}");
+}
+
+#[test]
+fn deltas_hold_only_what_changed() {
+    let mut v = FleetView::new("k");
+    v.apply(
+        "k/devices/a/status",
+        &status("a", "east", Some(1), None),
+        NOW,
+    )
+    .unwrap();
+    v.apply(
+        "k/devices/b/status",
+        &status("b", "east", Some(1), None),
+        NOW,
+    )
+    .unwrap();
+    let seen = v.seq();
+    let full = v.delta(0);
+    assert!(full.full);
+    assert_eq!(full.devices.len(), 2);
+    v.apply("k/devices/b/online", b"1", NOW).unwrap();
+    let d = v.delta(seen);
+    assert!(!d.full);
+    assert_eq!(d.devices.len(), 1);
+    assert_eq!(d.devices[0].id, "b");
+    assert!(v.delta(v.seq()).devices.is_empty());
+}
+
+#[test]
+fn rollouts_show_phases_and_their_transitions_in_the_feed() {
+    let plan = Plan::parse(
+        "[[phases]]\nname = \"canary\"\npercent = 50\n[[phases]]\nname = \"all\"\npercent = 100\n",
+        "f",
+    )
+    .unwrap();
+    let fleet: Vec<Status> = ["a", "b"]
+        .iter()
+        .map(|d| serde_json::from_slice(&status(d, "east", Some(1), None)).unwrap())
+        .collect();
+    let mut c = Controller::new("r1", "lfw", 2, plan, &fleet).unwrap();
+    c.start(100);
+    let mut v = FleetView::new("k");
+    let topic = "k/rollouts/r1/state";
+    v.apply(topic, &serde_json::to_vec(&c).unwrap(), NOW)
+        .unwrap();
+    let r = v.rollout_row("r1").unwrap();
+    assert_eq!((r.state.as_str(), r.phase), ("running", 0));
+    assert_eq!(r.phases[0].progress, "current");
+    assert_eq!((r.phases[0].devices, r.phases[0].moved), (1, 1));
+    assert_eq!(r.phases[1].waiting, 1);
+    c.on_abort("operator", "console@test");
+    v.apply(topic, &serde_json::to_vec(&c).unwrap(), NOW)
+        .unwrap();
+    let r = v.rollout_row("r1").unwrap();
+    assert_eq!(r.state, "aborted");
+    assert_eq!(r.phases[0].rolled_back, 1);
+    let kinds: Vec<&str> = v.events(0).iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(kinds, ["seen", "aborted"]);
+    let m = super::metrics::render(&v, true);
+    assert!(
+        m.contains("kestrel_rollout_phase{rollout=\"r1\",state=\"aborted\"} 0"),
+        "{m}"
+    );
+    assert!(
+        m.contains(
+            "kestrel_rollout_devices{rollout=\"r1\",phase=\"canary\",state=\"rolled-back\"} 1"
+        ),
+        "{m}"
+    );
+    assert!(m.contains("kestrel_console_broker_connected 1\n"), "{m}");
+}
