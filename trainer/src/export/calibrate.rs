@@ -37,6 +37,12 @@ pub(super) fn quantize(
             head: head.clone(),
         });
     }
+    if run.pp.backbone.graph.is_some() {
+        return Err(ExportError::Unsupported(format!(
+            "--quantize {} of an ONNX backbone: its graph is exported as it is (--quantize none)",
+            o.quantize.name()
+        )));
+    }
     let train_idx = run.pp.indices(Split::Train);
     let step = (train_idx.len() / o.calibration.max(1)).max(1);
     let calib: Vec<usize> = train_idx

@@ -30,9 +30,13 @@ pub(super) fn lower(run: &Trained, q: &Quantized, o: &ExportOpts, name: String) 
         features_output: Some(FEATURES_OUTPUT.into()),
         ..LowerOpts::logits(net, q.head.clone())
     };
-    let mut model = onnx::lower(net, &q.folded, &opts);
+    // An ONNX backbone: the user's feature graph with the trained classifier appended.
+    let mut model = match &run.pp.backbone.graph {
+        Some(g) => g.with_head(&q.head, &opts.output_name, FEATURES_OUTPUT),
+        None => onnx::lower(net, &q.folded, &opts),
+    };
     model.model_version = o.version as i64;
-    let meta_props = [
+    let mut meta_props = vec![
         ("kestrel.name", name.clone()),
         ("kestrel.version", o.version.to_string()),
         ("kestrel.arch", net.arch.to_string()),
@@ -49,6 +53,10 @@ pub(super) fn lower(run: &Trained, q: &Quantized, o: &ExportOpts, name: String) 
         ("kestrel.output", opts.output_name.clone()),
         ("kestrel.features", FEATURES_OUTPUT.to_string()),
     ];
+    if let Some(g) = &run.pp.backbone.graph {
+        meta_props.push(("kestrel.backbone_sha256", g.sha256.clone()));
+        meta_props.push(("kestrel.backbone_feature_output", g.feature_output.clone()));
+    }
     onnx::set_metadata(
         &mut model,
         meta_props

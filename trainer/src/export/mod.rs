@@ -134,6 +134,8 @@ pub enum ExportError {
     /// Gate: a runtime's top-1 on the golden samples differs from tract's.
     #[error("{runtime} and tract disagree on the golden samples' top-1")]
     GoldenMismatch { runtime: String },
+    #[error("not supported: {0}")]
+    Unsupported(String),
     #[error("exported models run on tract or ort, not candle")]
     CandleEngine,
     #[error("{data} has label `{label}`, unknown to the model (labels {labels:?})")]
