@@ -121,6 +121,15 @@ fn read(path: &Path) -> Result<Vec<u8>, OnnxBackboneError> {
     })
 }
 
+/// The model's default-domain opset (0 when it imports none).
+fn default_opset(model: &ModelProto) -> i64 {
+    model
+        .opset_import
+        .iter()
+        .find(|o| o.domain.is_empty() || o.domain == "ai.onnx")
+        .map_or(0, |o| o.version)
+}
+
 /// Reads an ONNX file (no rewriting) and checks its opset.
 pub fn read_model(path: &Path) -> Result<(ModelProto, Vec<u8>), OnnxBackboneError> {
     let p = path.display().to_string();
@@ -135,11 +144,7 @@ pub fn read_model(path: &Path) -> Result<(ModelProto, Vec<u8>), OnnxBackboneErro
             reason: "no graph".into(),
         });
     }
-    let opset = model
-        .opset_import
-        .iter()
-        .find(|o| o.domain.is_empty() || o.domain == "ai.onnx")
-        .map_or(0, |o| o.version);
+    let opset = default_opset(&model);
     if opset < MIN_OPSET {
         return Err(OnnxBackboneError::Opset {
             path: p,
@@ -329,16 +334,24 @@ fn feature_graph(
             vec![attr_ints("perm", &[0, 2, 3, 1])],
         ),
     }];
+    // The user's own tensors keep their names, except the image (now IMAGE) and any named like
+    // a tensor Kestrel adds (`input`, `features`, `logits`), which get a `user:` prefix.
+    let rename = |t: &str| -> String {
+        match t {
+            _ if t == input => IMAGE.into(),
+            onnx::INPUT_NAME | FEATURES | "logits" => format!("user:{t}"),
+            _ => t.into(),
+        }
+    };
     for mut n in needed_nodes(g, feature) {
-        for i in n.input.iter_mut().filter(|i| *i == input) {
-            *i = IMAGE.into();
+        for t in n.input.iter_mut().chain(n.output.iter_mut()) {
+            *t = rename(t);
         }
         nodes.push(n);
     }
-    let feature = if feature == input { IMAGE } else { feature };
     nodes.push(node(
         "Flatten",
-        &[feature],
+        &[&rename(feature)],
         FEATURES,
         vec![attr_int("axis", 1)],
     ));
@@ -346,14 +359,18 @@ fn feature_graph(
         .iter()
         .flat_map(|n| n.input.iter().map(String::as_str))
         .collect();
+    let initializer = g
+        .initializer
+        .iter()
+        .map(|t| pb::TensorProto {
+            name: rename(&t.name),
+            ..t.clone()
+        })
+        .filter(|t| used.contains(t.name.as_str()))
+        .collect();
     GraphProto {
         name: format!("kestrel-features:{}", g.name),
-        initializer: g
-            .initializer
-            .iter()
-            .filter(|t| used.contains(t.name.as_str()))
-            .cloned()
-            .collect(),
+        initializer,
         node: nodes,
         input: vec![value_info(onnx::INPUT_NAME, &[3, hw[0], hw[1]])],
         output: vec![float_value_info(FEATURES, None)],
@@ -471,5 +488,48 @@ impl OnnxBackbone {
             value_info(features_output, &[self.feature_dim]),
         ];
         model
+    }
+
+    /// `int8-weights` of a graph from [`OnnxBackbone::with_head`]: every Conv weight and every
+    /// Gemm `B` (with `transB = 1`) held as a float initializer becomes int8, symmetric per output
+    /// channel, behind `DequantizeLinear(axis = 0)` (as Kestrel's own lowering quantizes); other
+    /// layers stay float. Needs opset 13 (per-axis DequantizeLinear); returns the weights quantized.
+    pub fn quantize_weights(model: &mut ModelProto) -> Result<usize, String> {
+        let opset = default_opset(model);
+        if opset < 13 {
+            return Err(format!(
+                "int8 weights need opset 13 (per-channel DequantizeLinear); this graph has opset {opset}"
+            ));
+        }
+        let g = model.graph.as_mut().expect("graph");
+        let floats: HashMap<String, crate::tensor::Tensor> = g
+            .initializer
+            .iter()
+            .filter_map(|t| Some((t.name.clone(), crate::onnx_weights::float_tensor(t)?)))
+            .filter(|(_, t)| t.shape.len() >= 2)
+            .collect();
+        let mut b = onnx::GraphBuilder::default();
+        let mut done: HashMap<String, String> = HashMap::new();
+        for n in &mut g.node {
+            let transposed = n.attribute.iter().any(|a| a.name == "transB" && a.i == 1);
+            let weight = match n.op_type.as_str() {
+                "Conv" => n.input.get(1),
+                "Gemm" if transposed => n.input.get(1),
+                _ => None,
+            };
+            let Some(t) = weight.and_then(|w| floats.get(w)) else {
+                continue;
+            };
+            let w = n.input[1].clone();
+            let dq = done
+                .entry(w.clone())
+                .or_insert_with(|| crate::quant::Quant::Weights.weight(&mut b, &w, &w, t));
+            n.input[1] = dq.clone();
+        }
+        g.initializer.retain(|t| !done.contains_key(&t.name));
+        g.initializer.extend(b.initializers);
+        b.nodes.append(&mut g.node);
+        g.node = b.nodes;
+        Ok(done.len())
     }
 }

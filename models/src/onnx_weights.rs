@@ -53,7 +53,7 @@ pub enum OnnxWeightsError {
 }
 
 /// A float TensorProto as a tensor (raw little-endian data or `float_data`).
-fn float_tensor(t: &TensorProto) -> Option<Tensor> {
+pub fn float_tensor(t: &TensorProto) -> Option<Tensor> {
     if t.data_type != pb::tensor_proto::DataType::Float as i32 {
         return None;
     }

@@ -164,7 +164,7 @@ pub fn export(
     let log = &mut |line: String| job.log(line);
     let run = trained::Trained::load(run_dir, job)?;
     let quantized = calibrate::quantize(&run, o, log)?;
-    let lowered = lower::lower(&run, &quantized, o, artifact_name(run_dir, o));
+    let lowered = lower::lower(&run, &quantized, o, artifact_name(run_dir, o))?;
     let engines = verify::engines(&lowered, job.threads(), log)?;
     let mut verification = verify::verify(&run, &engines, o, log)?;
     verification.reference = Some(reference::profile(&run, &lowered, job.threads(), log)?);
