@@ -308,3 +308,74 @@ pub fn read(path: &Path, net: &Network) -> Result<Weights, OnnxWeightsError> {
     }
     Ok(w)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::Arch;
+    use crate::onnx::{self, Linear, LowerOpts};
+    use crate::onnx_backbone::{Layout, OnnxBackbone, OnnxBackboneError};
+    use crate::weights::{Part, fold, random};
+
+    /// Kestrel's own MobileNetV2 logits graph (BN folded, seeded random weights) in a file.
+    fn lowered(dir: &Path) -> (Network, Weights, std::path::PathBuf) {
+        let net = Network::new(Arch::Mobilenetv2);
+        let w = random(&net, Part::BackboneAndClassifier, 5);
+        let head = Linear {
+            weight: w["classifier.weight"].clone(),
+            bias: w["classifier.bias"].data.clone(),
+        };
+        let model = onnx::lower(
+            &net,
+            &fold(&net, &w).unwrap(),
+            &LowerOpts::logits(&net, head),
+        );
+        let path = dir.join("mbv2.onnx");
+        std::fs::write(&path, onnx::to_bytes(&model)).unwrap();
+        (net, w, path)
+    }
+
+    #[test]
+    fn folded_weights_come_back_by_structure() {
+        let dir = tempfile::tempdir().unwrap();
+        let (net, w, path) = lowered(dir.path());
+        let back = read(&path, &net).unwrap();
+        let (a, b) = (fold(&net, &w).unwrap(), fold(&net, &back).unwrap());
+        for (x, y) in a.iter().zip(&b) {
+            let d = x
+                .weight
+                .data
+                .iter()
+                .zip(&y.weight.data)
+                .map(|(p, q)| (p - q).abs());
+            assert!(d.fold(0f32, f32::max) <= 1e-6);
+            let d = x.bias.iter().zip(&y.bias).map(|(p, q)| (p - q).abs());
+            assert!(d.fold(0f32, f32::max) <= 1e-6);
+        }
+        assert_eq!(back["classifier.weight"].data, w["classifier.weight"].data);
+        let other = Network::new(Arch::EfficientnetLite0);
+        let e = read(&path, &other).unwrap_err().to_string();
+        assert!(
+            e.contains("52 Conv nodes, efficientnet-lite0 has 49"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn feature_graph_cuts_at_the_classifier_input() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, _, path) = lowered(dir.path());
+        let g = OnnxBackbone::load(&path, None, [224, 224]).unwrap();
+        assert_eq!(
+            (g.layout, g.feature_dim, g.input.as_str()),
+            (Layout::Nchw, 1280, "input")
+        );
+        let graph = g.model.graph.as_ref().unwrap();
+        assert!(graph.node.iter().all(|n| n.op_type != "Gemm"));
+        assert_eq!(graph.output[0].name, "features");
+        let e = OnnxBackbone::load(&path, Some("nope"), [224, 224]).unwrap_err();
+        assert!(matches!(e, OnnxBackboneError::NoSuchTensor { .. }), "{e}");
+        let e = OnnxBackbone::load(&path, None, [192, 192]).unwrap_err();
+        assert!(e.to_string().contains("[224, 224]"), "{e}");
+    }
+}
