@@ -22,6 +22,9 @@ use kestrel_shared::PreprocessSpec;
 pub enum Arch {
     EfficientnetLite0,
     Mobilenetv2,
+    /// A user's ONNX graph used whole as the frozen backbone (`--backbone model.onnx`): no blocks
+    /// Kestrel describes ([`Network::imported`]); not an `--arch` value.
+    Onnx,
 }
 
 impl Arch {
@@ -31,6 +34,7 @@ impl Arch {
         match self {
             Arch::EfficientnetLite0 => "efficientnet-lite0",
             Arch::Mobilenetv2 => "mobilenetv2",
+            Arch::Onnx => "onnx",
         }
     }
 
@@ -219,8 +223,27 @@ impl Network {
         Self::with_input(arch, [224, 224])
     }
 
+    /// A user's ONNX graph as the frozen backbone: no blocks, only its features' size and the
+    /// preprocessing its user gave (the graph itself is [`crate::onnx_backbone::OnnxBackbone`]).
+    pub fn imported(feature_dim: usize, preprocess: PreprocessSpec) -> Network {
+        let [h, w] = preprocess.input_size;
+        Network {
+            arch: Arch::Onnx,
+            input_hw: [h as usize, w as usize],
+            bn_eps: 0.0,
+            padding: Padding::Symmetric,
+            blocks: Vec::new(),
+            feature_dim,
+            pretrained_classes: 0,
+            preprocess,
+        }
+    }
+
     pub fn with_input(arch: Arch, input_hw: [usize; 2]) -> Network {
         let (stages, padding, bn_eps, preprocess) = match arch {
+            Arch::Onnx => {
+                return Self::imported(0, PreprocessSpec::imagenet());
+            }
             Arch::EfficientnetLite0 => (
                 &LITE0_STAGES,
                 Padding::TfSame,
@@ -342,6 +365,7 @@ impl Network {
             Some((i.parse().ok()?, part.to_string()))
         };
         let mapped = match self.arch {
+            Arch::Onnx => return canonical.to_string(),
             Arch::EfficientnetLite0 => match (module, kind) {
                 ("classifier", _) => "_fc".to_string(),
                 ("stem", "conv") => "_conv_stem".into(),

@@ -1,10 +1,14 @@
 //! A pretrained (or seeded random) backbone with canonical weights, and engine construction.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kestrel_shared::PreprocessSpec;
 
 use crate::arch::{Arch, Network};
 use crate::engine::{Engine, EngineError, EngineKind, kestrel_home};
 use crate::onnx::{self, Linear, LowerOpts};
+use crate::onnx_backbone::{OnnxBackbone, OnnxBackboneError};
 use crate::tensor::Weights;
 use crate::torch::{self, ImportError};
 use crate::weights::{self, FoldedConv, Part, WeightError};
@@ -29,6 +33,28 @@ pub enum BackboneError {
     NeedArch,
     #[error(transparent)]
     Engine(#[from] EngineError),
+    #[error(transparent)]
+    Onnx(#[from] OnnxBackboneError),
+    #[error(transparent)]
+    OnnxWeights(#[from] crate::onnx_weights::OnnxWeightsError),
+    #[error(
+        "an ONNX backbone ({0}) needs its preprocessing: --preprocess SPEC.json, or the name of an \
+         architecture whose preprocessing it uses ({known}); the graph does not say how its images \
+         were resized and normalised", known = known_names()
+    )]
+    NeedPreprocess(String),
+    #[error(
+        "--preprocess and --feature-output apply to an ONNX backbone (a .onnx file without --arch), not to `{0}`"
+    )]
+    OnnxOnly(String),
+    #[error("{path} changed since the run was made: sha256 {found}, the run recorded {expected}")]
+    Changed {
+        path: String,
+        found: String,
+        expected: String,
+    },
+    #[error("an ONNX backbone runs on tract or ort, not candle")]
+    OnnxOnCandle,
 }
 
 fn known_names() -> String {
@@ -46,14 +72,64 @@ pub fn pretrained_path(arch: Arch) -> PathBuf {
         .join(format!("{}.safetensors", arch.name()))
 }
 
-/// A network description with its canonical weights.
+/// A network description with its canonical weights, or a user's ONNX graph used whole
+/// (`graph`; then `net` has no blocks, only the feature size and preprocessing).
 #[derive(Debug, Clone)]
 pub struct Backbone {
     pub net: Network,
     pub weights: Weights,
+    pub graph: Option<Arc<OnnxBackbone>>,
+}
+
+/// How an ONNX backbone is used: the feature tensor, the preprocessing, and (for a run made
+/// earlier) the file's expected sha256.
+#[derive(Debug, Clone, Default)]
+pub struct OnnxOpts {
+    pub feature_output: Option<String>,
+    pub preprocess: Option<PreprocessSpec>,
+    pub sha256: Option<String>,
+}
+
+/// Whether a `--backbone` value is used as an ONNX graph: a `.onnx` file without `--arch`
+/// (with `--arch`, its weights are mapped onto that architecture instead).
+pub fn is_onnx_graph(spec: &str, arch: Option<Arch>) -> bool {
+    arch.is_none() && spec.to_ascii_lowercase().ends_with(".onnx")
 }
 
 impl Backbone {
+    /// Resolves a `--backbone` value as [`Backbone::resolve`] does, and a `.onnx` file without
+    /// `--arch` as the user's graph with `onnx`'s feature output and preprocessing.
+    pub fn open(spec: &str, arch: Option<Arch>, o: &OnnxOpts) -> Result<Self, BackboneError> {
+        if !is_onnx_graph(spec, arch) {
+            if o.feature_output.is_some() || o.preprocess.is_some() {
+                return Err(BackboneError::OnnxOnly(spec.into()));
+            }
+            return Self::resolve(spec, arch);
+        }
+        let pre = o
+            .preprocess
+            .clone()
+            .ok_or_else(|| BackboneError::NeedPreprocess(spec.into()))?;
+        let [h, w] = pre.input_size;
+        let g = OnnxBackbone::load(
+            Path::new(spec),
+            o.feature_output.as_deref(),
+            [h as usize, w as usize],
+        )?;
+        if let Some(expected) = o.sha256.as_ref().filter(|e| **e != g.sha256) {
+            return Err(BackboneError::Changed {
+                path: spec.into(),
+                found: g.sha256,
+                expected: expected.clone(),
+            });
+        }
+        Ok(Self {
+            net: Network::imported(g.feature_dim, pre),
+            weights: Weights::new(),
+            graph: Some(Arc::new(g)),
+        })
+    }
+
     /// Resolves a `--backbone` value: an architecture name (pretrained weights from the cache),
     /// `random:<seed>` (needs `arch`), or a checkpoint file (`.pth` legacy/zip, `.safetensors`; needs `arch`).
     pub fn resolve(spec: &str, arch: Option<Arch>) -> Result<Self, BackboneError> {
@@ -82,7 +158,11 @@ impl Backbone {
                 .map_err(|_| BackboneError::Unknown(spec.into()))?;
             let net = Network::new(arch.ok_or(BackboneError::NeedArch)?);
             let weights = weights::random(&net, Part::BackboneAndClassifier, seed);
-            return Ok(Self { net, weights });
+            return Ok(Self {
+                net,
+                weights,
+                graph: None,
+            });
         }
         let path = Path::new(spec);
         if !path.exists() {
@@ -91,9 +171,21 @@ impl Backbone {
         Self::from_file(path, arch.ok_or(BackboneError::NeedArch)?)
     }
 
-    /// Imports a checkpoint (any supported format, upstream or canonical names).
+    /// Imports a checkpoint (any supported format, upstream or canonical names; an ONNX export
+    /// mapped by graph structure, [`crate::onnx_weights`]).
     pub fn from_file(path: &Path, arch: Arch) -> Result<Self, BackboneError> {
         let net = Network::new(arch);
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("onnx"))
+        {
+            let weights = crate::onnx_weights::read(path, &net)?;
+            return Ok(Self {
+                net,
+                weights,
+                graph: None,
+            });
+        }
         let source = torch::read_checkpoint(path)?;
         let part = if source.contains_key(&net.source_name("classifier.weight"))
             || source.contains_key("classifier.weight")
@@ -108,7 +200,11 @@ impl Backbone {
                 source,
             }
         })?;
-        Ok(Self { net, weights })
+        Ok(Self {
+            net,
+            weights,
+            graph: None,
+        })
     }
 
     pub fn folded(&self) -> Result<Vec<FoldedConv>, WeightError> {
@@ -132,6 +228,13 @@ impl Backbone {
         opts: &LowerOpts,
         threads: usize,
     ) -> Result<Box<dyn Engine>, BackboneError> {
+        if let Some(g) = &self.graph {
+            if kind == EngineKind::Candle {
+                return Err(BackboneError::OnnxOnCandle);
+            }
+            let shape = opts.input_shape(&self.net);
+            return Ok(crate::engine::from_onnx(kind, &g.bytes(), shape, threads)?);
+        }
         let folded = self.folded().map_err(|source| BackboneError::Weights {
             path: "<weights>".into(),
             source,

@@ -9,6 +9,8 @@ pub mod artifact;
 pub mod dequant;
 pub mod engine;
 pub mod onnx;
+pub mod onnx_backbone;
+pub mod onnx_weights;
 pub mod quant;
 pub mod tensor;
 pub mod weights;

@@ -85,7 +85,8 @@ impl LowerOpts {
     pub fn output_shape(&self, net: &Network) -> Vec<usize> {
         match (&self.classifier, self.pool) {
             (Some(l), _) => vec![l.weight.shape[0]],
-            (None, true) => vec![net.blocks[self.blocks.end - 1].out_shape()[0]],
+            // Pooling comes after the last block: its channels are the features.
+            (None, true) => vec![net.feature_dim],
             (None, false) => net.blocks[self.blocks.end - 1].out_shape().to_vec(),
         }
     }
@@ -173,7 +174,7 @@ pub fn value_info(name: &str, dims: &[usize]) -> ValueInfoProto {
 }
 
 /// A float tensor of the given (or unspecified, e.g. calibration probes) shape.
-fn float_value_info(name: &str, shape: Option<pb::TensorShapeProto>) -> ValueInfoProto {
+pub fn float_value_info(name: &str, shape: Option<pb::TensorShapeProto>) -> ValueInfoProto {
     ValueInfoProto {
         name: name.into(),
         r#type: Some(TypeProto {

@@ -23,6 +23,7 @@ mod mlflow;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod mqtt;
+mod own_backbone;
 mod quality;
 mod rollout;
 mod secure_broker;

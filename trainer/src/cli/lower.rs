@@ -24,6 +24,24 @@ pub struct Args {
 
 pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
     let b = a.backbone.load()?;
+    if let Some(g) = &b.graph {
+        anyhow::ensure!(
+            a.output == "features",
+            "an ONNX backbone is lowered to its features only (--output features)"
+        );
+        std::fs::write(&a.out, g.bytes())
+            .with_context(|| format!("writing {}", a.out.display()))?;
+        println!(
+            "wrote {} (the feature graph of {}: `{}` [N, {}], from {:?} input `{}`)",
+            a.out.display(),
+            g.path.display(),
+            g.feature_output,
+            g.feature_dim,
+            g.layout,
+            g.input
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
     let opts = match a.output.as_str() {
         "logits" => LowerOpts::logits(
             &b.net,

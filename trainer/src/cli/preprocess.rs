@@ -3,12 +3,11 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use kestrel_models::Arch;
-use kestrel_shared::PreprocessSpec;
 use kestrel_trainer::distributed::Job;
 
-use super::args::parse_arch;
+use super::args::{parse_arch, read_spec};
 
 /// Decode + preprocess images and write each tensor as raw little-endian f32 (CHW).
 #[derive(clap::Args)]
@@ -28,12 +27,7 @@ pub struct Args {
 
 pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
     let spec = match (a.spec, a.arch) {
-        (Some(p), _) => {
-            let text =
-                std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
-            serde_json::from_str::<PreprocessSpec>(&text)
-                .with_context(|| format!("parsing spec {}", p.display()))?
-        }
+        (Some(p), _) => read_spec(&p)?,
         (None, Some(arch)) => kestrel_models::Network::new(arch).preprocess,
         (None, None) => bail!("pass --spec FILE or --arch NAME"),
     };

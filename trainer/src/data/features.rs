@@ -27,6 +27,9 @@ use crate::distributed::{self, Job, Rank, WorkerError};
 pub fn backbone_id(b: &Backbone) -> String {
     let mut h = Sha256::new();
     h.update(b.net.arch.name().as_bytes());
+    if let Some(g) = &b.graph {
+        h.update(g.id().as_bytes());
+    }
     for (name, t) in &b.weights {
         h.update(name.as_bytes());
         for d in &t.shape {

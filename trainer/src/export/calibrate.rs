@@ -37,6 +37,23 @@ pub(super) fn quantize(
             head: head.clone(),
         });
     }
+    if run.pp.backbone.graph.is_some() {
+        // An ONNX backbone: int8 weights written into its graph at lowering (no calibration, no
+        // bias correction: Kestrel does not know its layers).
+        if o.quantize != QuantForm::Int8Weights {
+            return Err(ExportError::Unsupported(format!(
+                "--quantize {} of an ONNX backbone: its graph is exported as it is (none) or with \
+                 int8 weights (int8-weights); static int8 needs Kestrel's own layers",
+                o.quantize.name()
+            )));
+        }
+        log("int8 weights of the ONNX backbone's Conv and Gemm layers (no bias correction)".into());
+        return Ok(Quantized {
+            quant: Quant::Weights,
+            folded: folded.clone(),
+            head: head.clone(),
+        });
+    }
     let train_idx = run.pp.indices(Split::Train);
     let step = (train_idx.len() / o.calibration.max(1)).max(1);
     let calib: Vec<usize> = train_idx

@@ -2,10 +2,12 @@
 //! float logits, and the pooled features as a second output — carrying the artifact's description as metadata properties.
 
 use kestrel_models::onnx::{self, LowerOpts};
+use kestrel_models::onnx_backbone::OnnxBackbone;
+use kestrel_models::quant::Quant;
 
-use super::ExportOpts;
 use super::calibrate::Quantized;
 use super::trained::Trained;
+use super::{ExportError, ExportOpts};
 
 /// The exported graph's second output: the pooled features the classifier reads (the device's
 /// drift statistic projects them; [`kestrel_shared::quality`]).
@@ -23,16 +25,31 @@ pub(super) struct Lowered {
     pub output_shape: Vec<usize>,
 }
 
-pub(super) fn lower(run: &Trained, q: &Quantized, o: &ExportOpts, name: String) -> Lowered {
+pub(super) fn lower(
+    run: &Trained,
+    q: &Quantized,
+    o: &ExportOpts,
+    name: String,
+) -> Result<Lowered, ExportError> {
     let net = run.net();
     let opts = LowerOpts {
         quant: q.quant.clone(),
         features_output: Some(FEATURES_OUTPUT.into()),
         ..LowerOpts::logits(net, q.head.clone())
     };
-    let mut model = onnx::lower(net, &q.folded, &opts);
+    // An ONNX backbone: the user's feature graph with the trained classifier appended.
+    let mut model = match &run.pp.backbone.graph {
+        Some(g) => {
+            let mut m = g.with_head(&q.head, &opts.output_name, FEATURES_OUTPUT);
+            if matches!(q.quant, Quant::Weights) {
+                OnnxBackbone::quantize_weights(&mut m).map_err(ExportError::Unsupported)?;
+            }
+            m
+        }
+        None => onnx::lower(net, &q.folded, &opts),
+    };
     model.model_version = o.version as i64;
-    let meta_props = [
+    let mut meta_props = vec![
         ("kestrel.name", name.clone()),
         ("kestrel.version", o.version.to_string()),
         ("kestrel.arch", net.arch.to_string()),
@@ -49,6 +66,10 @@ pub(super) fn lower(run: &Trained, q: &Quantized, o: &ExportOpts, name: String) 
         ("kestrel.output", opts.output_name.clone()),
         ("kestrel.features", FEATURES_OUTPUT.to_string()),
     ];
+    if let Some(g) = &run.pp.backbone.graph {
+        meta_props.push(("kestrel.backbone_sha256", g.sha256.clone()));
+        meta_props.push(("kestrel.backbone_feature_output", g.feature_output.clone()));
+    }
     onnx::set_metadata(
         &mut model,
         meta_props
@@ -56,11 +77,11 @@ pub(super) fn lower(run: &Trained, q: &Quantized, o: &ExportOpts, name: String) 
             .map(|(k, v)| (k.to_string(), v))
             .collect(),
     );
-    Lowered {
+    Ok(Lowered {
         name,
         onnx: onnx::to_bytes(&model),
         input_shape: opts.input_shape(net),
         output_shape: opts.output_shape(net),
         opts,
-    }
+    })
 }

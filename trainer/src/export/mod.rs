@@ -134,6 +134,8 @@ pub enum ExportError {
     /// Gate: a runtime's top-1 on the golden samples differs from tract's.
     #[error("{runtime} and tract disagree on the golden samples' top-1")]
     GoldenMismatch { runtime: String },
+    #[error("not supported: {0}")]
+    Unsupported(String),
     #[error("exported models run on tract or ort, not candle")]
     CandleEngine,
     #[error("{data} has label `{label}`, unknown to the model (labels {labels:?})")]
@@ -162,7 +164,7 @@ pub fn export(
     let log = &mut |line: String| job.log(line);
     let run = trained::Trained::load(run_dir, job)?;
     let quantized = calibrate::quantize(&run, o, log)?;
-    let lowered = lower::lower(&run, &quantized, o, artifact_name(run_dir, o));
+    let lowered = lower::lower(&run, &quantized, o, artifact_name(run_dir, o))?;
     let engines = verify::engines(&lowered, job.threads(), log)?;
     let mut verification = verify::verify(&run, &engines, o, log)?;
     verification.reference = Some(reference::profile(&run, &lowered, job.threads(), log)?);

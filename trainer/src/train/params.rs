@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 
 use kestrel_models::EngineKind;
+use kestrel_models::backbone::OnnxOpts;
+use kestrel_shared::PreprocessSpec;
 use serde::{Deserialize, Serialize};
 
 use super::TrainError;
@@ -105,6 +107,16 @@ pub struct FitParams {
     /// then the last `unfreeze_last` blocks and the head with `optimizer` from there.
     #[serde(default)]
     pub head_first: bool,
+    /// An ONNX backbone (`--backbone model.onnx`): its feature tensor (`--feature-output`;
+    /// absent: the input of the graph's last Gemm/MatMul).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feature_output: Option<String>,
+    /// An ONNX backbone's preprocessing (`--preprocess`), kept in full with the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preprocess: Option<PreprocessSpec>,
+    /// sha256 of the ONNX backbone file: a run whose file changed is not prepared again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backbone_sha256: Option<String>,
 }
 
 impl FitParams {
@@ -113,6 +125,15 @@ impl FitParams {
         std::iter::once(self.data.clone())
             .chain(self.more_data.iter().cloned())
             .collect()
+    }
+
+    /// How an ONNX backbone is used (empty for the built-in ones).
+    pub fn onnx_opts(&self) -> OnnxOpts {
+        OnnxOpts {
+            feature_output: self.feature_output.clone(),
+            preprocess: self.preprocess.clone(),
+            sha256: self.backbone_sha256.clone(),
+        }
     }
 
     /// Whether the frozen features are the pooled ones (no block trains).

@@ -81,9 +81,17 @@ pub fn prepare(p: &FitParams, job: &Job) -> Result<Prepped, TrainError> {
                 .ok_or_else(|| TrainError::Invalid(format!("unknown architecture `{a}`")))
         })
         .transpose()?;
-    let backbone = Backbone::resolve(&p.backbone, arch)?;
+    let backbone = Backbone::open(&p.backbone, arch, &p.onnx_opts())?;
     let blocks = backbone.net.blocks.len();
-    if p.unfreeze_last >= blocks {
+    if blocks == 0 && p.unfreeze_last > 0 {
+        return Err(TrainError::Invalid(format!(
+            "--unfreeze-last/--fine-tune {}: an ONNX backbone is frozen whole; to train its last \
+             blocks, map its weights onto an architecture Kestrel describes (`trainer import-weights \
+             --from {} --arch A`) and pass the result with --arch",
+            p.unfreeze_last, p.backbone
+        )));
+    }
+    if p.unfreeze_last >= blocks.max(1) {
         return Err(TrainError::Invalid(format!(
             "--unfreeze-last {} but {} has {blocks} blocks",
             p.unfreeze_last, backbone.net.arch
