@@ -83,8 +83,13 @@ impl Conn {
         }
     }
 
+    /// A request the client could not queue: its event loop has stopped, so name why when the
+    /// loop said so (the broker closed the connection, say), not only that it stopped.
     fn client_err(&self, e: rumqttc::ClientError) -> FleetError {
-        self.err(e.to_string())
+        match self.events.try_iter().find_map(Result::err) {
+            Some(lost) => self.err(format!("connection lost: {lost}")),
+            None => self.err(e.to_string()),
+        }
     }
 
     /// Queues one QoS 1 publish (not retained) without waiting for its acknowledgement.

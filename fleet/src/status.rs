@@ -10,14 +10,26 @@ use crate::{Conn, FleetError};
 
 /// Retained status of every device (or of one).
 pub fn statuses(cfg: &BrokerConfig, device: Option<&str>) -> Result<Vec<Status>, FleetError> {
-    let mut conn = Conn::connect(cfg, "status")?;
-    let filter = match device {
-        Some(d) => conn.topics.status(d),
-        None => conn.topics.status_filter(),
-    };
-    let out = retained(&mut conn, &filter, Duration::from_millis(400))?;
-    conn.disconnect();
-    Ok(out)
+    read_once_more(|| {
+        let mut conn = Conn::connect(cfg, "status")?;
+        let filter = match device {
+            Some(d) => conn.topics.status(d),
+            None => conn.topics.status_filter(),
+        };
+        let out = retained(&mut conn, &filter, Duration::from_millis(400))?;
+        conn.disconnect();
+        Ok(out)
+    })
+}
+
+/// A read of retained state, tried a second time (on a new connection) when the broker dropped
+/// the first: reading twice changes nothing, and a busy broker may close a connection it has just
+/// accepted.
+fn read_once_more<T>(read: impl Fn() -> Result<T, FleetError>) -> Result<T, FleetError> {
+    read().or_else(|e| match e {
+        FleetError::Broker { .. } => read(),
+        e => Err(e),
+    })
 }
 
 /// Retained quality report of every device (or of one), by device id.
@@ -25,14 +37,16 @@ pub fn qualities(
     cfg: &BrokerConfig,
     device: Option<&str>,
 ) -> Result<Vec<DeviceQuality>, FleetError> {
-    let mut conn = Conn::connect(cfg, "quality")?;
-    let filter = match device {
-        Some(d) => conn.topics.quality(d),
-        None => conn.topics.quality_filter(),
-    };
-    let out = retained(&mut conn, &filter, Duration::from_millis(400))?;
-    conn.disconnect();
-    Ok(out)
+    read_once_more(|| {
+        let mut conn = Conn::connect(cfg, "quality")?;
+        let filter = match device {
+            Some(d) => conn.topics.quality(d),
+            None => conn.topics.quality_filter(),
+        };
+        let out = retained(&mut conn, &filter, Duration::from_millis(400))?;
+        conn.disconnect();
+        Ok(out)
+    })
 }
 
 /// The retained messages under `filter` (see [`Conn::retained`]); cleared ones are skipped.
