@@ -3,32 +3,16 @@
 use std::time::{Duration, Instant};
 
 use kestrel_shared::mqtt::BrokerConfig;
-use kestrel_shared::protocol::{Status, parse};
+use kestrel_shared::protocol::{Status, Topics, parse};
 use kestrel_shared::quality::DeviceQuality;
 
 use crate::{Conn, FleetError};
 
 /// Retained status of every device (or of one).
 pub fn statuses(cfg: &BrokerConfig, device: Option<&str>) -> Result<Vec<Status>, FleetError> {
-    read_once_more(|| {
-        let mut conn = Conn::connect(cfg, "status")?;
-        let filter = match device {
-            Some(d) => conn.topics.status(d),
-            None => conn.topics.status_filter(),
-        };
-        let out = retained(&mut conn, &filter, Duration::from_millis(400))?;
-        conn.disconnect();
-        Ok(out)
-    })
-}
-
-/// A read of retained state, tried a second time (on a new connection) when the broker dropped
-/// the first: reading twice changes nothing, and a busy broker may close a connection it has just
-/// accepted.
-fn read_once_more<T>(read: impl Fn() -> Result<T, FleetError>) -> Result<T, FleetError> {
-    read().or_else(|e| match e {
-        FleetError::Broker { .. } => read(),
-        e => Err(e),
+    read_retained(cfg, "status", |t| match device {
+        Some(d) => t.status(d),
+        None => t.status_filter(),
     })
 }
 
@@ -37,15 +21,30 @@ pub fn qualities(
     cfg: &BrokerConfig,
     device: Option<&str>,
 ) -> Result<Vec<DeviceQuality>, FleetError> {
-    read_once_more(|| {
-        let mut conn = Conn::connect(cfg, "quality")?;
-        let filter = match device {
-            Some(d) => conn.topics.quality(d),
-            None => conn.topics.quality_filter(),
-        };
+    read_retained(cfg, "quality", |t| match device {
+        Some(d) => t.quality(d),
+        None => t.quality_filter(),
+    })
+}
+
+/// The retained messages under the filter `topic` names, on a connection of their own. Tried a
+/// second time (on a new connection) when the broker dropped the first: reading twice changes
+/// nothing, and a busy broker may close a connection it has just accepted.
+fn read_retained<T: serde::de::DeserializeOwned>(
+    cfg: &BrokerConfig,
+    role: &str,
+    topic: impl Fn(&Topics) -> String,
+) -> Result<Vec<T>, FleetError> {
+    let read = || {
+        let mut conn = Conn::connect(cfg, role)?;
+        let filter = topic(&conn.topics);
         let out = retained(&mut conn, &filter, Duration::from_millis(400))?;
         conn.disconnect();
         Ok(out)
+    };
+    read().or_else(|e| match e {
+        FleetError::Broker { .. } => read(),
+        e => Err(e),
     })
 }
 
