@@ -151,7 +151,7 @@ pub fn run(
         conn = reconnect(cfg, e)?;
     }
     if let RolloutState::Aborted(_) = &c.state {
-        wait_rolled_back(&mut conn, &c, latest, log)?;
+        wait_rolled_back(&mut conn, &mut c, signer, latest, log)?;
     }
     conn.disconnect();
     Ok(c)
@@ -286,17 +286,18 @@ fn begin(
 /// model, starting from the `latest` status of each device seen during the rollout.
 fn wait_rolled_back(
     conn: &mut Conn,
-    c: &Controller,
+    c: &mut Controller,
+    signer: (&SigningKey, Option<&str>),
     latest: BTreeMap<String, Status>,
     log: &mut dyn FnMut(String),
 ) -> Result<(), FleetError> {
-    let mut left: BTreeMap<&str, &(String, u64)> = c
+    let mut left: BTreeMap<String, (String, u64)> = c
         .devices
         .values()
         .filter(|d| d.state != DeviceState::Waiting)
-        .filter_map(|d| d.previous.as_ref().map(|p| (d.id.as_str(), p)))
+        .filter_map(|d| d.previous.clone().map(|p| (d.id.clone(), p)))
         .collect();
-    let back = |left: &mut BTreeMap<&str, &(String, u64)>, s: &Status| {
+    let back = |left: &mut BTreeMap<String, (String, u64)>, s: &Status| {
         if let Some((name, v)) = left.get(s.device.as_str())
             && s.active == Some(*v)
             && s.model.as_deref() == Some(name.as_str())
@@ -314,7 +315,12 @@ fn wait_rolled_back(
             && !p.is_empty()
             && t.ends_with("/status")
         {
-            back(&mut left, &parse(&t, &p)?);
+            let s: Status = parse(&t, &p)?;
+            // A failure reported now (a device that was installing when the abort came) is
+            // recorded in the saved controller.
+            let outputs = c.on_status(&s, now_unix());
+            execute(conn, c, signer, outputs, log)?;
+            back(&mut left, &s);
         }
     }
     match left.keys().next() {

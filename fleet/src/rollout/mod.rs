@@ -404,7 +404,11 @@ impl Controller {
                 {
                     Some(DeviceState::Active)
                 }
-                DeviceState::Moved if s.failed_version == Some(version) && s.state == "idle" => {
+                // A device sent back by an abort while it was installing may still fail its
+                // own health check: that failure is what it reports, and what is recorded.
+                DeviceState::Moved | DeviceState::RolledBack
+                    if s.failed_version == Some(version) && s.state == "idle" =>
+                {
                     Some(DeviceState::Failed(
                         s.last_error.clone().unwrap_or_else(|| "failed".into()),
                     ))

@@ -153,6 +153,20 @@ fn a_failing_canary_aborts_and_sends_moved_devices_back() {
     );
     // Nothing more happens after an abort.
     assert!(c.on_tick(10_000).is_empty());
+    // A device sent back while still installing, whose own health check then fails, is recorded
+    // as failed; its being back on v1 changes nothing, and nothing is sent again.
+    assert_eq!(c.devices[&canary[0]].state, DeviceState::RolledBack);
+    assert!(
+        c.on_status(&status(&canary[0], &[], Some(1), None), 10_001)
+            .is_empty()
+    );
+    let out = c.on_status(&status(&canary[0], &[], Some(1), Some(2)), 10_002);
+    assert!(
+        matches!(c.devices[&canary[0]].state, DeviceState::Failed(ref e) if e.contains("health check"))
+    );
+    assert!(desired_devices(&out).is_empty());
+    assert_eq!(out.last(), Some(&Output::Save));
+    assert!(matches!(c.state, RolloutState::Aborted(ref r) if r.contains("1 of 2 devices failed")));
 }
 
 #[test]

@@ -157,11 +157,16 @@ fn failing_canary_aborts_and_only_the_canary_ever_sees_the_bad_model(kind: Broke
         let store = dir.join("sim/store").join(&s.device);
         let journal = std::fs::read_to_string(store.join("state.json")).unwrap();
         if canary.contains(&s.device) {
-            // The first failure aborts: a canary device still installing then is sent back
-            // before its own health check fails.
+            // The first failure aborts: a canary device still installing then is sent back,
+            // and may fail its own health check before or after the controller's wait for it
+            // (its v1 status from before it began v9 can end that wait).
             let state = &c["devices"][&s.device]["state"]["state"];
             if s.failed_version == Some(9) {
-                assert_eq!(state, "failed", "{}", s.device);
+                assert!(
+                    state == "failed" || state == "rolled-back",
+                    "{}: {state}",
+                    s.device
+                );
                 assert!(
                     s.last_error
                         .as_deref()
