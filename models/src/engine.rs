@@ -129,7 +129,16 @@ impl TractEngine {
         let model: TypedModel = tract_onnx::onnx()
             .model_for_read(&mut std::io::Cursor::new(bytes))
             .and_then(|m| m.with_input_fact(0, InferenceFact::dt_shape(f32::datum_type(), shape)))
-            .and_then(|m| m.into_optimized())
+            .and_then(|m| m.into_typed()?.into_decluttered())
+            .and_then(|mut m| {
+                crate::tract_depthwise::replace(&mut m)?;
+                let m = m.into_optimized()?;
+                    for n in &m.nodes {
+                        eprintln!("{} {} {:?}", n.name, n.op.name(), n.inputs);
+                    }
+                }
+                Ok(m)
+            })
             .map_err(tract_err)?;
         let plan = model
             .into_runnable_with_options(&RunOptions::default())

@@ -47,6 +47,15 @@ fn taps(from: u32, to: u32) -> Vec<Taps> {
         .collect()
 }
 
+/// `x.clamp(0.0, 255.0).round() as u8`, without `round`: on x86-64 without SSE4.1 that is a
+/// call into libm per channel (2.4% of a camera photo's extraction with tract). Half rounds away
+/// from zero as `round` does, and the fraction `v - t` is exact, so every byte is the same.
+fn round_u8(x: f32) -> u8 {
+    let v = x.clamp(0.0, 255.0);
+    let t = v as u32;
+    (t + u32::from(v - t as f32 >= 0.5)) as u8
+}
+
 fn triangle(x: f32) -> f32 {
     if x.abs() < 1.0 { 1.0 - x.abs() } else { 0.0 }
 }
@@ -95,7 +104,7 @@ pub fn triangle_rgb8_window(
                 }
             }
             for c in 0..3 {
-                px[c] = acc[c].clamp(0.0, 255.0).round() as u8;
+                px[c] = round_u8(acc[c]);
             }
         }
     }
@@ -117,6 +126,15 @@ mod tests {
             let g = ((x * 255 / w.max(1)) as u8, (y * 255 / h.max(1)) as u8);
             image::Rgb([g.0 ^ (s as u8 & 0x0f), g.1, (s >> 8) as u8])
         })
+    }
+
+    #[test]
+    fn round_u8_is_clamp_then_round() {
+        let mut x = -3.0f32;
+        while x < 260.0 {
+            assert_eq!(round_u8(x), x.clamp(0.0, 255.0).round() as u8, "{x}");
+            x = x.next_up();
+        }
     }
 
     #[test]
