@@ -132,12 +132,7 @@ impl TractEngine {
             .and_then(|m| m.into_typed()?.into_decluttered())
             .and_then(|mut m| {
                 crate::tract_depthwise::replace(&mut m)?;
-                let m = m.into_optimized()?;
-                    for n in &m.nodes {
-                        eprintln!("{} {} {:?}", n.name, n.op.name(), n.inputs);
-                    }
-                }
-                Ok(m)
+                m.into_optimized()
             })
             .map_err(tract_err)?;
         let plan = model
