@@ -474,7 +474,8 @@ mod tests {
     #[test]
     fn replaces_tract_depthwise_and_matches_the_definition() {
         use PaddingSpec::{Explicit, SameUpper, Valid};
-        // (n, c, h, w, k, stride, padding): Lite0's shapes, odd sizes, uneven and no padding;
+        // (n, c, h, w, k, stride, padding): Lite0's shapes, odd sizes, uneven and no padding,
+        // a stride of 3;
         // n = 0: no batch axis (CHW), as tract leaves a batch of 1 after decluttering.
         #[rustfmt::skip]
         let cases = [
@@ -487,6 +488,7 @@ mod tests {
             (1, 2, 9, 8, 3, 2, Explicit(tvec!(0, 2), tvec!(1, 0))),
             (0, 6, 28, 28, 5, 2, Explicit(tvec!(1, 1), tvec!(2, 2))),
             (0, 96, 112, 112, 3, 2, Explicit(tvec!(0, 0), tvec!(1, 1))),
+            (1, 2, 13, 14, 5, 3, Explicit(tvec!(2, 1), tvec!(2, 2))),
         ];
         for (case, (n, c, h, w, k, s, pad)) in cases.into_iter().enumerate() {
             // Every other case ends in a ReLU6 (tract's Max then Min), which the op takes in.
