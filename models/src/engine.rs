@@ -11,6 +11,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::tensor::Tensor;
 use tract_onnx::prelude::{
@@ -216,28 +217,40 @@ impl Engine for TractEngine {
             shape.extend(s);
             return Ok(Tensor::new(shape, data));
         }
-        let chunk = n.div_ceil(self.threads.min(n).max(1)).max(1);
-        let parts: Vec<Result<(Vec<usize>, Vec<f32>), EngineError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = input
-                .data
-                .chunks(chunk * per)
-                .map(|d| s.spawn(move || self.run_samples(d, per)))
+        // One worker per thread, each taking the next image as it finishes one (the decoder
+        // threads share these cores: fixed halves would leave the slowed worker's partner idle).
+        let next = AtomicUsize::new(0);
+        let worker = || -> Result<Vec<(usize, Vec<usize>, Vec<f32>)>, EngineError> {
+            let mut done = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    return Ok(done);
+                }
+                let (shape, out) = self.run_samples(&input.data[i * per..(i + 1) * per], per)?;
+                done.push((i, shape, out));
+            }
+        };
+        let parts: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..self.threads.min(n).max(1))
+                .map(|_| s.spawn(worker))
                 .collect();
             handles
                 .into_iter()
                 .map(|h| h.join().expect("tract worker panicked"))
                 .collect()
         });
+        let mut outputs = vec![Vec::new(); n];
         let mut shape = vec![n];
-        let mut data = Vec::new();
-        for (i, p) in parts.into_iter().enumerate() {
-            let (s, d) = p?;
-            if i == 0 {
-                shape.extend(s);
+        for part in parts {
+            for (i, s, out) in part? {
+                if shape.len() == 1 {
+                    shape.extend(s);
+                }
+                outputs[i] = out;
             }
-            data.extend(d);
         }
-        Ok(Tensor::new(shape, data))
+        Ok(Tensor::new(shape, outputs.concat()))
     }
 }
 
