@@ -3,7 +3,7 @@
 //!
 //! Every engine takes an NCHW (or boundary-shaped) f32 batch and returns the graph output, and
 //! every engine honours a thread count:
-//! - tract: the batch is split into `threads` chunks run concurrently on one shared plan; a batch
+//! - tract: `threads` workers on one shared plan each take the batch's next image; a batch
 //!   smaller than `threads` (the edge agent's one image per request) instead runs its matrix
 //!   products on a `threads`-thread pool (tract's `multithread-mm`, cargo feature `tract-threads`);
 //! - ONNX Runtime: `intra_op_num_threads`;
@@ -104,7 +104,9 @@ fn check_input(expected: &[usize], input: &Tensor) -> Result<(), EngineError> {
 /// tract optimises far better for a concrete batch size than for the symbolic `N`, and on these
 /// CPUs runs Lite0 fastest one image at a time (measured, 1 thread, decode included: batch 1
 /// 31 img/s, batch 4 15 img/s, batch 32 12 img/s, symbolic N 6 img/s). So the plan is built
-/// for batch 1 and a batch is spread over `threads` workers, each running its images in turn.
+/// for batch 1 and a batch is spread over `threads` workers, each taking the next image when free.
+/// Its depthwise convolutions are Kestrel's own op ([`crate::tract_depthwise`]), put in before
+/// tract optimises the plan.
 pub struct TractEngine {
     plan: Arc<TypedRunnableModel>,
     input_shape: Vec<usize>,
