@@ -105,7 +105,7 @@ fn check_input(expected: &[usize], input: &Tensor) -> Result<(), EngineError> {
 /// CPUs runs Lite0 fastest one image at a time (measured, 1 thread, decode included: batch 1
 /// 31 img/s, batch 4 15 img/s, batch 32 12 img/s, symbolic N 6 img/s). So the plan is built
 /// for batch 1 and a batch is spread over `threads` workers, each taking the next image when free.
-/// Its depthwise convolutions are Kestrel's own op ([`crate::tract_depthwise`]), put in before
+/// Its depthwise convolutions are Kestrel's own op (`tract_depthwise.rs`), put in before
 /// tract optimises the plan.
 pub struct TractEngine {
     plan: Arc<TypedRunnableModel>,
