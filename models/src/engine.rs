@@ -105,8 +105,8 @@ fn check_input(expected: &[usize], input: &Tensor) -> Result<(), EngineError> {
 /// CPUs runs Lite0 fastest one image at a time (measured, 1 thread, decode included: batch 1
 /// 31 img/s, batch 4 15 img/s, batch 32 12 img/s, symbolic N 6 img/s). So the plan is built
 /// for batch 1 and a batch is spread over `threads` workers, each taking the next image when free.
-/// Its depthwise convolutions are Kestrel's own op (`tract_depthwise.rs`), put in before
-/// tract optimises the plan.
+/// Its depthwise convolutions, and full ones over few input channels (the stem), are Kestrel's
+/// own op (`tract_conv.rs`), put in before tract optimises the plan.
 pub struct TractEngine {
     plan: Arc<TypedRunnableModel>,
     input_shape: Vec<usize>,
@@ -134,7 +134,7 @@ impl TractEngine {
             .and_then(|m| m.with_input_fact(0, InferenceFact::dt_shape(f32::datum_type(), shape)))
             .and_then(|m| m.into_typed()?.into_decluttered())
             .and_then(|mut m| {
-                crate::tract_depthwise::replace(&mut m)?;
+                crate::tract_conv::replace(&mut m)?;
                 m.into_optimized()
             })
             .map_err(tract_err)?;

@@ -13,7 +13,7 @@ pub mod onnx_backbone;
 pub mod onnx_weights;
 pub mod quant;
 pub mod tensor;
-mod tract_depthwise;
+mod tract_conv;
 pub mod weights;
 
 #[cfg(feature = "candle")]
