@@ -11,8 +11,13 @@
 //! flat, branch-free loop over fixed-size blocks of outputs, which the compiler vectorises
 //! (AVX2 and FMA where the CPU has them, chosen at run time; NEON on aarch64). A full
 //! convolution computes four output channels per block, so each input load serves four fused
-//! multiply-adds. The few columns past each output row that this computes are dropped when the
-//! rows are copied out.
+//! multiply-adds. Rows at least a block wide are computed block by block in place (the last
+//! block of a row overlapping the one before); narrower ones as one flat run over the padded
+//! plane, whose rows are then copied out without the few columns past each row.
+//!
+//! Measured and left out (Lite0, this VM's Sapphire Rapids): AVX-512 kernels, for the depthwise
+//! tile (4 chains of 2 registers) and the full one (32 x 4), were slower than AVX2 or no faster:
+//! the unaligned loads and the memory traffic bound them, not the arithmetic.
 
 use std::cell::RefCell;
 
@@ -210,19 +215,33 @@ impl PlaneConv {
         // Row r of an output plane is flat[r * wq..][..ow]; whole blocks are computed (the
         // scalar tail of a last partial block cost more than computing it whole).
         let n = ((oh - 1) * l.wq + ow).next_multiple_of(positions);
-        scratch.flat.resize(n * channels, 0.0);
         let taps = l.offsets.len();
         let tiles = (self.out_channels / self.groups).div_ceil(channels);
         for (i, outs) in y.chunks_mut(channels * oh * ow).enumerate() {
             let tile = g * tiles + i;
             let planes = Planes {
-                buf: &scratch.buf,
+                buf: &scratch.buf[..],
                 offsets: &l.offsets,
                 weights: &self.weights[tile * channels * taps..(tile + 1) * channels * taps],
                 bias: &self.bias[tile * channels..(tile + 1) * channels],
                 clip: self.clip,
             };
-            planes.convolve(self.tile, &mut scratch.flat);
+            if ow >= positions {
+                // Rows at least a block wide: whole blocks along each row (the last one
+                // overlapping the one before), written in place.
+                let wq = l.wq;
+                let cols = (0..ow - positions)
+                    .step_by(positions)
+                    .chain([ow - positions]);
+                let starts =
+                    (0..oh).flat_map(|r| cols.clone().map(move |c| (r * wq + c, r * ow + c)));
+                planes.convolve(self.tile, outs, oh * ow, starts);
+                continue;
+            }
+            // Narrower rows: the flat plane, then its rows copied out.
+            scratch.flat.resize(n * channels, 0.0);
+            let starts = (0..n).step_by(positions).map(|s| (s, s));
+            planes.convolve(self.tile, &mut scratch.flat, n, starts);
             for (out, flat) in outs.chunks_exact_mut(oh * ow).zip(scratch.flat.chunks(n)) {
                 for (r, row) in out.chunks_exact_mut(ow).enumerate() {
                     row.copy_from_slice(&flat[r * l.wq..r * l.wq + ow]);
@@ -255,31 +274,48 @@ struct Planes<'a> {
 }
 
 impl Planes<'_> {
-    /// Computes `out`, the tile's channels one after another, each a whole number of blocks
-    /// (`buf` reaches that far past the taps).
-    fn convolve(&self, tile: Tile, out: &mut [f32]) {
+    /// Computes the tile's channels into `out` (planes `plane` apart; a group's last tile may
+    /// have fewer than its channels), one block at each `(start, at)`: the block of flat
+    /// positions from `start` (`buf` reaches a block past the taps of every one) goes to `at`.
+    fn convolve(
+        &self,
+        tile: Tile,
+        out: &mut [f32],
+        plane: usize,
+        starts: impl Iterator<Item = (usize, usize)>,
+    ) {
         match tile {
-            Tile::Depthwise => self.dispatch::<32, 1, 32>(out),
-            Tile::Dense => self.dispatch::<16, 4, 64>(out),
+            Tile::Depthwise => self.dispatch::<32, 1, 32>(out, plane, starts),
+            Tile::Dense => self.dispatch::<16, 4, 64>(out, plane, starts),
         }
     }
 
     /// [`Self::blocks`] vectorised for the CPU it runs on.
-    fn dispatch<const P: usize, const C: usize, const N: usize>(&self, out: &mut [f32]) {
+    fn dispatch<const P: usize, const C: usize, const N: usize>(
+        &self,
+        out: &mut [f32],
+        plane: usize,
+        starts: impl Iterator<Item = (usize, usize)>,
+    ) {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
             // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            return unsafe { self.avx2_fma::<P, C, N>(out) };
+            return unsafe { self.avx2_fma::<P, C, N>(out, plane, starts) };
         }
         // aarch64 always has NEON and a fused multiply-add.
-        self.blocks::<{ cfg!(target_arch = "aarch64") }, P, C, N>(out)
+        self.blocks::<{ cfg!(target_arch = "aarch64") }, P, C, N>(out, plane, starts)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn avx2_fma<const P: usize, const C: usize, const N: usize>(&self, out: &mut [f32]) {
-        self.blocks::<true, P, C, N>(out)
+    unsafe fn avx2_fma<const P: usize, const C: usize, const N: usize>(
+        &self,
+        out: &mut [f32],
+        plane: usize,
+        starts: impl Iterator<Item = (usize, usize)>,
+    ) {
+        self.blocks::<true, P, C, N>(out, plane, starts)
     }
 
     /// The loop itself, inlined into each target-feature wrapper so it is vectorised for it:
@@ -289,15 +325,17 @@ impl Planes<'_> {
     fn blocks<const FMA: bool, const P: usize, const C: usize, const N: usize>(
         &self,
         out: &mut [f32],
+        plane: usize,
+        starts: impl Iterator<Item = (usize, usize)>,
     ) {
         let (lo, hi) = self.clip;
-        let n = out.len() / C;
-        debug_assert_eq!((n % P, N), (0, P * C));
+        let planes = out.len().div_ceil(plane);
+        debug_assert_eq!(N, P * C);
         let mut init = [0.0; N];
         for (a, &b) in init.chunks_exact_mut(P).zip(self.bias) {
             a.fill(b);
         }
-        for start in (0..n).step_by(P) {
+        for (start, at) in starts {
             // Channel c's accumulators are acc[c * P..][..P] (one flat array: the compiler keeps
             // it in registers, which it did not for an array of arrays).
             let mut acc = init;
@@ -312,9 +350,13 @@ impl Planes<'_> {
                 }
             }
             for (c, a) in acc.chunks_exact(P).enumerate() {
+                if c >= planes {
+                    break;
+                }
                 // Written so as to be one `max` and one `min` instruction (f32::max would add
                 // a NaN check).
-                for (y, &a) in out[c * n + start..c * n + start + P].iter_mut().zip(a) {
+                let at = c * plane + at;
+                for (y, &a) in out[at..at + P].iter_mut().zip(a) {
                     let a = if a > lo { a } else { lo };
                     *y = if a < hi { a } else { hi };
                 }
@@ -707,7 +749,8 @@ mod tests {
         let e = |a: usize, b: usize, c: usize, d: usize| Explicit(tvec!(a, b), tvec!(c, d));
         // Depthwise (groups = channels): Lite0's shapes, odd sizes, uneven and no padding, a
         // stride of 3. Full (one group, few input channels): a stem (3 -> 32, 3x3, stride 2),
-        // output channels not a multiple of the tile's four, a batch. n = 0: no batch axis
+        // output channels not a multiple of the tile's four, a batch. Rows a block wide or
+        // more are written in place, narrower ones copied out: both are here. n = 0: no batch axis
         // (CHW), as tract leaves a batch of 1 after decluttering. The cases run large to small
         // on one thread, so a scratch buffer reused across planes is covered.
         #[rustfmt::skip]
@@ -720,6 +763,7 @@ mod tests {
             (2, 5, 5, 5, [15, 9], 3, 2, e(1, 1, 1, 1)),
             (1, 4, 4, 4, [14, 14], 5, 2, e(1, 1, 2, 2)),
             (0, 2, 7, 1, [12, 10], 3, 1, e(1, 1, 1, 1)),
+            (1, 2, 6, 1, [20, 37], 3, 1, e(1, 1, 1, 1)),
             (1, 3, 3, 3, [7, 7], 5, 1, SameUpper),
             (1, 3, 3, 3, [10, 11], 3, 2, SameUpper),
             (1, 2, 2, 2, [6, 13], 3, 1, Valid),
