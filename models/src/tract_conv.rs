@@ -119,6 +119,8 @@ struct Layout {
     offsets: Vec<usize>,
     /// Length of the scratch buffer: the regions and the slack the last block reads into.
     len: usize,
+    /// Stride, padding before and input size: with the above, where the input goes.
+    interior: [[usize; 2]; 3],
 }
 
 impl Layout {
@@ -150,41 +152,38 @@ impl Layout {
             region,
             offsets,
             len: planes * region + kw + MAX_POSITIONS,
+            interior: [[sh, sw], [pt, pl], [h, w]],
         }
     }
 }
 
 impl PlaneConv {
-    /// Copies plane `x` (`in_hw`) into its zero-padded phase planes in `buf` (a region), writing
-    /// every element an output reads (zeros included: `buf` holds another plane's data); `row`
-    /// is scratch.
+    /// Copies plane `x` (`in_hw`) into its phase planes in `buf` (a region), where the input
+    /// goes: the padding around it is zeros already ([`Scratch::prepare`]). `row` is scratch.
     fn scatter(&self, x: &[f32], buf: &mut [f32], row: &mut Vec<f32>) {
-        let ([sh, sw], [pt, pl], [h, w], l) =
+        let ([sh, sw], [pt, pl], [_, w], l) =
             (self.stride, self.pad_before, self.in_hw, &self.layout);
-        // The padded row, zeros around the input, dealt out column by column to its phases
-        // (at stride 1 the row is written in place).
-        row.resize(l.wq * sw, 0.0);
-        row[..pl].fill(0.0);
-        row[pl + w..].fill(0.0);
-        for y in 0..l.hq * sh {
-            let base = (y % sh) * sw * l.plane + (y / sh) * l.wq;
-            let input = (pt..pt + h)
-                .contains(&y)
-                .then(|| &x[(y - pt) * w..(y - pt + 1) * w]);
+        // Past stride 1, a padded row (zeros around the input) is dealt out column by column to
+        // its phases.
+        if sw > 1 {
+            row.resize(l.wq * sw, 0.0);
+            row[..pl].fill(0.0);
+            row[pl + w..].fill(0.0);
+        }
+        for (i, input) in x.chunks_exact(w).enumerate() {
+            let y = i + pt;
+            // (A division per row showed in profiles: strides 1 and 2 go without.)
+            let (phase, q) = match sh {
+                1 => (0, y),
+                2 => (y & 1, y >> 1),
+                _ => (y % sh, y / sh),
+            };
+            let base = phase * sw * l.plane + q * l.wq;
             if sw == 1 {
-                let padded = &mut buf[base..base + l.wq];
-                padded[..pl].fill(0.0);
-                padded[pl + w..].fill(0.0);
-                match input {
-                    Some(input) => padded[pl..pl + w].copy_from_slice(input),
-                    None => padded[pl..pl + w].fill(0.0),
-                }
+                buf[base + pl..base + pl + w].copy_from_slice(input);
                 continue;
             }
-            match input {
-                Some(input) => row[pl..pl + w].copy_from_slice(input),
-                None => row[pl..pl + w].fill(0.0),
-            }
+            row[pl..pl + w].copy_from_slice(input);
             if sw == 2 {
                 let (even, odd) = buf[base..].split_at_mut(l.plane);
                 let pairs = even[..l.wq]
@@ -207,7 +206,7 @@ impl PlaneConv {
     /// One group of one sample: its input planes `x` to its output planes `y`.
     fn group(&self, g: usize, x: &[f32], y: &mut [f32], scratch: &mut Scratch) {
         let (l, [h, w], [oh, ow]) = (&self.layout, self.in_hw, self.out_hw);
-        scratch.buf.resize(l.len, 0.0);
+        scratch.prepare(l);
         for (i, plane) in x.chunks_exact(h * w).enumerate() {
             self.scatter(plane, &mut scratch.buf[i * l.region..], &mut scratch.row);
         }
@@ -255,8 +254,23 @@ impl PlaneConv {
 #[derive(Default)]
 struct Scratch {
     buf: Vec<f32>,
+    /// The layout `buf` was last zeroed for: where no input goes, it is still zeros.
+    zeroed_for: Option<Layout>,
     row: Vec<f32>,
     flat: Vec<f32>,
+}
+
+impl Scratch {
+    /// Makes `buf` hold `layout`'s regions, zeros but where the input goes: zeroed whole when
+    /// the layout changes (once per op and thread), untouched between the planes of one op,
+    /// which all write the same places.
+    fn prepare(&mut self, layout: &Layout) {
+        if self.zeroed_for.as_ref() != Some(layout) {
+            self.buf.clear();
+            self.buf.resize(layout.len, 0.0);
+            self.zeroed_for = Some(layout.clone());
+        }
+    }
 }
 
 thread_local! {
