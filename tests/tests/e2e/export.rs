@@ -259,4 +259,32 @@ fn export_fails_when_a_check_fails() {
         assert!(stderr(&o).contains(msg), "{extra:?}: {}", stderr(&o));
         assert!(!art.exists(), "a failed export must not leave an artifact");
     }
+    // `trainer latency` on the artifact once it passes: a median in milliseconds from each
+    // engine, and a missing image named.
+    export_ok(&run_dir, &art, &["--quantize", "none"]);
+    let photo = kestrel_tests::photo("coffee.png");
+    for engine in ["tract", "ort"] {
+        let args = [
+            "latency",
+            "--model",
+            art.to_str().unwrap(),
+            "--engine",
+            engine,
+        ];
+        let o = run_ok(
+            "trainer",
+            &[
+                &args[..],
+                &["--rounds", "5", "--json", photo.to_str().unwrap()],
+            ]
+            .concat(),
+        );
+        let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+        assert_eq!(v["engine"], engine);
+        let ms = v["ms"].as_f64().unwrap();
+        assert!(ms > 0.1 && ms < 10_000.0, "{engine}: {ms} ms");
+        let o = run("trainer", &[&args[..], &["no-such-image.png"]].concat());
+        assert!(!o.status.success());
+        assert!(stderr(&o).contains("no-such-image.png"), "{}", stderr(&o));
+    }
 }

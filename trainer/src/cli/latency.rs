@@ -11,7 +11,8 @@ use super::args::{EngineArgs, ModelArgs};
 
 /// Batch-1 latency of an exported model, in milliseconds per image.
 ///
-/// Inference only: the image is preprocessed once with the manifest's spec.
+/// Inference only: the image is preprocessed once with the manifest's spec. The median of the
+/// timed repetitions is printed.
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]

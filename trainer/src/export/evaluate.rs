@@ -47,7 +47,8 @@ fn load_model(
     Ok((m, engine::from_onnx(kind, &bytes, input_shape, threads)?))
 }
 
-/// Mean batch-1 inference time in milliseconds over `rounds` runs (after one warm-up run).
+/// Median batch-1 inference time in milliseconds over `rounds` timed runs (after one warm-up
+/// run): the median, not the mean, so that a burst of load on a shared machine moves it less.
 pub fn latency_ms(
     model: &Path,
     kind: EngineKind,
@@ -60,11 +61,19 @@ pub fn latency_ms(
     let [h, w] = m.preprocess.input_size.map(|v| v as usize);
     let input = Tensor::new(vec![1, 3, h, w], x.data);
     engine.run(&input)?;
-    let t = std::time::Instant::now();
+    let mut ms = Vec::with_capacity(rounds.max(1));
     for _ in 0..rounds.max(1) {
+        let t = std::time::Instant::now();
         engine.run(&input)?;
+        ms.push(t.elapsed().as_secs_f64() * 1000.0);
     }
-    Ok(t.elapsed().as_secs_f64() * 1000.0 / rounds.max(1) as f64)
+    ms.sort_by(f64::total_cmp);
+    let mid = ms.len() / 2;
+    Ok(if ms.len() % 2 == 1 {
+        ms[mid]
+    } else {
+        (ms[mid - 1] + ms[mid]) / 2.0
+    })
 }
 
 /// `trainer evaluate --model`: evaluates an exported artifact exactly as the edge will, using only
