@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::now_unix;
 use kestrel_shared::protocol::{InferReply, parse};
+use kestrel_shared::stats::quantile;
 use serde::Serialize;
 
 use crate::{Conn, FleetError};
@@ -203,14 +204,6 @@ pub struct LoadReport {
     /// The device's own inference latency of the answered requests.
     pub device_latency_p50_ms: f64,
     pub device_latency_p99_ms: f64,
-}
-
-/// The `p` quantile (nearest rank) of sorted values; 0 when there are none.
-fn quantile(sorted: &[f64], p: f64) -> f64 {
-    sorted
-        .get(((sorted.len().max(1) - 1) as f64 * p).round() as usize)
-        .copied()
-        .unwrap_or(0.0)
 }
 
 /// Sends `images` round robin to `device` at `rate` requests per second for `duration` (no

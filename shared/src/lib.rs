@@ -17,6 +17,7 @@ pub mod protocol;
 pub mod quality;
 pub mod resize;
 pub mod signing;
+pub mod stats;
 pub mod time;
 
 pub use preprocess::{ImageLimits, PreprocessError, PreprocessSpec, Preprocessed};

@@ -29,6 +29,8 @@ use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
+use crate::stats::quantile;
+
 /// Directions of the feature projection.
 pub const PROJECTIONS: usize = 16;
 /// Bins of the top-1 confidence histogram, equal widths over [0, 1].
@@ -328,7 +330,7 @@ impl QualityWindow {
         );
         let mut lat: Vec<f64> = self.seen.iter().map(|s| s.latency_ms).collect();
         lat.sort_by(f64::total_cmp);
-        let pct = |q: f64| lat[((q * (n - 1) as f64).round() as usize).min(n - 1)];
+        let pct = |q: f64| quantile(&lat, q);
         Some(QualityReport {
             requests: n,
             total_requests: self.total,
@@ -431,7 +433,7 @@ impl ShadowTally {
         let median = |f: fn(&(f64, f64)) -> f64| {
             let mut v: Vec<f64> = self.latencies.iter().map(f).collect();
             v.sort_by(f64::total_cmp);
-            v.get(v.len() / 2).copied().unwrap_or(0.0)
+            quantile(&v, 0.5)
         };
         ShadowReport {
             name: self.name.clone(),

@@ -24,6 +24,7 @@ use kestrel_shared::now_rfc3339;
 use kestrel_shared::protocol::{
     ArtifactOffer, Desired, DeviceEvent, InferReply, LatencyStats, Status, Target, Topics,
 };
+use kestrel_shared::stats::quantile;
 use rumqttc::{AsyncClient, Event as MqttEvent, Outgoing, Packet, QoS};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -192,12 +193,7 @@ impl Agent {
         };
         let mut sorted: Vec<f64> = self.latencies.iter().copied().collect();
         sorted.sort_by(f64::total_cmp);
-        let pct = |p: f64| {
-            sorted
-                .get(((sorted.len() as f64 - 1.0) * p).round() as usize)
-                .copied()
-                .unwrap_or(0.0)
-        };
+        let pct = |p: f64| quantile(&sorted, p);
         let model = self.model.read().expect("lock");
         Status {
             device: self.cfg.device_id.clone(),

@@ -8,6 +8,7 @@ use kestrel_models::engine::{self, Engine};
 use kestrel_models::{EngineKind, Tensor};
 use kestrel_shared::ImageLimits;
 use kestrel_shared::manifest::Manifest;
+use kestrel_shared::stats::quantile;
 
 use super::ExportError;
 use crate::data::{self, Prepared, SamplePlan, features};
@@ -47,8 +48,8 @@ fn load_model(
     Ok((m, engine::from_onnx(kind, &bytes, input_shape, threads)?))
 }
 
-/// Median batch-1 inference time in milliseconds over `rounds` timed runs (after one warm-up
-/// run): the median, not the mean, so that a burst of load on a shared machine moves it less.
+/// Median (nearest rank) batch-1 inference time in milliseconds over `rounds` timed runs (after
+/// one warm-up run): the median, not the mean, so that a burst of load on a shared machine moves it less.
 pub fn latency_ms(
     model: &Path,
     kind: EngineKind,
@@ -68,12 +69,7 @@ pub fn latency_ms(
         ms.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     ms.sort_by(f64::total_cmp);
-    let mid = ms.len() / 2;
-    Ok(if ms.len() % 2 == 1 {
-        ms[mid]
-    } else {
-        (ms[mid - 1] + ms[mid]) / 2.0
-    })
+    Ok(quantile(&ms, 0.5))
 }
 
 /// `trainer evaluate --model`: evaluates an exported artifact exactly as the edge will, using only
