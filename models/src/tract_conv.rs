@@ -15,6 +15,14 @@
 //! block of a row overlapping the one before); narrower ones as one flat run over the padded
 //! plane, whose rows are then copied out without the few columns past each row.
 //!
+//! A depthwise convolution also takes in the 1x1 "expansion" before it (an inverted-residual
+//! block's few channels to many, and its clip): tract ran it as a matrix product at 14-23
+//! GMAC/s (its kernel choice for k = 16 and 24), wrote the expanded tensor (4.8 MB at Lite0's
+//! second stage) and this op read it back. Here four expanded planes at a time are computed
+//! with the full convolution's block (about 37 GMAC/s) into a thread's scratch and convolved
+//! from there: Lite0 per image 14.7 -> 13.5 ms, and with two workers on two cores, where the
+//! memory traffic was shared, camera extraction 0.77-0.82x -> 0.92-1.02x the peer.
+//!
 //! Measured and left out (Lite0, this VM's Sapphire Rapids): AVX-512 kernels, for the depthwise
 //! tile (4 chains of 2 registers) and the full one (32 x 4), were slower than AVX2 or no faster:
 //! the unaligned loads and the memory traffic bound them, not the arithmetic.
@@ -24,6 +32,7 @@ use std::cell::RefCell;
 use tract_onnx::tract_core::internal::*;
 use tract_onnx::tract_core::ops::binary::TypedBinOp;
 use tract_onnx::tract_core::ops::cnn::{Conv, KernelFormat};
+use tract_onnx::tract_core::ops::einsum::EinSum;
 use tract_onnx::tract_core::ops::nn::DataFormat;
 use tract_onnx::tract_core::{as_op, op_as_typed_op, op_out_of_plan};
 
@@ -85,11 +94,43 @@ pub struct PlaneConv {
     bias: Vec<f32>,
     /// The activation folded in, `(min, max)`: ReLU6 is `(0, 6)`, none is `(-inf, inf)`.
     clip: (f32, f32),
+    /// A pointwise convolution taken in before a depthwise one: the op's input is then the
+    /// expansion's, and each expanded plane is computed just before it is convolved.
+    expand: Option<Expand>,
+}
+
+/// The 1x1 convolution in front of an inverted-residual block's depthwise one ("expansion",
+/// a few channels to many, then a clip). Tract would write its whole output to memory (4.8 MB
+/// per image at Lite0's second stage) and read it back; here four expanded planes at a time are
+/// computed into a thread's scratch (`Tile::Dense` over the input planes as taps) and convolved
+/// from there.
+#[derive(Debug, Clone)]
+struct Expand {
+    in_channels: usize,
+    /// Input plane `k` is tap `k`: its offset in the input (`k * h * w`).
+    offsets: Vec<usize>,
+    /// Per tile of four expanded channels, `[in_channels][4]`, as [`PlaneConv::weights`].
+    weights: Vec<f32>,
+    bias: Vec<f32>,
+    clip: (f32, f32),
+}
+
+/// The bits of `v`: f32 slices compared exactly (NaN included) for `Eq`.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+impl PartialEq for Expand {
+    fn eq(&self, o: &Self) -> bool {
+        (self.in_channels, &self.offsets) == (o.in_channels, &o.offsets)
+            && bits(&self.weights) == bits(&o.weights)
+            && bits(&self.bias) == bits(&o.bias)
+            && bits(&[self.clip.0, self.clip.1]) == bits(&[o.clip.0, o.clip.1])
+    }
 }
 
 impl PartialEq for PlaneConv {
     fn eq(&self, o: &Self) -> bool {
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         (
             self.batched,
             self.in_channels,
@@ -102,6 +143,7 @@ impl PartialEq for PlaneConv {
             && bits(&self.weights) == bits(&o.weights)
             && bits(&self.bias) == bits(&o.bias)
             && bits(&[self.clip.0, self.clip.1]) == bits(&[o.clip.0, o.clip.1])
+            && self.expand == o.expand
     }
 }
 impl Eq for PlaneConv {}
@@ -248,9 +290,47 @@ impl PlaneConv {
             }
         }
     }
+
+    /// One sample of an op with an expansion: `x` its input planes (the expansion's), `y` its
+    /// output planes. Four expanded planes at a time go to `scratch.expanded`, then each is
+    /// one group of the depthwise convolution.
+    fn expand_and_convolve(&self, e: &Expand, x: &[f32], y: &mut [f32], scratch: &mut Scratch) {
+        let (hw, out) = (
+            self.in_hw[0] * self.in_hw[1],
+            self.out_hw[0] * self.out_hw[1],
+        );
+        let (positions, channels) = (Tile::Dense.positions(), Tile::Dense.channels());
+        let mut planes = std::mem::take(&mut scratch.expanded);
+        planes.resize(channels * hw, 0.0);
+        // Whole blocks over each flat plane, the last one overlapping the one before.
+        let starts = (0..hw - positions)
+            .step_by(positions)
+            .chain([hw - positions])
+            .map(|s| (s, s));
+        let taps = e.in_channels * channels;
+        for (t, ys) in y.chunks_mut(channels * out).enumerate() {
+            Planes {
+                buf: x,
+                offsets: &e.offsets,
+                weights: &e.weights[t * taps..(t + 1) * taps],
+                bias: &e.bias[t * channels..(t + 1) * channels],
+                clip: e.clip,
+            }
+            .convolve(Tile::Dense, &mut planes, hw, starts.clone());
+            for (c, (plane, yc)) in planes
+                .chunks_exact(hw)
+                .zip(ys.chunks_exact_mut(out))
+                .enumerate()
+            {
+                self.group(t * channels + c, plane, yc, scratch);
+            }
+        }
+        scratch.expanded = planes;
+    }
 }
 
-/// A thread's scratch: a group's padded phase planes, one padded row, the flat outputs of a tile.
+/// A thread's scratch: a group's padded phase planes, one padded row, the flat outputs of a tile,
+/// the expanded planes of a tile.
 #[derive(Default)]
 struct Scratch {
     buf: Vec<f32>,
@@ -258,6 +338,7 @@ struct Scratch {
     zeroed_for: Option<Layout>,
     row: Vec<f32>,
     flat: Vec<f32>,
+    expanded: Vec<f32>,
 }
 
 impl Scratch {
@@ -385,8 +466,12 @@ impl Op for PlaneConv {
     }
 
     fn info(&self) -> TractResult<Vec<String>> {
+        let expand = match &self.expand {
+            Some(e) => format!("1x1 {} -> ", e.in_channels),
+            None => String::new(),
+        };
         Ok(vec![format!(
-            "{} -> {} channels in {} groups, {} taps, stride {:?}, {:?} -> {:?}",
+            "{expand}{} -> {} channels in {} groups, {} taps, stride {:?}, {:?} -> {:?}",
             self.in_channels,
             self.out_channels,
             self.groups,
@@ -421,11 +506,16 @@ impl EvalOp for PlaneConv {
         let mut view = output.try_as_plain_ram_mut()?;
         let y = view.as_slice_mut::<f32>()?;
         let (group_in, group_out) = (ci / g * h * w, co / g * oh * ow);
+        let sample_in = self.expand.as_ref().map_or(ci, |e| e.in_channels) * h * w;
         SCRATCH.with_borrow_mut(|scratch| {
             for (xs, ys) in x
-                .chunks_exact(ci * h * w)
+                .chunks_exact(sample_in)
                 .zip(y.chunks_exact_mut(co * oh * ow))
             {
+                if let Some(e) = &self.expand {
+                    self.expand_and_convolve(e, xs, ys, scratch);
+                    continue;
+                }
                 let groups = xs
                     .chunks_exact(group_in)
                     .zip(ys.chunks_exact_mut(group_out));
@@ -470,9 +560,13 @@ pub fn replace(model: &mut TypedModel) -> TractResult<usize> {
             };
             (last, op.clip) = (next, clip);
         }
+        let mut input = model.nodes[id].inputs[0];
+        if let Some((expand, from)) = expansion_before(model, id, &op)? {
+            (op.expand, input) = (Some(expand), from);
+        }
         let node = &model.nodes[id];
         let mut patch = TypedModelPatch::new("kestrel-conv");
-        let x = patch.tap_model(model, node.inputs[0])?;
+        let x = patch.tap_model(model, input)?;
         let y = patch.wire_node(&node.name, op, &[x])?[0];
         patch.shunt_outside(model, last, y)?;
         patch.apply(model)?;
@@ -595,7 +689,153 @@ fn plane_conv(model: &TypedModel, id: usize) -> TractResult<Option<PlaneConv>> {
         weights,
         bias,
         clip: (f32::NEG_INFINITY, f32::INFINITY),
+        expand: None,
     }))
+}
+
+/// The most input channels of an expansion taken into a depthwise op: more, and tract's matrix
+/// product is the better tool (measured on Lite0: 16 and 24 are taken, 40 left).
+const MAX_EXPAND_CHANNELS: usize = 48;
+
+/// The expansion feeding depthwise convolution `dw` (whose op is `op`), if it can be taken in:
+/// a 1x1 convolution as tract declutters it (`EinSum` of the input planes with an `[out, in]`
+/// constant, an `Add` of a per-channel constant), then at most a `Max` and a `Min` with
+/// constants, each read by the next only. Returns it and its input.
+fn expansion_before(
+    model: &TypedModel,
+    dw: usize,
+    op: &PlaneConv,
+) -> TractResult<Option<(Expand, OutletId)>> {
+    if op.tile != Tile::Depthwise || op.in_hw[0] * op.in_hw[1] < Tile::Dense.positions() {
+        return Ok(None);
+    }
+    // Back over the clip to the bias and the product ...
+    let mut at = model.nodes[dw].inputs[0];
+    for _ in 0..2 {
+        match binary_with_const(model, at.node)? {
+            Some(("Max" | "Min", from, _)) => at = from,
+            _ => break,
+        }
+    }
+    let Some(("Add", product, bias)) = binary_with_const(model, at.node)? else {
+        return Ok(None);
+    };
+    let Some((weights, input)) = pointwise(model, product.node, op)? else {
+        return Ok(None);
+    };
+    let (co, ci) = (op.in_channels, weights.len() / op.in_channels);
+    if !(bias.len() == co || bias.len() == 1)
+        || model.outlet_fact(at)?.shape != model.outlet_fact(product)?.shape
+        || model.outputs.contains(&product)
+        || model.single_succ(product.node)?.map(|n| n.id) != Some(at.node)
+    {
+        return Ok(None);
+    }
+    // ... and forward again: the clip, and the convolution its only reader.
+    let mut clip = (f32::NEG_INFINITY, f32::INFINITY);
+    let mut last = at;
+    while let Some((next, c)) = clip_after(model, last, clip)? {
+        (last, clip) = (next, c);
+    }
+    if last != model.nodes[dw].inputs[0]
+        || model.outputs.contains(&last)
+        || model.single_succ(last.node)?.map(|n| n.id) != Some(dw)
+    {
+        return Ok(None);
+    }
+    let bias = bias.try_as_plain_ram()?.as_slice::<f32>()?;
+    let bias: Vec<f32> = (0..co).map(|c| bias[c % bias.len()]).collect();
+    let (weights, bias) = tiled(&weights, &bias, 1, Tile::Dense.channels());
+    let hw = op.in_hw[0] * op.in_hw[1];
+    let expand = Expand {
+        in_channels: ci,
+        offsets: (0..ci).map(|k| k * hw).collect(),
+        weights,
+        bias,
+        clip,
+    };
+    Ok(Some((expand, input)))
+}
+
+/// Node `id`'s op name, non-constant input and constant, if it is a binary op of a tensor and an
+/// f32 constant.
+fn binary_with_const(
+    model: &TypedModel,
+    id: usize,
+) -> TractResult<Option<(&'static str, OutletId, Arc<Tensor>)>> {
+    let node = &model.nodes[id];
+    let Some(op) = node.op_as::<TypedBinOp>() else {
+        return Ok(None);
+    };
+    let name = match op.0.name() {
+        "Add" => "Add",
+        "Max" => "Max",
+        "Min" => "Min",
+        _ => return Ok(None),
+    };
+    let konst = |i: usize| model.outlet_fact(node.inputs[i]).ok()?.konst.clone();
+    Ok(match (node.inputs.len(), konst(0), konst(1)) {
+        (2, None, Some(k)) => Some((name, node.inputs[0], k)),
+        (2, Some(k), None) => Some((name, node.inputs[1], k)),
+        _ => None,
+    }
+    .filter(|(_, _, k)| k.datum_type() == f32::datum_type()))
+}
+
+/// The weights (`[out][in]`) and input of node `id`, if it is a 1x1 convolution as tract
+/// declutters it into `op`'s input planes: an f32 `EinSum` of planes `[(n,) in, h, w]` with a
+/// constant `[out, in]` into `[(n,) out, h, w]`, at most [`MAX_EXPAND_CHANNELS`] in.
+fn pointwise(
+    model: &TypedModel,
+    id: usize,
+    op: &PlaneConv,
+) -> TractResult<Option<(Vec<f32>, OutletId)>> {
+    let node = &model.nodes[id];
+    let Some(einsum) = node.op_as::<EinSum>() else {
+        return Ok(None);
+    };
+    let Some(w) = model.outlet_fact(node.inputs[1])?.konst.clone() else {
+        return Ok(None);
+    };
+    let (inputs, outputs) = einsum.axes.to_strs();
+    let chars = |s: &str| s.chars().collect::<Vec<char>>();
+    let (mut x, k, y) = (chars(&inputs[0]), chars(&inputs[1]), chars(&outputs[0]));
+    let Some(mut x_shape) = model
+        .outlet_fact(node.inputs[0])?
+        .shape
+        .as_concrete()
+        .map(|s| s.to_vec())
+    else {
+        return Ok(None);
+    };
+    // A leading batch of one summed away is the same planes (tract declutters a model's NCHW
+    // input so: "NIHW,OI->OHW").
+    if x.len() == y.len() + 1 && !y.contains(&x[0]) && x_shape.first() == Some(&1) {
+        (x, x_shape) = (x[1..].to_vec(), x_shape[1..].to_vec());
+    }
+    let rank = if op.batched { 4 } else { 3 };
+    let ok = einsum.q_params.is_none()
+        && einsum.operating_dt == f32::datum_type()
+        && node.inputs.len() == 2
+        && k.len() == 2
+        && x.len() == rank
+        && y.len() == rank
+        // [(n,) in, h, w] x [out, in] -> [(n,) out, h, w]
+        && x[rank - 3] == k[1]
+        && y[rank - 3] == k[0]
+        && x[..rank - 3] == y[..rank - 3]
+        && x[rank - 2..] == y[rank - 2..]
+        && !y.contains(&k[1])
+        && w.datum_type() == f32::datum_type()
+        && w.shape() == [op.in_channels, w.shape()[1]]
+        && w.shape()[1] <= MAX_EXPAND_CHANNELS
+        && x_shape[rank - 3] == w.shape()[1]
+        && x_shape[rank - 2..] == op.in_hw;
+    if !ok {
+        return Ok(None);
+    }
+    let w = w.try_as_plain_ram()?.as_slice::<f32>()?.to_vec();
+    Ok(Some((w, node.inputs[0])))
 }
 
 /// OIHW `kernel` and `bias` laid out by tiles of `channels` output channels of each group:
@@ -671,32 +911,36 @@ mod tests {
         y
     }
 
-    /// Builds `t` (with a ReLU6 after it if `relu6`), replaces it, runs it and compares with the
-    /// definition.
-    fn check(t: &Case, relu6: bool) {
-        let ([h, w], (ci, co, k)) = (t.hw, (t.ci, t.co, t.k));
-        let (fmt, shape) = match t.n {
-            0 => (DataFormat::CHW, vec![ci, h, w]),
-            n => (DataFormat::NCHW, vec![n, ci, h, w]),
-        };
-        let x: Vec<f32> = (0..shape.iter().product())
-            .map(|i| (i as f32 * 0.137).sin())
-            .collect();
-        let kernel: Vec<f32> = (0..co * ci / t.groups * k * k)
-            .map(|i| (i as f32 * 0.091).cos() * 0.3)
-            .collect();
+    /// Deterministic values for a case's input, kernel (`salt` tells two kernels apart) and bias.
+    fn data(n: usize, salt: f32) -> Vec<f32> {
+        (0..n)
+            .map(|i| (i as f32 * 0.091 + salt).cos() * 0.3)
+            .collect()
+    }
+
+    /// Wires convolution `t` of `x` (kernel and bias from [`data`]) into `model`, with a ReLU6
+    /// after it (tract's Max then Min) if `relu6`; returns its output, kernel and bias.
+    fn wire_conv(
+        model: &mut TypedModel,
+        name: &str,
+        x: OutletId,
+        t: &Case,
+        relu6: bool,
+    ) -> (OutletId, Vec<f32>, Vec<f32>) {
+        let (ci, co, k) = (t.ci, t.co, t.k);
+        let kernel = data(co * ci / t.groups * k * k, ci as f32);
         let bias: Vec<f32> = (0..co).map(|i| i as f32 * 0.05 - 0.1).collect();
-        let mut model = TypedModel::default();
-        let xv = model.add_source("x", f32::fact(&shape)).unwrap();
         let kshape = [co, ci / t.groups, k, k];
-        let kv = model
-            .add_const("k", Tensor::from_shape(&kshape, &kernel).unwrap())
-            .unwrap();
-        let bv = model
-            .add_const("b", Tensor::from_shape(&[co], &bias).unwrap())
-            .unwrap();
+        let kv = Tensor::from_shape(&kshape, &kernel).unwrap();
+        let kv = model.add_const(format!("{name}.k"), kv).unwrap();
+        let bv = Tensor::from_shape(&[co], &bias).unwrap();
+        let bv = model.add_const(format!("{name}.b"), bv).unwrap();
         let pool_spec = PoolSpec {
-            data_format: fmt,
+            data_format: if t.n == 0 {
+                DataFormat::CHW
+            } else {
+                DataFormat::NCHW
+            },
             kernel_shape: tvec!(k, k),
             padding: t.pad.clone(),
             dilations: None,
@@ -704,57 +948,100 @@ mod tests {
             input_channels: ci,
             output_channels: co,
         };
-        let geo = pool_spec.computed_padding(&[h, w]);
         let conv = Conv {
             pool_spec,
             kernel_fmt: KernelFormat::OIHW,
             group: t.groups,
             q_params: None,
         };
-        let mut out = model.wire_node("conv", conv, &[xv, kv, bv]).unwrap();
+        let mut out = model.wire_node(name, conv, &[x, kv, bv]).unwrap()[0];
         if relu6 {
-            let ones = vec![1; shape.len()];
-            for (name, v, op) in [("lo", 0f32, math::max()), ("hi", 6.0, math::min())] {
-                let bound = Tensor::from_shape(&ones, &[v]).unwrap();
-                let bound = model.add_const(name, bound).unwrap();
+            let ones = vec![1; if t.n == 0 { 3 } else { 4 }];
+            for (bound, v, op) in [("lo", 0f32, math::max()), ("hi", 6.0, math::min())] {
+                let v = Tensor::from_shape(&ones, &[v]).unwrap();
+                let v = model.add_const(format!("{name}.{bound}"), v).unwrap();
                 out = model
-                    .wire_node(format!("{name}.op"), op, &[out[0], bound])
-                    .unwrap();
+                    .wire_node(format!("{name}.{bound}.op"), op, &[out, v])
+                    .unwrap()[0];
             }
         }
-        model.select_output_outlets(&out).unwrap();
+        (out, kernel, bias)
+    }
+
+    /// The input shape of `t`: NCHW, or CHW for `n = 0`.
+    fn input_shape(t: &Case) -> Vec<usize> {
+        let [h, w] = t.hw;
+        match t.n {
+            0 => vec![t.ci, h, w],
+            n => vec![n, t.ci, h, w],
+        }
+    }
+
+    /// Replaces what `model` holds (expecting `ops` replacements and a plan of the source and
+    /// one op after that), runs it on `x` and returns the output.
+    fn replace_and_run(model: TypedModel, ops: usize, x: Tensor) -> Tensor {
         let mut model = model.into_decluttered().unwrap();
-        assert_eq!(replace(&mut model).unwrap(), 1, "{:?}", t.pad);
+        assert_eq!(replace(&mut model).unwrap(), ops);
         let model = model.into_optimized().unwrap();
-        // Source, the convolution, nothing else: the clip is taken in.
-        assert_eq!(model.nodes.len(), 2, "{:?}", t.pad);
+        // Source, the convolution, nothing else: clips and expansions are taken in.
+        assert_eq!(model.nodes.len(), 2, "{model}");
         assert!(
             model
                 .nodes
                 .iter()
                 .any(|nd| nd.op_as::<PlaneConv>().is_some())
         );
-        let input = Tensor::from_shape(&shape, &x).unwrap();
-        let got = model
+        let out = model
             .into_runnable()
             .unwrap()
-            .run(tvec![input.into_tvalue()])
+            .run(tvec![x.into_tvalue()])
             .unwrap();
-        let got = got[0].to_plain_array_view::<f32>().unwrap();
-        let (oh, ow) = (geo[0].convoluted, geo[1].convoluted);
-        assert_eq!(got.len(), t.n.max(1) * co * oh * ow);
-        assert_eq!(got.shape()[shape.len() - 2..], [oh, ow]);
-        let pads = [geo[0].pad_before, geo[1].pad_before];
-        let want = reference(t, &x, &kernel, &bias, [pads, [oh, ow]]);
-        for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+        out[0].clone().into_tensor()
+    }
+
+    /// Asserts `got` is `want` (clipped to ReLU6 if `relu6`) to within rounding.
+    fn assert_close(got: &Tensor, want: &[f32], relu6: bool, what: &str) {
+        let got = got.to_plain_array_view::<f32>().unwrap();
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (g, e)) in got.iter().zip(want).enumerate() {
             let e = if relu6 { e.clamp(0.0, 6.0) } else { *e };
-            assert!(
-                (g - e).abs() < 1e-5,
-                "{:?} {ci}->{co} k{k} s{} at {i}: {g} vs {e}",
-                t.pad,
-                t.s
-            );
+            assert!((g - e).abs() < 1e-5, "{what} at {i}: {g} vs {e}");
         }
+    }
+
+    /// Builds `t` (with a ReLU6 after it if `relu6`), replaces it, runs it and compares with the
+    /// definition.
+    fn check(t: &Case, relu6: bool) {
+        let shape = input_shape(t);
+        let x = data(shape.iter().product(), 0.5);
+        let mut model = TypedModel::default();
+        let xv = model.add_source("x", f32::fact(&shape)).unwrap();
+        let (out, kernel, bias) = wire_conv(&mut model, "conv", xv, t, relu6);
+        model.select_output_outlets(&[out]).unwrap();
+        let got = replace_and_run(model, 1, Tensor::from_shape(&shape, &x).unwrap());
+        let geo = geometry(t);
+        let want = reference(t, &x, &kernel, &bias, geo);
+        let what = format!("{:?} {}->{} k{} s{}", t.pad, t.ci, t.co, t.k, t.s);
+        assert_eq!(got.shape()[shape.len() - 2..], geo[1], "{what}");
+        assert_close(&got, &want, relu6, &what);
+    }
+
+    /// Padding before and output size of `t`.
+    fn geometry(t: &Case) -> [[usize; 2]; 2] {
+        let spec = PoolSpec {
+            data_format: DataFormat::NCHW,
+            kernel_shape: tvec!(t.k, t.k),
+            padding: t.pad.clone(),
+            dilations: None,
+            strides: Some(tvec!(t.s, t.s)),
+            input_channels: t.ci,
+            output_channels: t.co,
+        };
+        let geo = spec.computed_padding(&t.hw);
+        [
+            [geo[0].pad_before, geo[1].pad_before],
+            [geo[0].convoluted, geo[1].convoluted],
+        ]
     }
 
     #[test]
@@ -797,6 +1084,100 @@ mod tests {
                 pad,
             };
             check(&case, i % 2 == 0);
+        }
+    }
+
+    /// An expansion (1x1, ReLU6) and a depthwise convolution after it, as in an inverted-residual
+    /// block: the model (its output the depthwise convolution's), its input, the definition's
+    /// output and the expansion's outlet.
+    fn block(expand: &Case, dw: &Case, relu6: bool) -> (TypedModel, Tensor, Vec<f32>, OutletId) {
+        let shape = input_shape(expand);
+        let x = data(shape.iter().product(), 0.5);
+        let mut model = TypedModel::default();
+        let xv = model.add_source("x", f32::fact(&shape)).unwrap();
+        let (e, ek, eb) = wire_conv(&mut model, "expand", xv, expand, true);
+        let (out, dk, db) = wire_conv(&mut model, "dw", e, dw, relu6);
+        model.select_output_outlets(&[out]).unwrap();
+        let expanded: Vec<f32> = reference(expand, &x, &ek, &eb, geometry(expand))
+            .iter()
+            .map(|v| v.clamp(0.0, 6.0))
+            .collect();
+        let want = reference(dw, &expanded, &dk, &db, geometry(dw));
+        (model, Tensor::from_shape(&shape, &x).unwrap(), want, e)
+    }
+
+    /// An expansion `ci -> co` of `n` samples of `hw` and a 3x3 depthwise convolution of stride `s`.
+    fn cases(n: usize, ci: usize, co: usize, hw: [usize; 2], s: usize) -> (Case, Case) {
+        let expand = Case {
+            n,
+            ci,
+            co,
+            groups: 1,
+            hw,
+            k: 1,
+            s: 1,
+            pad: PaddingSpec::Valid,
+        };
+        let pad = PaddingSpec::Explicit(tvec!(1, 1), tvec!(1, 1));
+        let dw = Case {
+            n,
+            ci: co,
+            co,
+            groups: co,
+            hw,
+            k: 3,
+            s,
+            pad,
+        };
+        (expand, dw)
+    }
+
+    #[test]
+    fn takes_in_the_expansion_before_a_depthwise_convolution() {
+        // Lite0's second stage (16 -> 96, then stride 2) on a smaller plane, without a batch axis
+        // (as tract leaves a batch of 1 inside a graph), with one (a model's input) and with a
+        // batch of 2; channels not a multiple of four, no clip after.
+        #[rustfmt::skip]
+        let all = [
+            (0, 16, 96, [30, 30], 2, true),
+            (1, 5, 10, [9, 13], 1, false),
+            (2, 3, 6, [8, 8], 1, true),
+            (0, 48, 8, [4, 5], 2, true),
+        ];
+        for (n, ci, co, hw, s, relu6) in all {
+            let (expand, dw) = cases(n, ci, co, hw, s);
+            let (model, x, want, _) = block(&expand, &dw, relu6);
+            let got = replace_and_run(model, 1, x);
+            assert_close(
+                &got,
+                &want,
+                relu6,
+                &format!("{n} x {ci} -> {co}, stride {s}"),
+            );
+        }
+    }
+
+    #[test]
+    fn leaves_expansions_it_cannot_take_in() {
+        // More input channels than taken in; an expansion whose output is read elsewhere too.
+        for (ci, read_elsewhere) in [(MAX_EXPAND_CHANNELS + 1, false), (8, true)] {
+            let (expand, dw) = cases(0, ci, 8, [16, 16], 1);
+            let (mut model, x, want, e) = block(&expand, &dw, true);
+            if read_elsewhere {
+                let out = model.outputs[0];
+                model.select_output_outlets(&[out, e]).unwrap();
+            }
+            let mut model = model.into_decluttered().unwrap();
+            assert_eq!(replace(&mut model).unwrap(), 1);
+            let model = model.into_optimized().unwrap();
+            let fused = model.nodes.iter().filter_map(|n| n.op_as::<PlaneConv>());
+            assert!(fused.into_iter().all(|op| op.expand.is_none()), "{ci}");
+            let out = model
+                .into_runnable()
+                .unwrap()
+                .run(tvec![x.into_tvalue()])
+                .unwrap();
+            assert_close(&out[0].clone().into_tensor(), &want, true, &format!("{ci}"));
         }
     }
 
