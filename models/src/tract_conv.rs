@@ -248,11 +248,16 @@ impl PlaneConv {
     /// One group of one sample: its input planes `x` to its output planes `y`.
     fn group(&self, g: usize, x: &[f32], y: &mut [f32], scratch: &mut Scratch) {
         let (l, [h, w], [oh, ow]) = (&self.layout, self.in_hw, self.out_hw);
-        scratch.prepare(l);
-        for (i, plane) in x.chunks_exact(h * w).enumerate() {
-            self.scatter(plane, &mut scratch.buf[i * l.region..], &mut scratch.row);
-        }
         let (positions, channels) = (self.tile.positions(), self.tile.channels());
+        // Unpadded at stride 1 (a 1x1 convolution), the scratch would be a copy of the input:
+        // rows at least a block wide read the input itself (no block reaches past a plane).
+        let direct = ow >= positions && self.stride == [1, 1] && l.region == h * w;
+        if !direct {
+            scratch.prepare(l);
+            for (i, plane) in x.chunks_exact(h * w).enumerate() {
+                self.scatter(plane, &mut scratch.buf[i * l.region..], &mut scratch.row);
+            }
+        }
         // Row r of an output plane is flat[r * wq..][..ow]; whole blocks are computed (the
         // scalar tail of a last partial block cost more than computing it whole).
         let n = ((oh - 1) * l.wq + ow).next_multiple_of(positions);
@@ -261,7 +266,7 @@ impl PlaneConv {
         for (i, outs) in y.chunks_mut(channels * oh * ow).enumerate() {
             let tile = g * tiles + i;
             let planes = Planes {
-                buf: &scratch.buf[..],
+                buf: if direct { x } else { &scratch.buf[..] },
                 offsets: &l.offsets,
                 weights: &self.weights[tile * channels * taps..(tile + 1) * channels * taps],
                 bias: &self.bias[tile * channels..(tile + 1) * channels],
@@ -551,29 +556,48 @@ pub fn replace(model: &mut TypedModel) -> TractResult<usize> {
         let Some(mut op) = plane_conv(model, id)? else {
             continue;
         };
-        // A clip (`Max` then `Min` with constants, as tract declutters ONNX's Clip and Relu)
-        // right after it is done on the outputs while they are in registers.
-        let mut last = OutletId::new(id, 0);
-        for _ in 0..2 {
-            let Some((next, clip)) = clip_after(model, last, op.clip)? else {
-                break;
-            };
-            (last, op.clip) = (next, clip);
-        }
         let mut input = model.nodes[id].inputs[0];
         if let Some((expand, from)) = expansion_before(model, id, &op)? {
             (op.expand, input) = (Some(expand), from);
         }
-        let node = &model.nodes[id];
-        let mut patch = TypedModelPatch::new("kestrel-conv");
-        let x = patch.tap_model(model, input)?;
-        let y = patch.wire_node(&node.name, op, &[x])?[0];
-        patch.shunt_outside(model, last, y)?;
-        patch.apply(model)?;
+        put(model, op, input, OutletId::new(id, 0))?;
         replaced += 1;
+    }
+    // 1x1 convolutions over few channels not taken into a depthwise op above, on planes at least
+    // a block wide: tract's packing of their input cost more than the product (Lite0's first
+    // projection, 32 -> 16 on 112x112: 0.3-0.4 ms packing, 0.24 ms product).
+    for id in model.eval_order()? {
+        if let Some(p) = pointwise(model, id)?.filter(|p| p.hw[1] >= Tile::Dense.positions()) {
+            put(model, p.conv(), p.input, p.end)?;
+            replaced += 1;
+        }
     }
     Ok(replaced)
 }
+
+/// Puts `op`, reading `input`, in place of the nodes up to `end`, and of a clip after them (`Max`
+/// then `Min` with constants, as tract declutters ONNX's Clip and Relu), which is done on the
+/// outputs while they are in registers.
+fn put(
+    model: &mut TypedModel,
+    mut op: PlaneConv,
+    input: OutletId,
+    end: OutletId,
+) -> TractResult<()> {
+    let mut last = end;
+    for _ in 0..2 {
+        let Some((next, clip)) = clip_after(model, last, op.clip)? else {
+            break;
+        };
+        (last, op.clip) = (next, clip);
+    }
+    let mut patch = TypedModelPatch::new("kestrel-conv");
+    let x = patch.tap_model(model, input)?;
+    let y = patch.wire_node(&model.nodes[end.node].name, op, &[x])?[0];
+    patch.shunt_outside(model, last, y)?;
+    patch.apply(model)
+}
+
 /// The node after `from`, if it is its only reader and a `Max` or `Min` of it with a one-value
 /// f32 constant of the same shape out: its output and `clip` narrowed by it.
 fn clip_after(
@@ -693,13 +717,13 @@ fn plane_conv(model: &TypedModel, id: usize) -> TractResult<Option<PlaneConv>> {
     }))
 }
 
-/// The most input channels of an expansion taken into a depthwise op: more, and tract's matrix
-/// product is the better tool (measured on Lite0: 16 and 24 are taken, 40 left).
-const MAX_EXPAND_CHANNELS: usize = 48;
+/// The most input channels of a 1x1 convolution taken over (into a depthwise op or on its own):
+/// more, and tract's matrix product is the better tool (measured on Lite0: 16, 24 and 40 are
+/// faster here).
+const MAX_POINTWISE_CHANNELS: usize = 48;
 
 /// The expansion feeding depthwise convolution `dw` (whose op is `op`), if it can be taken in:
-/// a 1x1 convolution as tract declutters it (`EinSum` of the input planes with an `[out, in]`
-/// constant, an `Add` of a per-channel constant), then at most a `Max` and a `Min` with
+/// a [`Pointwise`] convolution of the same planes, then at most a `Max` and a `Min` with
 /// constants, each read by the next only. Returns it and its input.
 fn expansion_before(
     model: &TypedModel,
@@ -717,17 +741,13 @@ fn expansion_before(
             _ => break,
         }
     }
-    let Some(("Add", product, bias)) = binary_with_const(model, at.node)? else {
+    let Some(("Add", product, _)) = binary_with_const(model, at.node)? else {
         return Ok(None);
     };
-    let Some((weights, input)) = pointwise(model, product.node, op)? else {
+    let Some(p) = pointwise(model, product.node)? else {
         return Ok(None);
     };
-    let (co, ci) = (op.in_channels, weights.len() / op.in_channels);
-    if !(bias.len() == co || bias.len() == 1)
-        || model.outlet_fact(at)?.shape != model.outlet_fact(product)?.shape
-        || model.outputs.contains(&product)
-        || model.single_succ(product.node)?.map(|n| n.id) != Some(at.node)
+    if p.end != at || p.channels[1] != op.in_channels || p.batched != op.batched || p.hw != op.in_hw
     {
         return Ok(None);
     }
@@ -743,10 +763,8 @@ fn expansion_before(
     {
         return Ok(None);
     }
-    let bias = bias.try_as_plain_ram()?.as_slice::<f32>()?;
-    let bias: Vec<f32> = (0..co).map(|c| bias[c % bias.len()]).collect();
-    let (weights, bias) = tiled(&weights, &bias, 1, Tile::Dense.channels());
-    let hw = op.in_hw[0] * op.in_hw[1];
+    let (ci, hw) = (p.channels[0], p.hw[0] * p.hw[1]);
+    let (weights, bias) = tiled(&p.weights, &p.bias, 1, Tile::Dense.channels());
     let expand = Expand {
         in_channels: ci,
         offsets: (0..ci).map(|k| k * hw).collect(),
@@ -754,7 +772,120 @@ fn expansion_before(
         bias,
         clip,
     };
-    Ok(Some((expand, input)))
+    Ok(Some((expand, p.input)))
+}
+
+/// A 1x1 convolution as tract declutters it: an f32 `EinSum` of planes `[(n,) in, h, w]` with a
+/// constant `[out, in]` into `[(n,) out, h, w]`, then an `Add` of a per-channel constant, the
+/// only reader of the product.
+struct Pointwise {
+    input: OutletId,
+    /// The `Add`'s output.
+    end: OutletId,
+    /// Whether the planes have a batch axis.
+    batched: bool,
+    /// In, out.
+    channels: [usize; 2],
+    hw: [usize; 2],
+    /// `[out][in]`.
+    weights: Vec<f32>,
+    /// Per output channel.
+    bias: Vec<f32>,
+}
+
+impl Pointwise {
+    /// The op computing it on its own.
+    fn conv(&self) -> PlaneConv {
+        let [ci, co] = self.channels;
+        let (weights, bias) = tiled(&self.weights, &self.bias, 1, Tile::Dense.channels());
+        PlaneConv {
+            batched: self.batched,
+            in_channels: ci,
+            out_channels: co,
+            groups: 1,
+            stride: [1, 1],
+            pad_before: [0, 0],
+            in_hw: self.hw,
+            out_hw: self.hw,
+            layout: Layout::new(ci, [1, 1], [1, 1], [0, 0], self.hw, self.hw),
+            tile: Tile::Dense,
+            weights,
+            bias,
+            clip: (f32::NEG_INFINITY, f32::INFINITY),
+            expand: None,
+        }
+    }
+}
+
+/// The [`Pointwise`] convolution whose product is node `id`, if there is one with at most
+/// [`MAX_POINTWISE_CHANNELS`] input channels.
+fn pointwise(model: &TypedModel, id: usize) -> TractResult<Option<Pointwise>> {
+    let node = &model.nodes[id];
+    let Some(einsum) = node.op_as::<EinSum>() else {
+        return Ok(None);
+    };
+    let (Some(w), Some(mut x_shape)) = (
+        model.outlet_fact(node.inputs[1])?.konst.clone(),
+        model
+            .outlet_fact(node.inputs[0])?
+            .shape
+            .as_concrete()
+            .map(|s| s.to_vec()),
+    ) else {
+        return Ok(None);
+    };
+    let (inputs, outputs) = einsum.axes.to_strs();
+    let chars = |s: &str| s.chars().collect::<Vec<char>>();
+    let (mut x, k, y) = (chars(&inputs[0]), chars(&inputs[1]), chars(&outputs[0]));
+    // A leading batch of one summed away is the same planes (tract declutters a model's NCHW
+    // input so: "NIHW,OI->OHW").
+    if x.len() == y.len() + 1 && !y.contains(&x[0]) && x_shape.first() == Some(&1) {
+        (x, x_shape) = (x[1..].to_vec(), x_shape[1..].to_vec());
+    }
+    let rank = y.len();
+    let ok = einsum.q_params.is_none()
+        && einsum.operating_dt == f32::datum_type()
+        && node.inputs.len() == 2
+        && k.len() == 2
+        && (rank == 3 || rank == 4)
+        && x.len() == rank
+        // [(n,) in, h, w] x [out, in] -> [(n,) out, h, w]
+        && x[rank - 3] == k[1]
+        && y[rank - 3] == k[0]
+        && x[..rank - 3] == y[..rank - 3]
+        && x[rank - 2..] == y[rank - 2..]
+        && !y.contains(&k[1])
+        && w.datum_type() == f32::datum_type()
+        && w.shape()[1] <= MAX_POINTWISE_CHANNELS
+        && x_shape[rank - 3] == w.shape()[1];
+    let product = OutletId::new(id, 0);
+    if !ok || model.outputs.contains(&product) {
+        return Ok(None);
+    }
+    // The bias.
+    let Some(add) = model.single_succ(id)? else {
+        return Ok(None);
+    };
+    let (co, end) = (w.shape()[0], OutletId::new(add.id, 0));
+    let Some(("Add", from, bias)) = binary_with_const(model, add.id)? else {
+        return Ok(None);
+    };
+    if from != product
+        || !(bias.len() == co || bias.len() == 1)
+        || model.outlet_fact(end)?.shape != model.outlet_fact(product)?.shape
+    {
+        return Ok(None);
+    }
+    let bias = bias.try_as_plain_ram()?.as_slice::<f32>()?;
+    Ok(Some(Pointwise {
+        input: node.inputs[0],
+        end,
+        batched: rank == 4,
+        channels: [w.shape()[1], co],
+        hw: [x_shape[rank - 2], x_shape[rank - 1]],
+        weights: w.try_as_plain_ram()?.as_slice::<f32>()?.to_vec(),
+        bias: (0..co).map(|c| bias[c % bias.len()]).collect(),
+    }))
 }
 
 /// Node `id`'s op name, non-constant input and constant, if it is a binary op of a tensor and an
@@ -780,62 +911,6 @@ fn binary_with_const(
         _ => None,
     }
     .filter(|(_, _, k)| k.datum_type() == f32::datum_type()))
-}
-
-/// The weights (`[out][in]`) and input of node `id`, if it is a 1x1 convolution as tract
-/// declutters it into `op`'s input planes: an f32 `EinSum` of planes `[(n,) in, h, w]` with a
-/// constant `[out, in]` into `[(n,) out, h, w]`, at most [`MAX_EXPAND_CHANNELS`] in.
-fn pointwise(
-    model: &TypedModel,
-    id: usize,
-    op: &PlaneConv,
-) -> TractResult<Option<(Vec<f32>, OutletId)>> {
-    let node = &model.nodes[id];
-    let Some(einsum) = node.op_as::<EinSum>() else {
-        return Ok(None);
-    };
-    let Some(w) = model.outlet_fact(node.inputs[1])?.konst.clone() else {
-        return Ok(None);
-    };
-    let (inputs, outputs) = einsum.axes.to_strs();
-    let chars = |s: &str| s.chars().collect::<Vec<char>>();
-    let (mut x, k, y) = (chars(&inputs[0]), chars(&inputs[1]), chars(&outputs[0]));
-    let Some(mut x_shape) = model
-        .outlet_fact(node.inputs[0])?
-        .shape
-        .as_concrete()
-        .map(|s| s.to_vec())
-    else {
-        return Ok(None);
-    };
-    // A leading batch of one summed away is the same planes (tract declutters a model's NCHW
-    // input so: "NIHW,OI->OHW").
-    if x.len() == y.len() + 1 && !y.contains(&x[0]) && x_shape.first() == Some(&1) {
-        (x, x_shape) = (x[1..].to_vec(), x_shape[1..].to_vec());
-    }
-    let rank = if op.batched { 4 } else { 3 };
-    let ok = einsum.q_params.is_none()
-        && einsum.operating_dt == f32::datum_type()
-        && node.inputs.len() == 2
-        && k.len() == 2
-        && x.len() == rank
-        && y.len() == rank
-        // [(n,) in, h, w] x [out, in] -> [(n,) out, h, w]
-        && x[rank - 3] == k[1]
-        && y[rank - 3] == k[0]
-        && x[..rank - 3] == y[..rank - 3]
-        && x[rank - 2..] == y[rank - 2..]
-        && !y.contains(&k[1])
-        && w.datum_type() == f32::datum_type()
-        && w.shape() == [op.in_channels, w.shape()[1]]
-        && w.shape()[1] <= MAX_EXPAND_CHANNELS
-        && x_shape[rank - 3] == w.shape()[1]
-        && x_shape[rank - 2..] == op.in_hw;
-    if !ok {
-        return Ok(None);
-    }
-    let w = w.try_as_plain_ram()?.as_slice::<f32>()?.to_vec();
-    Ok(Some((w, node.inputs[0])))
 }
 
 /// OIHW `kernel` and `bias` laid out by tiles of `channels` output channels of each group:
@@ -1070,6 +1145,13 @@ mod tests {
             (1, 2, 2, 2, [6, 13], 3, 1, Valid),
             (1, 2, 2, 2, [9, 8], 3, 2, e(0, 2, 1, 0)),
             (1, 2, 2, 2, [13, 14], 5, 3, e(2, 1, 2, 2)),
+            // Unpadded at stride 1, rows a block wide: read from the input itself.
+            (0, 3, 3, 3, [40, 36], 3, 1, Valid),
+            (1, 2, 4, 1, [20, 37], 3, 1, Valid),
+            // 1x1 over few channels on rows a block wide (Lite0's 32 -> 16 on 112x112).
+            (0, 32, 16, 1, [20, 24], 1, 1, Valid),
+            (2, 5, 6, 1, [3, 17], 1, 1, Valid),
+            (1, MAX_POINTWISE_CHANNELS, 7, 1, [16, 16], 1, 1, Valid),
         ];
         for (i, (n, ci, co, groups, hw, k, s, pad)) in cases.into_iter().enumerate() {
             // Every other case ends in a ReLU6 (tract's Max then Min), which the op takes in.
@@ -1159,8 +1241,9 @@ mod tests {
 
     #[test]
     fn leaves_expansions_it_cannot_take_in() {
-        // More input channels than taken in; an expansion whose output is read elsewhere too.
-        for (ci, read_elsewhere) in [(MAX_EXPAND_CHANNELS + 1, false), (8, true)] {
+        // More input channels than taken in (tract's, and the depthwise op); an expansion whose
+        // output is read elsewhere too (an op of its own, and the depthwise op).
+        for (ci, read_elsewhere, ops) in [(MAX_POINTWISE_CHANNELS + 1, false, 1), (8, true, 2)] {
             let (expand, dw) = cases(0, ci, 8, [16, 16], 1);
             let (mut model, x, want, e) = block(&expand, &dw, true);
             if read_elsewhere {
@@ -1168,7 +1251,7 @@ mod tests {
                 model.select_output_outlets(&[out, e]).unwrap();
             }
             let mut model = model.into_decluttered().unwrap();
-            assert_eq!(replace(&mut model).unwrap(), 1);
+            assert_eq!(replace(&mut model).unwrap(), ops);
             let model = model.into_optimized().unwrap();
             let fused = model.nodes.iter().filter_map(|n| n.op_as::<PlaneConv>());
             assert!(fused.into_iter().all(|op| op.expand.is_none()), "{ci}");
@@ -1183,11 +1266,11 @@ mod tests {
 
     #[test]
     fn leaves_pointwise_and_wide_convolutions_to_tract() {
-        // 1x1 (a matrix product), and 4 x 3x3 = 36 taps: more than a full convolution is taken
-        // over with.
-        for (ci, k) in [(3, 1), (4, 3)] {
+        // 1x1 on rows narrower than a block, or over more channels than taken over; 4 x 3x3 =
+        // 36 taps: more than a full convolution is taken over with.
+        for (ci, k, hw) in [(3, 1, 8), (MAX_POINTWISE_CHANNELS + 1, 1, 16), (4, 3, 8)] {
             let mut model = TypedModel::default();
-            let x = model.add_source("x", f32::fact([1, ci, 8, 8])).unwrap();
+            let x = model.add_source("x", f32::fact([1, ci, hw, hw])).unwrap();
             let kv = Tensor::from_shape(&[8, ci, k, k], &vec![0.5f32; 8 * ci * k * k]).unwrap();
             let kv = model.add_const("k", kv).unwrap();
             let bv = model.add_const("b", Tensor::from_shape(&[8], &[0f32; 8]).unwrap());
@@ -1211,7 +1294,11 @@ mod tests {
                 .unwrap();
             model.select_output_outlets(&y).unwrap();
             let mut model = model.into_decluttered().unwrap();
-            assert_eq!(replace(&mut model).unwrap(), 0, "{ci} channels, {k}x{k}");
+            assert_eq!(
+                replace(&mut model).unwrap(),
+                0,
+                "{ci} channels, {k}x{k}, {hw}x{hw}"
+            );
         }
     }
 }
