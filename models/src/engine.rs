@@ -106,7 +106,7 @@ fn check_input(expected: &[usize], input: &Tensor) -> Result<(), EngineError> {
 /// 31 img/s, batch 4 15 img/s, batch 32 12 img/s, symbolic N 6 img/s). So the plan is built
 /// for batch 1 and a batch is spread over `threads` workers, each taking the next image when free.
 /// Its depthwise convolutions, and full ones over few input channels (the stem), are Kestrel's
-/// own op (`tract_conv.rs`), put in before tract optimises the plan.
+/// own op (`tract_conv/`), put in before tract optimises the plan.
 pub struct TractEngine {
     plan: Arc<TypedRunnableModel>,
     input_shape: Vec<usize>,
