@@ -333,8 +333,16 @@ fn pointwise(model: &TypedModel, id: usize) -> TractResult<Option<Pointwise>> {
     let Some(("Add", from, bias)) = binary_with_const(model, add.id)? else {
         return Ok(None);
     };
+    // One value per output channel: no axis but the channels' (the third from the right, as
+    // broadcasting aligns them) longer than one.
+    let per_channel = bias
+        .shape()
+        .iter()
+        .rev()
+        .enumerate()
+        .all(|(i, &d)| d == 1 || (i == 2 && d == co));
     if from != product
-        || !(bias.len() == co || bias.len() == 1)
+        || !per_channel
         || model.outlet_fact(end)?.shape != model.outlet_fact(product)?.shape
     {
         return Ok(None);

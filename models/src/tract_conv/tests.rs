@@ -1,6 +1,7 @@
 //! The op against the convolution's definition, and what it leaves to tract.
 
 use tract_onnx::tract_core::ops::cnn::{Conv, KernelFormat, PaddingSpec, PoolSpec};
+use tract_onnx::tract_core::ops::einsum::EinSum;
 use tract_onnx::tract_core::ops::math;
 use tract_onnx::tract_core::ops::nn::DataFormat;
 
@@ -362,4 +363,43 @@ fn leaves_pointwise_and_wide_convolutions_to_tract() {
             "{ci} channels, {k}x{k}, {hw}x{hw}"
         );
     }
+}
+
+#[test]
+fn a_bias_along_another_axis_is_not_taken_for_the_channels() {
+    // A 1x1 convolution (8 -> 16 channels, as tract declutters one) plus a constant along the
+    // rows, 16 wide: as long as the channels, but not per channel.
+    let t = Case {
+        n: 0,
+        ci: 8,
+        co: 16,
+        groups: 1,
+        hw: [8, 16],
+        k: 1,
+        s: 1,
+        pad: PaddingSpec::Valid,
+    };
+    let shape = input_shape(&t);
+    let (x, kernel, along_w) = (data(8 * 8 * 16, 0.5), data(16 * 8, 1.0), data(16, 2.0));
+    let mut model = TypedModel::default();
+    let xv = model.add_source("x", f32::fact(&shape)).unwrap();
+    let k = Tensor::from_shape(&[16, 8], &kernel).unwrap();
+    let k = model.add_const("k", k).unwrap();
+    let einsum = EinSum::new("IHW,OI->OHW".parse().unwrap(), f32::datum_type());
+    let y = model.wire_node("conv", einsum, &[xv, k]).unwrap();
+    let c = Tensor::from_shape(&[1, 1, 16], &along_w).unwrap();
+    let c = model.add_const("along_w", c).unwrap();
+    let y = model.wire_node("add", math::add(), &[y[0], c]).unwrap();
+    model.select_output_outlets(&y).unwrap();
+    let mut model = model.into_decluttered().unwrap();
+    assert_eq!(replace(&mut model).unwrap(), 0);
+    let out = model.into_optimized().unwrap().into_runnable().unwrap();
+    let got = out
+        .run(tvec![Tensor::from_shape(&shape, &x).unwrap().into_tvalue()])
+        .unwrap();
+    let mut want = reference(&t, &x, &kernel, &[0.0; 16], geometry(&t));
+    for (i, v) in want.iter_mut().enumerate() {
+        *v += along_w[i % 16];
+    }
+    assert_close(&got[0].clone().into_tensor(), &want, false, "bias along W");
 }
