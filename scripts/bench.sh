@@ -149,6 +149,28 @@ PY
 done
 echo "(Kestrel's engines dequantize int8-weights once at load; Python's ONNX Runtime runs the file as it is. tract runs"
 echo " the static int8 QDQ graph in float with extra Q/DQ work: slower than f32, as measured above.)"
+echo
+echo "# int8-weights against f32 on each engine, interleaved against the VM's drift: f32, int8-weights, f32, ..."
+echo "# three times each (trainer latency, 50 rounds, 1 thread); the median of each form's three medians"
+printf '%-8s%10s%18s%14s\n' engine "f32 ms" "int8-weights ms" "int8-w / f32"
+for engine in tract ort; do
+  runs=()
+  for _ in 1 2 3; do
+    for form in none int8-weights; do
+      runs+=("$form" "$("$trainer" latency --threads 1 --model "$work/art-$form/model.onnx" --engine "$engine" \
+        --json "$KESTREL_HOME/photos/coffee.png")")
+    done
+  done
+  python3 - "$engine" "${runs[@]}" <<'PY'
+import json, statistics, sys
+engine, runs = sys.argv[1], sys.argv[2:]
+ms = {}
+for form, out in zip(runs[::2], runs[1::2]):
+    ms.setdefault(form, []).append(json.loads(out)["ms"])
+f, q = statistics.median(ms["none"]), statistics.median(ms["int8-weights"])
+print(f"{engine:<8}{f:>10.1f}{q:>18.1f}{q / f:>13.2f}x")
+PY
+done
 
 echo
 echo "# Edge agent, batch 1 (one image per request, as on the device): tract with 1 and 2 threads"
