@@ -21,6 +21,22 @@ struct Case {
     pad: PaddingSpec,
 }
 
+impl Case {
+    /// A 1x1 convolution `ci -> co` of `n` samples of `hw`.
+    fn pointwise(n: usize, ci: usize, co: usize, hw: [usize; 2]) -> Case {
+        Case {
+            n,
+            ci,
+            co,
+            groups: 1,
+            hw,
+            k: 1,
+            s: 1,
+            pad: PaddingSpec::Valid,
+        }
+    }
+}
+
 /// The same convolution, straight from the definition (`geo`: padding before, output size).
 fn reference(t: &Case, x: &[f32], k: &[f32], bias: &[f32], geo: [[usize; 2]; 2]) -> Vec<f32> {
     let ([h, w], [[pt, pl], [oh, ow]], kk) = (t.hw, geo, t.k);
@@ -253,16 +269,7 @@ fn block(expand: &Case, dw: &Case, relu6: bool) -> (TypedModel, Tensor, Vec<f32>
 
 /// An expansion `ci -> co` of `n` samples of `hw` and a 3x3 depthwise convolution of stride `s`.
 fn cases(n: usize, ci: usize, co: usize, hw: [usize; 2], s: usize) -> (Case, Case) {
-    let expand = Case {
-        n,
-        ci,
-        co,
-        groups: 1,
-        hw,
-        k: 1,
-        s: 1,
-        pad: PaddingSpec::Valid,
-    };
+    let expand = Case::pointwise(n, ci, co, hw);
     let pad = PaddingSpec::Explicit(tvec!(1, 1), tvec!(1, 1));
     let dw = Case {
         n,
@@ -369,16 +376,7 @@ fn leaves_pointwise_and_wide_convolutions_to_tract() {
 fn a_bias_along_another_axis_is_not_taken_for_the_channels() {
     // A 1x1 convolution (8 -> 16 channels, as tract declutters one) plus a constant along the
     // rows, 16 wide: as long as the channels, but not per channel.
-    let t = Case {
-        n: 0,
-        ci: 8,
-        co: 16,
-        groups: 1,
-        hw: [8, 16],
-        k: 1,
-        s: 1,
-        pad: PaddingSpec::Valid,
-    };
+    let t = Case::pointwise(0, 8, 16, [8, 16]);
     let shape = input_shape(&t);
     let (x, kernel, along_w) = (data(8 * 8 * 16, 0.5), data(16 * 8, 1.0), data(16, 2.0));
     let mut model = TypedModel::default();
