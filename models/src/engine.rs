@@ -105,8 +105,9 @@ fn check_input(expected: &[usize], input: &Tensor) -> Result<(), EngineError> {
 /// CPUs runs Lite0 fastest one image at a time (measured, 1 thread, decode included: batch 1
 /// 31 img/s, batch 4 15 img/s, batch 32 12 img/s, symbolic N 6 img/s). So the plan is built
 /// for batch 1 and a batch is spread over `threads` workers, each taking the next image when free.
-/// Its depthwise convolutions, and full ones over few input channels (the stem), are Kestrel's
-/// own op (`tract_conv/`), put in before tract optimises the plan.
+/// Its depthwise convolutions (with the 1x1 expansions before them), full ones over few input
+/// channels (the stem) and 1x1 ones over few channels are Kestrel's own op (`tract_conv/`), put
+/// in before tract optimises the plan.
 pub struct TractEngine {
     plan: Arc<TypedRunnableModel>,
     input_shape: Vec<usize>,
