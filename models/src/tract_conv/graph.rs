@@ -47,18 +47,26 @@ fn put(
     input: OutletId,
     end: OutletId,
 ) -> TractResult<()> {
-    let mut last = end;
-    for _ in 0..2 {
-        let Some((next, clip)) = clip_after(model, last, op.clip)? else {
-            break;
-        };
-        (last, op.clip) = (next, clip);
-    }
+    let (last, clip) = clips_after(model, end)?;
+    op.clip = clip;
     let mut patch = TypedModelPatch::new("kestrel-conv");
     let x = patch.tap_model(model, input)?;
     let y = patch.wire_node(&model.nodes[end.node].name, op, &[x])?[0];
     patch.shunt_outside(model, last, y)?;
     patch.apply(model)
+}
+
+/// Where the clip after `from` ends (at most a `Max` and a `Min`, each read by the next only;
+/// `from` itself when there is none) and its bounds (`(-inf, inf)` for none).
+fn clips_after(model: &TypedModel, from: OutletId) -> TractResult<(OutletId, (f32, f32))> {
+    let (mut last, mut clip) = (from, (f32::NEG_INFINITY, f32::INFINITY));
+    for _ in 0..2 {
+        let Some((next, c)) = clip_after(model, last, clip)? else {
+            break;
+        };
+        (last, clip) = (next, c);
+    }
+    Ok((last, clip))
 }
 
 /// The node after `from`, if it is its only reader and a `Max` or `Min` of it with a one-value
@@ -215,11 +223,7 @@ fn expansion_before(
         return Ok(None);
     }
     // ... and forward again: the clip, and the convolution its only reader.
-    let mut clip = (f32::NEG_INFINITY, f32::INFINITY);
-    let mut last = at;
-    while let Some((next, c)) = clip_after(model, last, clip)? {
-        (last, clip) = (next, c);
-    }
+    let (last, clip) = clips_after(model, at)?;
     if last != model.nodes[dw].inputs[0]
         || model.outputs.contains(&last)
         || model.single_succ(last.node)?.map(|n| n.id) != Some(dw)

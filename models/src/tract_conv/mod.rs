@@ -283,9 +283,7 @@ impl PlaneConv {
                 // Rows at least a block wide: whole blocks along each row (the last one
                 // overlapping the one before), written in place.
                 let wq = l.wq;
-                let cols = (0..ow - positions)
-                    .step_by(positions)
-                    .chain([ow - positions]);
+                let cols = overlapping_blocks(ow, positions);
                 let starts =
                     (0..oh).flat_map(|r| cols.clone().map(move |c| (r * wq + c, r * ow + c)));
                 planes.convolve(self.tile, outs, oh * ow, starts);
@@ -315,10 +313,7 @@ impl PlaneConv {
         let mut planes = std::mem::take(&mut scratch.expanded);
         planes.resize(channels * hw, 0.0);
         // Whole blocks over each flat plane, the last one overlapping the one before.
-        let starts = (0..hw - positions)
-            .step_by(positions)
-            .chain([hw - positions])
-            .map(|s| (s, s));
+        let starts = overlapping_blocks(hw, positions).map(|s| (s, s));
         let taps = e.in_channels * channels;
         for (t, ys) in y.chunks_mut(channels * out).enumerate() {
             Planes {
@@ -339,6 +334,15 @@ impl PlaneConv {
         }
         scratch.expanded = planes;
     }
+}
+
+/// Where the blocks of `positions` covering `len >= positions` values start: every
+/// `positions`, the last one ending at `len` (overlapping the one before it unless `len` is a
+/// multiple of `positions`).
+fn overlapping_blocks(len: usize, positions: usize) -> impl Iterator<Item = usize> + Clone {
+    (0..len - positions)
+        .step_by(positions)
+        .chain([len - positions])
 }
 
 /// A thread's scratch: a group's padded phase planes, one padded row, the flat outputs of a tile,
