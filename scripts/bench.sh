@@ -306,3 +306,4 @@ PY
 echo
 "$here/bench-console.sh"
 "$here/bench-distributed.sh"
+"$here/bench-seeds.sh"

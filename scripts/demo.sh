@@ -7,7 +7,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
-"$here/setup.sh"
+"$here/setup.sh" --demo
 trainer="$KESTREL_BIN/trainer"
 agent="$KESTREL_BIN/edge-agent"
 data="$KESTREL_HOME/datasets/lfw/lfw.parquet"

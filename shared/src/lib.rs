@@ -3,7 +3,7 @@
 //! - [`preprocess`]: the preprocessing spec (a serde type carried in every artifact manifest)
 //!   and the one implementation of it, used by both binaries.
 //! - [`manifest`], [`signing`]: the artifact manifest and its ed25519 signatures.
-//! - [`protocol`]: the MQTT topics and messages between trainer and devices.
+//! - [`protocol`], [`topics`]: the MQTT messages between trainer and devices, and their topics.
 //! - [`quality`]: model quality without labels (reference profile, live-window statistics).
 //! - [`time`]: wall-clock helpers ([`now_unix`]).
 
@@ -19,6 +19,7 @@ pub mod resize;
 pub mod signing;
 pub mod stats;
 pub mod time;
+pub mod topics;
 
 pub use preprocess::{ImageLimits, PreprocessError, PreprocessSpec, Preprocessed};
 pub use time::{issued_now, now_rfc3339, now_unix};

@@ -2,7 +2,7 @@
 //! layout and message types. `docs/PROTOCOL.md` describes the same thing for people; the two must
 //! agree. No IO here: both sides build topics and payloads with these functions and types.
 //!
-//! Topics, under a configurable prefix (default `kestrel`):
+//! Topics ([`crate::topics`]), under a configurable prefix (default `kestrel`):
 //!
 //! | topic | payload | retained | publisher |
 //! |---|---|---|---|
@@ -22,8 +22,8 @@ use sha2::{Digest, Sha256};
 
 use crate::manifest::{FileEntry, Manifest};
 use crate::signing::{SignError, SignatureFile, sign, verify};
+pub use crate::topics::{DEFAULT_PREFIX, Topics};
 
-pub const DEFAULT_PREFIX: &str = "kestrel";
 /// Default chunk size of artifact delivery (AWS IoT streams use ≤ 128 KB blocks).
 pub const DEFAULT_CHUNK_BYTES: usize = 128 * 1024;
 
@@ -50,99 +50,6 @@ pub fn check_name(name: &str) -> Result<&str, ProtocolError> {
         Ok(name)
     } else {
         Err(ProtocolError::BadName(name.to_string()))
-    }
-}
-
-/// Builds every topic of the protocol under one prefix.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Topics {
-    prefix: String,
-}
-
-impl Default for Topics {
-    fn default() -> Self {
-        Self::new(DEFAULT_PREFIX)
-    }
-}
-
-impl Topics {
-    pub fn new(prefix: &str) -> Self {
-        Self {
-            prefix: prefix.trim_end_matches('/').to_string(),
-        }
-    }
-    pub fn prefix(&self) -> &str {
-        &self.prefix
-    }
-    pub fn artifact_manifest(&self, name: &str, version: u64) -> String {
-        format!("{}/artifacts/{name}/{version}/manifest", self.prefix)
-    }
-    pub fn chunk(&self, name: &str, version: u64, index: u32) -> String {
-        format!("{}/artifacts/{name}/{version}/chunks/{index}", self.prefix)
-    }
-    pub fn chunks_filter(&self, name: &str, version: u64) -> String {
-        format!("{}/artifacts/{name}/{version}/chunks/+", self.prefix)
-    }
-    pub fn desired(&self, target: &Target) -> String {
-        match target {
-            Target::Device(d) => format!("{}/devices/{d}/desired", self.prefix),
-            Target::Group(g) => format!("{}/groups/{g}/desired", self.prefix),
-        }
-    }
-    /// The root-signed list of publishing keys (retained).
-    pub fn keys(&self) -> String {
-        format!("{}/keys", self.prefix)
-    }
-    pub fn status(&self, device: &str) -> String {
-        format!("{}/devices/{device}/status", self.prefix)
-    }
-    pub fn status_filter(&self) -> String {
-        format!("{}/devices/+/status", self.prefix)
-    }
-    /// The device's quality telemetry (retained; [`crate::quality::DeviceQuality`]).
-    pub fn quality(&self, device: &str) -> String {
-        format!("{}/devices/{device}/quality", self.prefix)
-    }
-    pub fn quality_filter(&self) -> String {
-        format!("{}/devices/+/quality", self.prefix)
-    }
-    /// An input the device captured for training ([`crate::capture::Capture`], QoS 1, not retained).
-    pub fn capture(&self, device: &str, id: &str) -> String {
-        format!("{}/devices/{device}/captures/{id}", self.prefix)
-    }
-    pub fn captures_filter(&self) -> String {
-        format!("{}/devices/+/captures/+", self.prefix)
-    }
-    pub fn online(&self, device: &str) -> String {
-        format!("{}/devices/{device}/online", self.prefix)
-    }
-    pub fn events(&self, device: &str) -> String {
-        format!("{}/devices/{device}/events", self.prefix)
-    }
-    pub fn infer(&self, device: &str, request: &str) -> String {
-        format!("{}/devices/{device}/infer/{request}", self.prefix)
-    }
-    pub fn infer_filter(&self, device: &str) -> String {
-        format!("{}/devices/{device}/infer/+", self.prefix)
-    }
-    pub fn result(&self, device: &str, request: &str) -> String {
-        format!("{}/devices/{device}/result/{request}", self.prefix)
-    }
-    pub fn result_filter(&self, device: &str) -> String {
-        format!("{}/devices/{device}/result/+", self.prefix)
-    }
-
-    /// The chunk index of a chunk topic of `name` v`version`.
-    pub fn parse_chunk(&self, topic: &str, name: &str, version: u64) -> Option<u32> {
-        let base = format!("{}/artifacts/{name}/{version}/chunks/", self.prefix);
-        topic.strip_prefix(&base)?.parse().ok()
-    }
-
-    /// The last level of a topic under `base_filter` (a filter ending in `/+`).
-    pub fn last_level<'a>(topic: &'a str, base_filter: &str) -> Option<&'a str> {
-        let base = base_filter.strip_suffix('+')?;
-        let rest = topic.strip_prefix(base)?;
-        (!rest.is_empty() && !rest.contains('/')).then_some(rest)
     }
 }
 
@@ -422,6 +329,14 @@ pub struct Status {
     pub latency: LatencyStats,
     /// RFC 3339 UTC.
     pub updated: String,
+    /// When the agent process that published this status started (milliseconds since the Unix
+    /// epoch): an agent restart shows as a later value. 0 from agents that predate the field.
+    #[serde(default)]
+    pub started: u64,
+    /// Statuses this agent process published before this one: `(started, seq)` orders a
+    /// device's statuses exactly (a status re-published after a reconnect has a higher `seq`).
+    #[serde(default)]
+    pub seq: u64,
     /// The registry version of the active model (`models:/NAME/VERSION`), from its manifest.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
@@ -497,25 +412,8 @@ mod tests {
     use crate::signing::{keypair_hex, public_key, secret_key};
 
     #[test]
-    fn topics_and_names() {
+    fn targets_and_names() {
         let t = Topics::new("kestrel/");
-        assert_eq!(t.chunk("m", 3, 7), "kestrel/artifacts/m/3/chunks/7");
-        assert_eq!(
-            t.parse_chunk("kestrel/artifacts/m/3/chunks/7", "m", 3),
-            Some(7)
-        );
-        assert_eq!(
-            t.parse_chunk("kestrel/artifacts/m/4/chunks/7", "m", 3),
-            None
-        );
-        assert_eq!(
-            Topics::last_level("kestrel/devices/a/infer/r1", &t.infer_filter("a")),
-            Some("r1")
-        );
-        assert_eq!(
-            Topics::last_level("kestrel/devices/a/infer/r/x", &t.infer_filter("a")),
-            None
-        );
         assert_eq!(
             "group/canary".parse::<Target>().map(|g| t.desired(&g)),
             Ok("kestrel/groups/canary/desired".to_string())

@@ -1,12 +1,12 @@
 //! Fleet test helpers: real brokers (the embedded rumqttd via `trainer broker`, and Mosquitto),
 //! real agents (`edge-agent run`) as child processes killed on drop, a signing key, and exported
-//! artifacts of a real LFW run, built once per test binary.
+//! artifacts of a real LFW run, built once per test run.
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use kestrel_fleet::Conn;
@@ -79,23 +79,7 @@ impl Drop for Proc {
     }
 }
 
-/// A free loopback port, never handed out before in this process: the tests run as threads of
-/// one test binary, and a port that one test was given is not given to another.
-pub fn free_port() -> u16 {
-    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
-    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-    loop {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if !given.contains(&port) {
-            given.push(port);
-            return port;
-        }
-    }
-}
+pub use crate::once::free_port;
 
 fn wait_port(port: u16, p: &mut Proc) {
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
@@ -186,7 +170,8 @@ impl Broker {
     }
 }
 
-/// Signing keys, a run and exported artifacts shared by the fleet tests of one test binary.
+/// Signing keys, a run and exported artifacts shared by the fleet tests of one test run
+/// ([`crate::once::fixture`]).
 pub struct Fixture {
     pub dir: PathBuf,
     /// Trusted key pair (kestrel.key, kestrel.pub).
@@ -203,61 +188,51 @@ pub struct Fixture {
 pub fn fixture() -> &'static Fixture {
     static F: OnceLock<Fixture> = OnceLock::new();
     F.get_or_init(|| {
-        // target/tmp/fleet-<test binary>, beside the profile directory; replaced on every run.
-        let exe = std::env::current_exe().unwrap();
-        let name = exe.file_stem().unwrap().to_string_lossy();
-        let target = bin("trainer")
-            .parent()
-            .and_then(Path::parent)
-            .unwrap()
-            .to_path_buf();
-        let dir = target
-            .join("tmp")
-            .join(format!("fleet-{}", name.split('-').next().unwrap()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let (keys, rogue) = (dir.join("keys"), dir.join("rogue"));
-        trainer_ok(&["keygen", "--out", &s(&keys)]);
-        trainer_ok(&["keygen", "--out", &s(&rogue)]);
-        let data = lfw();
-        let run_dir = dir.join("run");
-        trainer_ok(&[
-            "fit",
-            "--data",
-            &data,
-            "--engine",
-            "ort",
-            "--epochs",
-            "10",
-            "--test-fraction",
-            "0.2",
-            "--out",
-            &s(&run_dir),
-        ]);
-        let export = |out: &Path, form: &str, version: &str| {
-            let args = [
-                "--quantize",
-                form,
-                "--model-version",
-                version,
-                "--model-name",
-                "lfw",
-            ];
-            crate::export_ok(&run_dir, out, &args);
-        };
-        let f = Fixture {
+        let dir = crate::once::fixture("fleet", build_fixture);
+        Fixture {
             v1: dir.join("v1"),
             v2: dir.join("v2"),
             f32_v6: dir.join("f32-v6"),
-            keys,
-            rogue_keys: rogue,
+            keys: dir.join("keys"),
+            rogue_keys: dir.join("rogue"),
             dir,
-        };
-        export(&f.v1, "int8-weights", "1");
-        export(&f.v2, "int8-weights", "2");
-        export(&f.f32_v6, "none", "6");
-        f
+        }
     })
+}
+
+/// Keys, an LFW run (the demo's: ORT, 10 epochs, 20% held out) and its three exports, in `dir`.
+fn build_fixture(dir: &Path) {
+    trainer_ok(&["keygen", "--out", &s(&dir.join("keys"))]);
+    trainer_ok(&["keygen", "--out", &s(&dir.join("rogue"))]);
+    let run_dir = dir.join("run");
+    trainer_ok(&[
+        "fit",
+        "--data",
+        &lfw(),
+        "--engine",
+        "ort",
+        "--epochs",
+        "10",
+        "--test-fraction",
+        "0.2",
+        "--out",
+        &s(&run_dir),
+    ]);
+    for (out, form, version) in [
+        ("v1", "int8-weights", "1"),
+        ("v2", "int8-weights", "2"),
+        ("f32-v6", "none", "6"),
+    ] {
+        let args = [
+            "--quantize",
+            form,
+            "--model-version",
+            version,
+            "--model-name",
+            "lfw",
+        ];
+        crate::export_ok(&run_dir, &dir.join(out), &args);
+    }
 }
 
 /// The secret key in a `trainer keygen` directory.
@@ -288,7 +263,9 @@ impl Fixture {
     pub fn variant(&self, src: &Path, version: u64, edit: impl Fn(&mut Value)) -> PathBuf {
         static N: AtomicU64 = AtomicU64::new(0);
         let n = N.fetch_add(1, Ordering::Relaxed);
-        let dst = self.dir.join(format!("variant-{version}-{n}"));
+        let dst = self
+            .dir
+            .join(format!("variant-{version}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dst);
         crate::copy_dir(src, &dst);
         let mpath = dst.join("manifest.json");

@@ -5,6 +5,7 @@
 
 pub mod browser;
 pub mod fleet;
+pub mod once;
 
 use std::ffi::OsStr;
 use std::fmt::Debug;

@@ -7,14 +7,22 @@ use anyhow::Result;
 use kestrel_shared::protocol::sha256_hex;
 
 use super::Agent;
+use super::shadow::OfferError;
+use crate::desired::Verdict;
 use crate::update::{Event, Offer, Phase};
 
 impl Agent {
-    pub(super) async fn on_offer(&mut self, topic: &str, payload: &[u8]) -> Result<()> {
+    /// An offer on the topic of `artifact` (name, version); only the wanted version's is taken.
+    pub(super) async fn on_offer(
+        &mut self,
+        topic: &str,
+        (name, version): (&str, u64),
+        payload: &[u8],
+    ) -> Result<()> {
         let Some(w) = self.wanted.clone() else {
             return Ok(());
         };
-        if topic != self.topics.artifact_manifest(&w.name, w.version) || payload.is_empty() {
+        if (name, version) != (w.name.as_str(), w.version) || payload.is_empty() {
             return Ok(());
         }
         if self.updater.phase.target() == Some(w.version)
@@ -22,10 +30,16 @@ impl Agent {
         {
             return Ok(()); // redelivery
         }
-        let checked = self.check_offer(topic, payload, &w.name, w.version);
-        let (o, m) = match checked {
+        let (o, m) = match self.check_offer(topic, payload, &w.name, w.version) {
             Ok(x) => x,
-            Err(reason) => {
+            // Unverified bytes change nothing: reported, and the download waits for the
+            // publisher's offer (a retained one is delivered again on the next subscription).
+            Err(OfferError::Unverified(reason)) => {
+                return self
+                    .on_verdict(Verdict::Refused(format!("offer refused: {reason}")), 0)
+                    .await;
+            }
+            Err(OfferError::Invalid(reason)) => {
                 let reason = format!("artifact refused: {reason}");
                 return self
                     .feed(Event::Refused {
@@ -56,14 +70,19 @@ impl Agent {
         Ok(())
     }
 
-    pub(super) async fn on_chunk(&mut self, topic: &str, payload: &[u8]) -> Result<()> {
+    /// Chunk `index` of `name` v`version`; only the offered download's are taken.
+    pub(super) async fn on_chunk(
+        &mut self,
+        (name, version, index): (&str, u64, u32),
+        payload: &[u8],
+    ) -> Result<()> {
         let Some((o, _)) = &self.offer else {
             return Ok(());
         };
-        let Some(index) = self.topics.parse_chunk(topic, &o.name, o.version) else {
+        if (name, version) != (o.name.as_str(), o.version) {
             return Ok(());
-        };
-        let version = o.version;
+        }
+        let topic = &self.topics.chunk(name, version, index);
         let Phase::Downloading { offer, have, .. } = &self.updater.phase else {
             return Ok(());
         };

@@ -224,6 +224,7 @@ pub fn run(
     if simulate.is_none() && feeds.len() > 1 {
         anyhow::bail!("one device takes one --feed; several need --simulate N");
     }
+    kestrel_shared::time::process_started_ms(); // the statuses' `started`: now
     for f in feeds {
         f.images()?; // a bad directory is named before anything starts
     }
@@ -433,6 +434,7 @@ impl Agent {
             latencies: VecDeque::new(),
             served: 0,
             status_dirty: true,
+            status_seq: 0,
             connected: false,
             last_progress: Instant::now(),
             store_error: None,

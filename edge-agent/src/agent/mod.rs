@@ -25,6 +25,7 @@ use kestrel_shared::protocol::{
     ArtifactOffer, Desired, DeviceEvent, InferReply, LatencyStats, Status, Target, Topics,
 };
 use kestrel_shared::stats::quantile;
+use kestrel_shared::topics::{DeviceTopic, Route};
 use rumqttc::{AsyncClient, Event as MqttEvent, Outgoing, Packet, QoS};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -129,6 +130,8 @@ pub struct Agent {
     latencies: VecDeque<f64>,
     served: u64,
     status_dirty: bool,
+    /// Statuses published by this process so far (the next status's `seq`).
+    status_seq: u64,
     connected: bool,
     last_progress: Instant,
     /// The last failed write to the store (a full disk) and the directory it failed in: shown
@@ -221,6 +224,8 @@ impl Agent {
                 p95_ms: pct(0.95),
             },
             updated: now_rfc3339(),
+            started: kestrel_shared::time::process_started_ms(),
+            seq: self.status_seq,
             source: model.as_ref().and_then(|m| m.manifest.registry.clone()),
             refused: self.refused.clone(),
             keys_version: self.trust.version(),
@@ -237,6 +242,7 @@ impl Agent {
             payload,
         });
         self.status_dirty = false;
+        self.status_seq += 1;
     }
 
     fn publish_durable(&mut self, topic: String, payload: String) {
@@ -492,11 +498,7 @@ impl Agent {
         }
     }
 
-    fn on_infer(&mut self, topic: &str, payload: Vec<u8>) {
-        let filter = self.topics.infer_filter(&self.cfg.device_id);
-        let Some(request) = Topics::last_level(topic, &filter).map(str::to_string) else {
-            return;
-        };
+    fn on_infer(&mut self, topic: &str, request: String, payload: Vec<u8>) {
         let error = |e: String| {
             Done::Reply(
                 Some(InferReply {
@@ -536,27 +538,36 @@ impl Agent {
     }
 
     async fn on_publish(&mut self, topic: &str, payload: Vec<u8>) -> Result<()> {
-        let p = format!("{}/", self.topics.prefix());
-        let Some(rest) = topic.strip_prefix(&p) else {
-            return Ok(());
-        };
-        if rest.starts_with("artifacts/") {
-            if self.shadow.wants(topic, &self.topics) {
-                self.on_shadow_artifact(topic, &payload).await
-            } else if rest.ends_with("/manifest") {
-                self.on_offer(topic, &payload).await
-            } else {
-                self.on_chunk(topic, &payload).await
+        let topics = self.topics.clone();
+        match topics.parse(topic) {
+            Some(Route::Offer { name, version }) if self.shadow.wants(name, version) => {
+                self.on_shadow_offer(topic, &payload).await
             }
-        } else if rest.ends_with("/desired") {
-            self.on_desired(topic, &payload).await
-        } else if topic == self.topics.keys() {
-            self.on_keys(topic, &payload).await
-        } else if rest.starts_with("devices/") && rest.contains("/infer/") {
-            self.on_infer(topic, payload);
-            Ok(())
-        } else {
-            Ok(())
+            Some(Route::Chunk {
+                name,
+                version,
+                index,
+            }) if self.shadow.wants(name, version) => {
+                self.on_shadow_chunk(topic, index, &payload).await
+            }
+            Some(Route::Offer { name, version }) => {
+                self.on_offer(topic, (name, version), &payload).await
+            }
+            Some(Route::Chunk {
+                name,
+                version,
+                index,
+            }) => self.on_chunk((name, version, index), &payload).await,
+            Some(Route::Desired(target)) => self.on_desired(topic, &target, &payload).await,
+            Some(Route::Keys) => self.on_keys(topic, &payload).await,
+            Some(Route::Device {
+                device,
+                kind: DeviceTopic::Infer { request },
+            }) if device == self.cfg.device_id => {
+                self.on_infer(topic, request.to_string(), payload);
+                Ok(())
+            }
+            _ => Ok(()),
         }
     }
 

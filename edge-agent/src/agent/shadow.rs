@@ -17,6 +17,7 @@ use kestrel_shared::quality::{ShadowReport, ShadowTally};
 use rumqttc::QoS;
 
 use super::{Agent, Done, ShadowRun};
+use crate::desired::Verdict;
 use crate::serve::{ShadowModel, Shared};
 use crate::store::Store;
 
@@ -86,12 +87,11 @@ impl ShadowSlot {
         f
     }
 
-    /// Whether `topic` is the wanted shadow's offer or one of its chunks.
-    pub(super) fn wants(&self, topic: &str, topics: &Topics) -> bool {
-        self.want.as_ref().is_some_and(|w| {
-            topic == topics.artifact_manifest(&w.name, w.version)
-                || topics.parse_chunk(topic, &w.name, w.version).is_some()
-        })
+    /// Whether `name` v`version` is the wanted shadow (its offer and chunks are the shadow's).
+    pub(super) fn wants(&self, name: &str, version: u64) -> bool {
+        self.want
+            .as_ref()
+            .is_some_and(|w| w.name == name && w.version == version)
     }
 
     /// A comparison (or a skipped turn) from an inference worker.
@@ -149,36 +149,58 @@ impl Agent {
         Ok(())
     }
 
-    /// The shadow's offer or one of its chunks.
-    pub(super) async fn on_shadow_artifact(&mut self, topic: &str, payload: &[u8]) -> Result<()> {
+    /// The shadow's offer (its topic is the wanted shadow's).
+    pub(super) async fn on_shadow_offer(&mut self, topic: &str, payload: &[u8]) -> Result<()> {
+        let Some(w) = self.shadow.want.clone() else {
+            return Ok(());
+        };
+        if self.shadow.state != SlotState::Downloading
+            || payload.is_empty()
+            || self.shadow.offer.is_some()
+        {
+            return Ok(()); // not downloading, or a redelivery
+        }
+        match self.check_offer(topic, payload, &w.name, w.version) {
+            Ok((o, m)) if o.total_bytes <= self.cfg.limits.max_artifact_bytes => {
+                self.shadow.offer = Some((o, m));
+                let f = self.topics.chunks_filter(&w.name, w.version);
+                self.client.subscribe(f, QoS::AtLeastOnce).await?;
+            }
+            Ok((o, _)) => self.shadow.fail(format!(
+                "shadow v{}: {} bytes, over the limit of {}",
+                w.version, o.total_bytes, self.cfg.limits.max_artifact_bytes
+            )),
+            // Unverified bytes change nothing: reported, and the shadow waits for the
+            // publisher's offer.
+            Err(OfferError::Unverified(reason)) => {
+                return self
+                    .on_verdict(
+                        Verdict::Refused(format!("shadow offer refused: {reason}")),
+                        0,
+                    )
+                    .await;
+            }
+            Err(OfferError::Invalid(e)) => {
+                self.shadow.fail(format!("shadow artifact refused: {e}"))
+            }
+        }
+        self.status_dirty = true;
+        Ok(())
+    }
+
+    /// Chunk `index` of the shadow (its topic is the wanted shadow's).
+    pub(super) async fn on_shadow_chunk(
+        &mut self,
+        topic: &str,
+        index: u32,
+        payload: &[u8],
+    ) -> Result<()> {
         let Some(w) = self.shadow.want.clone() else {
             return Ok(());
         };
         if self.shadow.state != SlotState::Downloading || payload.is_empty() {
             return Ok(());
         }
-        if topic == self.topics.artifact_manifest(&w.name, w.version) {
-            if self.shadow.offer.is_some() {
-                return Ok(()); // redelivery
-            }
-            match self.check_offer(topic, payload, &w.name, w.version) {
-                Ok((o, m)) if o.total_bytes <= self.cfg.limits.max_artifact_bytes => {
-                    self.shadow.offer = Some((o, m));
-                    let f = self.topics.chunks_filter(&w.name, w.version);
-                    self.client.subscribe(f, QoS::AtLeastOnce).await?;
-                }
-                Ok((o, _)) => self.shadow.fail(format!(
-                    "shadow v{}: {} bytes, over the limit of {}",
-                    w.version, o.total_bytes, self.cfg.limits.max_artifact_bytes
-                )),
-                Err(e) => self.shadow.fail(format!("shadow artifact refused: {e}")),
-            }
-            self.status_dirty = true;
-            return Ok(());
-        }
-        let Some(index) = self.topics.parse_chunk(topic, &w.name, w.version) else {
-            return Ok(());
-        };
         let Some(chunks) = self.shadow.offer.as_ref().map(|(o, _)| o.chunks.clone()) else {
             return Ok(());
         };
@@ -262,16 +284,26 @@ impl Agent {
         payload: &[u8],
         name: &str,
         version: u64,
-    ) -> Result<(ArtifactOffer, Manifest), String> {
-        let o = parse::<ArtifactOffer>(topic, payload).map_err(|e| e.to_string())?;
-        let m = o.open(self.trust.keys()).map_err(|e| e.to_string())?;
-        artifact::check_names(&m).map_err(|e| e.to_string())?;
+    ) -> Result<(ArtifactOffer, Manifest), OfferError> {
+        let unverified =
+            |e: kestrel_shared::protocol::ProtocolError| OfferError::Unverified(e.to_string());
+        let o = parse::<ArtifactOffer>(topic, payload).map_err(unverified)?;
+        let m = o.open(self.trust.keys()).map_err(unverified)?;
+        artifact::check_names(&m).map_err(|e| OfferError::Invalid(e.to_string()))?;
         if m.name != name || m.version != version {
-            return Err(format!(
+            return Err(OfferError::Invalid(format!(
                 "offer is {} v{}, wanted {name} v{version}",
                 m.name, m.version
-            ));
+            )));
         }
         Ok((o, m))
     }
+}
+
+/// Why an offer was not taken.
+pub(super) enum OfferError {
+    /// It does not parse or its signature does not verify: nothing in it is acted on.
+    Unverified(String),
+    /// Signed by a trusted key, but not an artifact this device can install.
+    Invalid(String),
 }

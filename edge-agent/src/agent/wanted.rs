@@ -3,19 +3,25 @@
 
 use anyhow::Result;
 use kestrel_shared::fsutil::write_atomic;
-use kestrel_shared::protocol::{Desired, DeviceEvent, SignedDesired, SignedKeyList, Target, parse};
+use kestrel_shared::protocol::{DeviceEvent, SignedDesired, SignedKeyList, Target, parse};
 use kestrel_shared::{now_rfc3339, now_unix};
 use rumqttc::QoS;
 
 use super::{Agent, KEYS_FILE};
 use crate::desired::Verdict;
 use crate::trust::KeysVerdict;
-use crate::update::{Event, Phase};
+use crate::update::Phase;
 
 impl Agent {
-    /// A desired state arrived on one of our desired topics (an empty payload is an unsigned
-    /// clear, refused).
-    pub(super) async fn on_desired(&mut self, topic: &str, payload: &[u8]) -> Result<()> {
+    /// A desired state arrived on one of our desired topics, for `target` (an empty payload is
+    /// an unsigned clear, refused). One that does not verify, or names another target than its
+    /// topic, is reported and changes nothing: no field of its body is read.
+    pub(super) async fn on_desired(
+        &mut self,
+        topic: &str,
+        target: &Target,
+        payload: &[u8],
+    ) -> Result<()> {
         if payload.is_empty() {
             let verdict = self.desired.unsigned_clear(topic);
             return self.on_verdict(verdict, 0).await;
@@ -24,7 +30,7 @@ impl Agent {
             .and_then(|s| s.open(self.trust.keys(), topic))
             .map_err(|e| e.to_string())
             .and_then(|d| {
-                if self.topics.desired(&d.target) == topic {
+                if &d.target == target {
                     Ok(d)
                 } else {
                     Err(format!(
@@ -33,22 +39,17 @@ impl Agent {
                     ))
                 }
             });
-        match d {
+        let verdict = match d {
             Ok(d) => {
                 let version = d.version;
-                let verdict = self.desired.receive(topic, d, now_unix());
-                self.on_verdict(verdict, version).await
+                (self.desired.receive(topic, d, now_unix()), version)
             }
-            Err(reason) => {
-                // The version, if readable, only labels the report.
-                let version = parse::<SignedDesired>(topic, payload)
-                    .ok()
-                    .and_then(|s| serde_json::from_str::<Desired>(&s.body).ok())
-                    .map_or(0, |d| d.version);
-                let reason = format!("desired state refused: {reason}");
-                self.feed(Event::Refused { version, reason }).await
-            }
-        }
+            Err(reason) => (
+                Verdict::Refused(format!("desired state refused: {reason}")),
+                0,
+            ),
+        };
+        self.on_verdict(verdict.0, verdict.1).await
     }
 
     /// A key list arrived: a newer one is saved and in force at once, and the desired states

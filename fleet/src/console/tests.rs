@@ -27,6 +27,8 @@ fn status(id: &str, group: &str, active: Option<u64>, error: Option<&str>) -> Ve
             p95_ms: 35.0,
         },
         updated: NOW.into(),
+        started: 0,
+        seq: 0,
         source: None,
         refused: None,
         keys_version: None,

@@ -15,6 +15,8 @@ fn status(id: &str, groups: &[&str], active: Option<u64>, failed: Option<u64>) -
         failed_version: failed,
         latency: LatencyStats::default(),
         updated: String::new(),
+        started: 0,
+        seq: 0,
         source: None,
         refused: None,
         keys_version: None,

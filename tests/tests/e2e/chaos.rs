@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kestrel_shared::now_rfc3339;
+use kestrel_shared::time::now_ms;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, fixture, start_agent, wait_status,
 };
@@ -190,14 +190,14 @@ fn agent_killed_at_random_moments_restarts_onto_a_complete_model() {
         reach_phase(&store, version, aim);
         std::thread::sleep(Duration::from_micros((rng.unit() * 20_000.0) as u64));
         agent.kill();
-        let killed_at = now_rfc3339();
+        // The killed agent started before now, the next one starts after.
+        let killed_at = now_ms();
         *moments.entry(journal_phase(&store, version)).or_default() += 1;
         let o = publisher.join().unwrap();
         assert!(o.status.success(), "publish v{version}: {}", stderr(&o));
-        std::thread::sleep(Duration::from_millis(1100)); // `updated` has whole seconds
         agent = start_agent(&cfg, &[]);
         wait_status(&b.config(), device, 120, "the new version active", |st| {
-            st.updated > killed_at && st.active == Some(version) && st.state == "idle"
+            st.started >= killed_at && st.active == Some(version) && st.state == "idle"
         });
         check_store(&store, &f.keys, version);
     }

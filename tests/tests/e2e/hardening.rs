@@ -117,18 +117,20 @@ fn refused_desired_states(kind: BrokerKind) {
 }
 
 /// SIGKILLs `agent` and starts it again; returns once the new process has published a status of
-/// its own (a fresh `refused`, a later `updated` than `last`), so the retained status of the killed
-/// one cannot answer for it.
+/// its own (its `started` after the kill), so the retained status of the killed one (`last`)
+/// cannot answer for it.
 fn restarted(agent: Proc, cfg: &Path, b: &Broker, device: &str, last: &Status) -> Proc {
     agent.kill();
-    std::thread::sleep(Duration::from_millis(1100)); // `updated` has whole seconds
+    // The killed agent started before now, the next one starts after.
+    let killed_at = kestrel_shared::time::now_ms();
+    assert!(last.started < killed_at);
     let agent = start_agent(cfg, &[]);
     wait_status(
         &b.config(),
         device,
         60,
         "the restarted agent's status",
-        |st| st.updated > last.updated,
+        |st| st.started >= killed_at,
     );
     agent
 }

@@ -4,7 +4,6 @@
 //! (`import-weights --from model.onnx`). One set of graphs is generated for every test here.
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
 use kestrel_tests::{Scratch, export_ok, lfw, python, run, run_ok, s, stderr, stdout};
 use serde_json::Value;
@@ -12,18 +11,15 @@ use serde_json::Value;
 const GENERATOR: &str = include_str!("../../py/foreign_backbones.py");
 
 /// The generated graphs (lite0_foreign.onnx, mobilenetv2_torchvision.onnx, not_image.onnx,
-/// rank2.onnx), made once per test process.
-fn graphs() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap().keep();
+/// rank2.onnx), made once per test run.
+fn graphs() -> PathBuf {
+    kestrel_tests::once::fixture("foreign-graphs", |dir| {
         let lite0 = dir.join("kestrel_lite0.onnx");
         run_ok(
             "trainer",
             &["lower", "--output", "logits", "--out", &s(&lite0)],
         );
-        python(GENERATOR, &[s(&lite0), s(&dir)]);
-        dir
+        python(GENERATOR, &[s(&lite0), s(dir)]);
     })
 }
 
@@ -280,7 +276,8 @@ print(a.shape, float(np.abs(a - b).max()), float(np.abs(a).max()), float(np.abs(
 /// preprocessing are refused naming what was found.
 #[test]
 fn onnx_backbone_errors_name_what_was_found() {
-    let out = graphs().join("out.onnx");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out.onnx");
     let lower = |extra: &[&str]| {
         let mut a = vec!["lower", "--out", out.to_str().unwrap()];
         a.extend(extra);

@@ -5,7 +5,6 @@
 //! (`trainer rollout`, `trainer rollout status --json`), on both brokers.
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use kestrel_fleet::statuses;
@@ -223,11 +222,8 @@ fn inverted_inputs_drift_and_held_out_ones_do_not() {
 
 /// The candidates of the shadow test: v3 trained on shuffled labels, v4 on the true labels with
 /// another seed (the fixture's run is the default seed, 42).
-fn candidates() -> &'static (PathBuf, PathBuf) {
-    static C: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
-    C.get_or_init(|| {
-        let dir = fixture().dir.join("candidates");
-        std::fs::create_dir_all(&dir).unwrap();
+fn candidates() -> (PathBuf, PathBuf) {
+    let dir = kestrel_tests::once::fixture("quality-candidates", |dir| {
         // The LFW manifest with its labels permuted (a fixed shuffle), images by absolute path.
         let base = PathBuf::from(kestrel_tests::dataset("lfw", "manifest.csv"));
         let text = std::fs::read_to_string(&base).unwrap();
@@ -284,11 +280,10 @@ fn candidates() -> &'static (PathBuf, PathBuf) {
             );
             art
         };
-        (
-            fit_export(&s(&shuffled), "42", "3"),
-            fit_export(&lfw(), "2", "4"),
-        )
-    })
+        fit_export(&s(&shuffled), "42", "3");
+        fit_export(&lfw(), "2", "4");
+    });
+    (dir.join("v3"), dir.join("v4"))
 }
 
 /// The value of a rollout's gate `name` (of its first phase).
@@ -350,7 +345,7 @@ fn shadow_phase_gates_the_rollout(kind: BrokerKind) {
     assert!(ok, "{c}");
 
     // The shuffled-label candidate: verified and health-checked in shadow, never activated.
-    let (ok, c) = rollout(&b, bad, &dir, "bad", SHADOW_PLAN);
+    let (ok, c) = rollout(&b, &bad, &dir, "bad", SHADOW_PLAN);
     assert!(!ok, "the rollout must abort: {c}");
     assert_eq!(c["state"]["state"], "aborted", "{c}");
     let reason = c["state"]["reason"].as_str().unwrap();
@@ -395,7 +390,7 @@ fn shadow_phase_gates_the_rollout(kind: BrokerKind) {
     );
 
     // Another seed on the true labels agrees with v1: shadow phase passed, then everyone on v4.
-    let (ok, c) = rollout(&b, good, &dir, "good", SHADOW_PLAN);
+    let (ok, c) = rollout(&b, &good, &dir, "good", SHADOW_PLAN);
     assert!(ok, "{c}");
     assert_eq!(c["state"]["state"], "completed", "{c}");
     let agreement_good = gate(&c, "min_shadow_agreement");

@@ -19,7 +19,8 @@ pub struct Args {
     /// Wait until --device reports this version active and idle (exit 1 on timeout).
     #[arg(long, requires = "device")]
     wait_active: Option<u64>,
-    /// Wait until --device reports this error text in last_error (exit 1 on timeout).
+    /// Wait until --device reports this error text in last_error, or in refused (a desired
+    /// state, offer or key list it refused and did not act on) (exit 1 on timeout).
     #[arg(long, requires = "device", conflicts_with = "wait_active")]
     wait_error: Option<String>,
     /// Seconds to wait for the device before giving up.
@@ -53,9 +54,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
             s.active == Some(v) && s.state == "idle"
         })?],
         (Some(d), None, Some(text)) => vec![kestrel_fleet::wait_status(&cfg, d, timeout, |s| {
-            s.last_error
-                .as_deref()
-                .is_some_and(|e| e.contains(text.as_str()))
+            [&s.last_error, &s.refused]
+                .iter()
+                .any(|e| e.as_deref().is_some_and(|e| e.contains(text.as_str())))
         })?],
         _ => kestrel_fleet::statuses(&cfg, args.device.as_deref())?,
     };
