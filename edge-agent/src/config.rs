@@ -20,10 +20,13 @@ fn default_max_artifact() -> u64 {
     64 << 20
 }
 fn default_max_image() -> usize {
-    8 << 20
+    kestrel_shared::mqtt::MAX_PAYLOAD_BYTES
 }
 fn default_queue() -> usize {
     16
+}
+fn default_max_outbox() -> u64 {
+    16 << 20
 }
 fn default_threads() -> usize {
     1
@@ -44,6 +47,14 @@ pub struct Limits {
     /// Inference requests waiting at most; more get a "busy" error reply.
     #[serde(default = "default_queue")]
     pub queue: usize,
+    /// Disk budget of the outbox (`store/outbox/`): inference replies beyond it are dropped,
+    /// oldest first; the device's events are never dropped.
+    #[serde(default = "default_max_outbox")]
+    pub max_outbox_bytes: u64,
+    /// Decode BMP, GIF and TIFF requests too (default: JPEG and PNG only). Images are decoded
+    /// within a device's bounds either way (4096 pixels a side, 48 MiB).
+    #[serde(default)]
+    pub any_image_format: bool,
 }
 
 impl Default for Limits {
@@ -52,6 +63,8 @@ impl Default for Limits {
             max_artifact_bytes: default_max_artifact(),
             max_image_bytes: default_max_image(),
             queue: default_queue(),
+            max_outbox_bytes: default_max_outbox(),
+            any_image_format: false,
         }
     }
 }

@@ -9,6 +9,9 @@
 //!   the same `issued` and is accepted as it was.
 //! - **freeze**: a state whose `expires` has passed is refused; the model already active keeps
 //!   serving.
+//! - **future**: a state issued more than [`MAX_CLOCK_SKEW_MS`] after the device's clock is
+//!   refused: taken, it would make every later (correctly dated) state on its topic look like a
+//!   replay.
 //! - **clear**: only a signed state with `clear: true` removes a topic's desired state; an empty
 //!   (unsigned) payload is refused.
 
@@ -16,6 +19,10 @@ use std::collections::BTreeMap;
 
 use kestrel_shared::protocol::Desired;
 use serde::{Deserialize, Serialize};
+
+/// How far ahead of the device's clock a state's `issued` may be (the publisher's clock and the
+/// device's disagree by that much at most).
+pub const MAX_CLOCK_SKEW_MS: u64 = 10 * 60 * 1000;
 
 /// What became of a desired state that arrived.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,6 +53,14 @@ impl DesiredStates {
                 "{topic}: replayed or stale desired state (issued {} ms, older than the {newest} \
                  ms already accepted here)",
                 d.issued
+            ));
+        }
+        if d.issued > now.saturating_mul(1000) + MAX_CLOCK_SKEW_MS {
+            return Verdict::Refused(format!(
+                "{topic}: desired state issued {} s ahead of this device's clock (at most {} s \
+                 allowed); refused so it cannot lock the topic",
+                (d.issued / 1000).saturating_sub(now),
+                MAX_CLOCK_SKEW_MS / 1000
             ));
         }
         if let Some(expires) = d.expires
@@ -126,6 +141,17 @@ mod tests {
         assert_eq!(s.receive(OWN, d(2, 200), 0), Verdict::Accepted);
         // Topics are independent.
         assert_eq!(s.receive(GROUP, d(1, 50), 0), Verdict::Accepted);
+    }
+
+    #[test]
+    fn a_state_from_the_future_is_refused_and_locks_nothing() {
+        let mut s = DesiredStates::default();
+        let now = 1_800_000_000; // seconds
+        let ahead = d(9, now * 1000 + MAX_CLOCK_SKEW_MS + 1);
+        assert!(matches!(s.receive(OWN, ahead, now), Verdict::Refused(r) if r.contains("ahead")));
+        // Within the skew: accepted; and a correctly dated state after it is still taken.
+        assert_eq!(s.receive(OWN, d(2, now * 1000 - 5), now), Verdict::Accepted);
+        assert_eq!(s.receive(OWN, d(3, now * 1000), now), Verdict::Accepted);
     }
 
     #[test]

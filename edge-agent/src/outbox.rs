@@ -129,6 +129,25 @@ impl Outbox {
         self.in_flight.as_ref().and_then(|(_, id)| *id)
     }
 
+    /// Queues an inference reply within a disk budget of `max_bytes` for the whole outbox: the
+    /// oldest queued replies (never events or captures, never the one in flight) are dropped
+    /// until it fits, else the reply itself is. Returns how many replies were dropped (a
+    /// requester that gets none asks again or times out; the device's own events are kept).
+    pub fn push_reply(&mut self, msg: Message, max_bytes: u64) -> io::Result<u64> {
+        let size = serde_json::to_vec(&msg).map_err(io::Error::other)?.len() as u64;
+        let mut dropped = 0;
+        while self.disk_bytes + size > max_bytes {
+            let Some(i) = self.queue.iter().position(|i| is_reply(&i.msg)) else {
+                return Ok(dropped + 1); // only what must not be lost is queued: this one goes
+            };
+            let old = self.queue.remove(i).expect("found");
+            self.forget(old)?;
+            dropped += 1;
+        }
+        self.push_durable(msg)?;
+        Ok(dropped)
+    }
+
     /// Queues a message that must not be lost (written to disk first). When the disk write fails
     /// (a full store) the message is still queued, in memory only, and the error returned.
     pub fn push_durable(&mut self, msg: Message) -> io::Result<()> {
@@ -213,6 +232,11 @@ impl Outbox {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// An inference reply (`P/devices/<id>/result/<request>`): what a full outbox gives up first.
+fn is_reply(m: &Message) -> bool {
+    m.topic.rsplit('/').nth(1) == Some("result")
 }
 
 #[cfg(test)]

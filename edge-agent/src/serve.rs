@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use kestrel_models::EngineKind;
 use kestrel_models::artifact::{self, LoadedModel};
+use kestrel_shared::ImageLimits;
 use kestrel_shared::manifest::MANIFEST_FILE;
 use kestrel_shared::protocol::sha256_hex;
 
@@ -30,15 +31,18 @@ pub struct ModelCache {
     max_bytes: u64,
     engine: EngineKind,
     threads: usize,
+    /// What a request's image may cost to decode ([`ImageLimits::device`]).
+    limits: ImageLimits,
 }
 
 impl ModelCache {
-    pub fn new(max_bytes: u64, engine: EngineKind, threads: usize) -> Self {
+    pub fn new(max_bytes: u64, engine: EngineKind, threads: usize, limits: ImageLimits) -> Self {
         Self {
             models: Mutex::new(HashMap::new()),
             max_bytes,
             engine,
             threads,
+            limits,
         }
     }
 
@@ -53,10 +57,10 @@ impl ModelCache {
                 .map_err(|e| e.to_string())?;
             return Ok(m.clone());
         }
-        let m = Arc::new(
-            LoadedModel::load(dir, self.max_bytes, self.engine, self.threads)
-                .map_err(|e| e.to_string())?,
-        );
+        let mut m = LoadedModel::load(dir, self.max_bytes, self.engine, self.threads)
+            .map_err(|e| e.to_string())?;
+        m.limits = self.limits;
+        let m = Arc::new(m);
         models.insert(key, m.clone());
         Ok(m)
     }

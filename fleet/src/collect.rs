@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use kestrel_shared::capture::Capture;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::Topics;
+use kestrel_shared::topics::{DeviceTopic, Route};
 use rumqttc::{Client, Event, Packet, Publish, QoS};
 
 use crate::FleetError;
@@ -25,6 +26,7 @@ pub struct CaptureFeed {
     client: Client,
     events: Receiver<Result<Event, rumqttc::ConnectionError>>,
     url: String,
+    topics: Topics,
     /// Whether the broker had this client id's session (captures queued while away).
     pub resumed: bool,
 }
@@ -49,14 +51,15 @@ impl CaptureFeed {
                 Err(_) => return Err(err("no answer within 10 s".into())),
             }
         };
-        let filter = Topics::new(&cfg.prefix).captures_filter();
+        let topics = Topics::new(&cfg.prefix);
         client
-            .subscribe(filter, QoS::AtLeastOnce)
+            .subscribe(topics.captures_filter(), QoS::AtLeastOnce)
             .map_err(|e| err(e.to_string()))?;
         Ok(Self {
             client,
             events,
             url: cfg.url.clone(),
+            topics,
             resumed,
         })
     }
@@ -75,7 +78,7 @@ impl CaptureFeed {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.events.recv_timeout(left) {
                 Ok(Ok(Event::Incoming(Packet::Publish(p)))) => {
-                    let capture = Capture::parse(&p.payload).map_err(|e| e.to_string());
+                    let capture = self.capture(&p.topic, &p.payload);
                     return Ok(Some(Received {
                         topic: p.topic.clone(),
                         capture,
@@ -90,6 +93,29 @@ impl CaptureFeed {
                 }
             }
         }
+    }
+
+    /// The capture on `topic`: the device and capture id are the topic's (the device wrote its
+    /// own topic, as the broker's ACL allows), and a payload that names another device or id is
+    /// refused, as is one that does not parse.
+    fn capture(&self, topic: &str, payload: &[u8]) -> Result<(Capture, Vec<u8>), String> {
+        let Some(Route::Device {
+            device,
+            kind: DeviceTopic::Capture { id },
+        }) = self.topics.parse(topic)
+        else {
+            return Err(format!("{topic}: not a capture topic"));
+        };
+        let (c, bytes) = Capture::parse(payload).map_err(|e| format!("{topic}: {e}"))?;
+        if c.device != device || c.id != id {
+            return Err(format!(
+                "{topic}: the payload says it is capture `{}` of device `{}`; refused (a device \
+                 speaks only for itself)",
+                c.id.chars().take(80).collect::<String>(),
+                c.device.chars().take(80).collect::<String>()
+            ));
+        }
+        Ok((c, bytes))
     }
 
     /// Acknowledges a message once it is stored (or refused for good).

@@ -29,6 +29,10 @@ pub(crate) fn forward_events(
     events
 }
 
+/// The longest [`Conn::retained`] reads (a fleet of thousands of retained statuses arrives in
+/// well under a second on loopback).
+pub const RETAINED_MAX_WAIT: Duration = Duration::from_secs(20);
+
 /// A connected blocking MQTT client. Its connection is driven by a thread of its own that
 /// forwards every event: polling is never cut short by a timeout (a cancelled poll can lose an
 /// acknowledgement, and rumqttd drops clients whose acknowledgements arrive out of order).
@@ -37,8 +41,8 @@ pub struct Conn {
     events: Receiver<Result<Event, rumqttc::ConnectionError>>,
     url: String,
     pub topics: Topics,
-    /// Publishes received while waiting for something else.
-    backlog: VecDeque<(String, Vec<u8>)>,
+    /// Publishes received while waiting for something else, with their retain flag.
+    backlog: VecDeque<(String, Vec<u8>, bool)>,
 }
 
 impl Conn {
@@ -106,7 +110,7 @@ impl Conn {
                 // Publishes are kept for `recv`, whatever the caller is waiting for.
                 if let Event::Incoming(Packet::Publish(p)) = &ev {
                     self.backlog
-                        .push_back((p.topic.clone(), p.payload.to_vec()));
+                        .push_back((p.topic.clone(), p.payload.to_vec(), p.retain));
                 }
                 Ok(Some(ev))
             }
@@ -172,6 +176,15 @@ impl Conn {
 
     /// The next publish received within `timeout`.
     pub fn recv(&mut self, timeout: Duration) -> Result<Option<(String, Vec<u8>)>, FleetError> {
+        Ok(self.recv_flagged(timeout)?.map(|(t, p, _)| (t, p)))
+    }
+
+    /// The next publish received within `timeout`, with its retain flag (set by the broker on
+    /// what it sends because of a new subscription, clear on what it forwards live).
+    fn recv_flagged(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<Option<(String, Vec<u8>, bool)>, FleetError> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(m) = self.backlog.pop_front() {
@@ -185,7 +198,10 @@ impl Conn {
         }
     }
 
-    /// Retained messages under `filter`: everything that arrives until `quiet` passes without one.
+    /// Retained messages under `filter`: those the broker sends with the retain flag on
+    /// subscribing, until `quiet` passes without one (live traffic on the same topics, which a
+    /// chatty or hostile device can keep up forever, neither counts nor keeps the wait going),
+    /// and for at most [`RETAINED_MAX_WAIT`].
     pub fn retained(
         &mut self,
         filter: &str,
@@ -193,8 +209,16 @@ impl Conn {
     ) -> Result<BTreeMap<String, Vec<u8>>, FleetError> {
         self.subscribe(filter)?;
         let mut out = BTreeMap::new();
-        while let Some((t, p)) = self.recv(quiet)? {
-            out.insert(t, p);
+        let end = Instant::now() + RETAINED_MAX_WAIT;
+        let mut last = Instant::now();
+        while last.elapsed() < quiet && Instant::now() < end {
+            let left = quiet.saturating_sub(last.elapsed());
+            if let Some((t, p, retained)) = self.recv_flagged(left)?
+                && retained
+            {
+                out.insert(t, p);
+                last = Instant::now();
+            }
         }
         self.client
             .unsubscribe(filter)

@@ -23,6 +23,7 @@ pub mod infer;
 pub mod keys;
 pub mod publish;
 pub mod rollout;
+pub mod skipped;
 pub mod status;
 
 pub use bundle::Bundle;
@@ -30,6 +31,7 @@ pub use conn::Conn;
 pub use infer::infer;
 pub use keys::{KeysPublished, publish_keys};
 pub use publish::{PublishOptions, Published, current_desired, publish};
+pub use skipped::Skipped;
 pub use status::{qualities, statuses, wait_status};
 
 use kestrel_models::artifact;

@@ -3,25 +3,28 @@
 use std::time::{Duration, Instant};
 
 use kestrel_shared::mqtt::BrokerConfig;
-use kestrel_shared::protocol::{Status, Topics, parse};
+use kestrel_shared::protocol::{Status, Topics};
 use kestrel_shared::quality::DeviceQuality;
+use kestrel_shared::topics::{DeviceTopic, FromDevice, from_device};
 
 use crate::{Conn, FleetError};
 
-/// Retained status of every device (or of one).
+/// Retained status of every device (or of one). Each is taken from the topic of the device it
+/// names; a malformed one, or one that names another device, is skipped with a warning.
 pub fn statuses(cfg: &BrokerConfig, device: Option<&str>) -> Result<Vec<Status>, FleetError> {
-    read_retained(cfg, "status", |t| match device {
+    read_retained(cfg, "status", DeviceTopic::Status, |t| match device {
         Some(d) => t.status(d),
         None => t.status_filter(),
     })
 }
 
-/// Retained quality report of every device (or of one), by device id.
+/// Retained quality report of every device (or of one), by device id; skipped as
+/// [`statuses`] are.
 pub fn qualities(
     cfg: &BrokerConfig,
     device: Option<&str>,
 ) -> Result<Vec<DeviceQuality>, FleetError> {
-    read_retained(cfg, "quality", |t| match device {
+    read_retained(cfg, "quality", DeviceTopic::Quality, |t| match device {
         Some(d) => t.quality(d),
         None => t.quality_filter(),
     })
@@ -30,15 +33,16 @@ pub fn qualities(
 /// The retained messages under the filter `topic` names, on a connection of their own. Tried a
 /// second time (on a new connection) when the broker dropped the first: reading twice changes
 /// nothing, and a busy broker may close a connection it has just accepted.
-fn read_retained<T: serde::de::DeserializeOwned>(
+fn read_retained<T: FromDevice>(
     cfg: &BrokerConfig,
     role: &str,
+    kind: DeviceTopic<'static>,
     topic: impl Fn(&Topics) -> String,
 ) -> Result<Vec<T>, FleetError> {
     let read = || {
         let mut conn = Conn::connect(cfg, role)?;
         let filter = topic(&conn.topics);
-        let out = retained(&mut conn, &filter, Duration::from_millis(400))?;
+        let out = retained(&mut conn, &filter, kind, Duration::from_millis(400))?;
         conn.disconnect();
         Ok(out)
     };
@@ -48,17 +52,26 @@ fn read_retained<T: serde::de::DeserializeOwned>(
     })
 }
 
-/// The retained messages under `filter` (see [`Conn::retained`]); cleared ones are skipped.
-pub(crate) fn retained<T: serde::de::DeserializeOwned>(
+/// The retained `kind` messages of devices under `filter` (see [`Conn::retained`]); cleared
+/// ones are skipped, and so (with a warning) are malformed ones and those whose payload names
+/// another device than their topic.
+pub(crate) fn retained<T: FromDevice>(
     conn: &mut Conn,
     filter: &str,
+    kind: DeviceTopic<'static>,
     quiet: Duration,
 ) -> Result<Vec<T>, FleetError> {
-    conn.retained(filter, quiet)?
+    let topics = conn.topics.clone();
+    Ok(conn
+        .retained(filter, quiet)?
         .iter()
         .filter(|(_, p)| !p.is_empty())
-        .map(|(t, p)| Ok(parse(t, p)?))
-        .collect()
+        .filter_map(|(t, p)| {
+            from_device(&topics, kind, t, p)
+                .map_err(|e| eprintln!("warning: skipped: {e}"))
+                .ok()
+        })
+        .collect())
 }
 
 /// Waits until `device`'s status satisfies `done` (or `timeout`); returns the last status seen.
@@ -91,12 +104,15 @@ pub fn wait_status(
         loop {
             match conn.recv(deadline.saturating_duration_since(Instant::now())) {
                 Ok(Some((t, p))) if t == topic && !p.is_empty() => {
-                    let s: Status = parse(&t, &p)?;
-                    if done(&s) {
-                        conn.disconnect();
-                        return Ok(s);
+                    match from_device::<Status>(&conn.topics, DeviceTopic::Status, &t, &p) {
+                        Ok(s) if done(&s) => {
+                            conn.disconnect();
+                            return Ok(s);
+                        }
+                        Ok(s) => last = Some(s),
+                        // Not this device's status: what it said next may be.
+                        Err(e) => eprintln!("warning: skipped: {e}"),
                     }
-                    last = Some(s);
                 }
                 Ok(Some(_)) => {}
                 Ok(None) => break,

@@ -28,8 +28,16 @@ fn default_prefix() -> String {
 fn default_keep_alive() -> u64 {
     30
 }
+/// The largest message payload a Kestrel fleet's broker forwards: the shipped Mosquitto config's
+/// `max_packet_size` and `kestrel-broker --max-payload-bytes` (both refuse a larger message from
+/// its publisher, so it never reaches a device). Clients accept any packet such a broker sends
+/// ([`DEFAULT_MAX_PACKET_BYTES`]): an oversized message never costs a device its connection.
+pub const MAX_PAYLOAD_BYTES: usize = 2 << 20;
+/// A client's packet limit by default: the broker's payload limit plus the topic and headers.
+pub const DEFAULT_MAX_PACKET_BYTES: usize = MAX_PAYLOAD_BYTES + 8192;
+
 fn default_max_packet() -> usize {
-    1 << 20
+    DEFAULT_MAX_PACKET_BYTES
 }
 
 /// How to reach the broker (the `[broker]` table of `agent.toml`, and the trainer's flags).
@@ -51,7 +59,8 @@ pub struct BrokerConfig {
     pub ca_file: Option<PathBuf>,
     #[serde(default = "default_keep_alive")]
     pub keep_alive_s: u64,
-    /// Largest MQTT packet sent or accepted; must exceed the chunk size.
+    /// Largest MQTT packet sent or accepted; must exceed the chunk size, and the broker's payload
+    /// limit (a larger packet from the broker ends the connection).
     #[serde(default = "default_max_packet")]
     pub max_packet_bytes: usize,
 }

@@ -141,15 +141,36 @@ pub struct ImageLimits {
     pub max_alloc: u64,
     /// Encoded bytes accepted at all.
     pub max_file_bytes: u64,
+    /// JPEG and PNG only (a device's default: the formats cameras write, and less decoder code
+    /// that untrusted bytes reach); else every format Kestrel decodes (BMP, GIF, TIFF too).
+    #[serde(default)]
+    pub jpeg_png_only: bool,
 }
 
 impl Default for ImageLimits {
+    /// A workstation's: 8192 pixels a side, 512 MiB for the decoder, 64 MiB files, every format.
     fn default() -> Self {
         Self {
             max_width: 8192,
             max_height: 8192,
             max_alloc: 512 << 20,
             max_file_bytes: 64 << 20,
+            jpeg_png_only: false,
+        }
+    }
+}
+
+impl ImageLimits {
+    /// A device's (a Raspberry Pi with 1 GB): 4096 pixels a side (a 12 MP camera frame fits),
+    /// 48 MiB for the decoder (a 16-bit or RGBA bomb of that size is refused before it is
+    /// decoded), files up to `max_file_bytes`, JPEG and PNG only.
+    pub fn device(max_file_bytes: u64) -> Self {
+        Self {
+            max_width: 4096,
+            max_height: 4096,
+            max_alloc: 48 << 20,
+            max_file_bytes,
+            jpeg_png_only: true,
         }
     }
 }
@@ -167,6 +188,8 @@ pub enum PreprocessError {
     },
     #[error("{source_name}: not a recognised image format (first bytes {magic})")]
     UnknownFormat { source_name: String, magic: String },
+    #[error("{source_name}: {format} images are not accepted here (JPEG and PNG only)")]
+    FormatNotAllowed { source_name: String, format: String },
     #[error("{source_name}: image {width}x{height} exceeds the limit {max_width}x{max_height}")]
     TooLarge {
         source_name: String,
@@ -245,13 +268,23 @@ pub fn decode(
             source_name: source_name.clone(),
             reason: e.to_string(),
         })?;
-    if reader.format().is_none() {
+    let format = reader.format();
+    let allowed = |f: image::ImageFormat| {
+        !limits.jpeg_png_only || matches!(f, image::ImageFormat::Jpeg | image::ImageFormat::Png)
+    };
+    if !format.is_some_and(allowed) {
         let magic = bytes
             .iter()
             .take(8)
             .map(|b| format!("{b:02x}"))
             .collect::<String>();
-        return Err(PreprocessError::UnknownFormat { source_name, magic });
+        return Err(match format {
+            Some(f) => PreprocessError::FormatNotAllowed {
+                source_name,
+                format: format!("{f:?}"),
+            },
+            None => PreprocessError::UnknownFormat { source_name, magic },
+        });
     }
     // Read the header first so an over-size image is named as such (not as an allocation failure).
     let (width, height) = reader

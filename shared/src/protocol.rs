@@ -24,6 +24,11 @@ use crate::manifest::{FileEntry, Manifest};
 use crate::signing::{SignError, SignatureFile, sign, verify};
 pub use crate::topics::{DEFAULT_PREFIX, Topics};
 
+/// How long a desired state is valid by default (`trainer publish --expires-in`, rollouts, which
+/// renew theirs while they run): 7 days. A device refuses an expired state, so a state withheld
+/// by the broker, or recorded and shown to a device later, stops being followed by then.
+pub const DEFAULT_VALIDITY_S: u64 = 7 * 24 * 3600;
+
 /// Default chunk size of artifact delivery (AWS IoT streams use ≤ 128 KB blocks).
 pub const DEFAULT_CHUNK_BYTES: usize = 128 * 1024;
 

@@ -207,6 +207,23 @@ pub trait FromDevice: serde::de::DeserializeOwned {
     fn claimed_device(&self) -> &str;
 }
 
+macro_rules! from_device {
+    ($($t:ty),*) => {$(
+        impl FromDevice for $t {
+            fn claimed_device(&self) -> &str {
+                &self.device
+            }
+        }
+    )*};
+}
+from_device!(
+    crate::protocol::Status,
+    crate::protocol::DeviceEvent,
+    crate::protocol::InferReply,
+    crate::quality::DeviceQuality,
+    crate::capture::Capture
+);
+
 /// Why a device's message was not taken.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum DeviceMessageError {

@@ -99,6 +99,9 @@ fn wait_port(port: u16, p: &mut Proc) {
 pub enum BrokerKind {
     Rumqttd,
     Mosquitto,
+    /// Mosquitto with passwords and the repo's ACL (edge-agent/deploy/kestrel.acl): each user
+    /// of [`Broker::start_with_acl`] has the password `<user>-pw`; a device's username is its id.
+    MosquittoAcl,
 }
 
 pub struct Broker {
@@ -106,20 +109,87 @@ pub struct Broker {
     pub port: u16,
     pub proc: Option<Proc>,
     dir: PathBuf,
+    /// MosquittoAcl: the users, and lines added to the repo's ACL.
+    users: Vec<String>,
+    extra_acl: String,
 }
 
 impl Broker {
     /// Starts a broker on a free loopback port; Mosquitto with persistence under `dir`.
     pub fn start(kind: BrokerKind, dir: &Path) -> Self {
+        Self::start_with_acl(kind, dir, &[], "")
+    }
+
+    /// [`Broker::start`]; a [`BrokerKind::MosquittoAcl`] knows `users` and appends `extra_acl`
+    /// to the repo's ACL.
+    pub fn start_with_acl(kind: BrokerKind, dir: &Path, users: &[&str], extra_acl: &str) -> Self {
         std::fs::create_dir_all(dir).unwrap();
         let mut b = Self {
             kind,
             port: free_port(),
             proc: None,
             dir: dir.to_path_buf(),
+            users: std::iter::once("kestrel-trainer")
+                .chain(users.iter().copied().filter(|u| *u != "kestrel-trainer"))
+                .map(String::from)
+                .collect(),
+            extra_acl: extra_acl.to_string(),
         };
         b.restart();
         b
+    }
+
+    /// The Mosquitto configuration: persistence under the broker's directory, the shipped
+    /// config's packet limit, and for [`BrokerKind::MosquittoAcl`] passwords and the ACL.
+    fn mosquitto_conf(&self) -> PathBuf {
+        let d = self.dir.display();
+        let mut conf = format!(
+            "listener {} 127.0.0.1\npersistence true\npersistence_location {d}/\n\
+             autosave_interval 1\nuser root\nmax_inflight_messages 64\n\
+             max_queued_messages 10000\nmax_packet_size 2097152\n",
+            self.port
+        );
+        if self.kind == BrokerKind::MosquittoAcl {
+            let passwd = self.dir.join("passwd");
+            let _ = std::fs::remove_file(&passwd);
+            for (i, user) in self.users.iter().enumerate() {
+                let mut c = Command::new("mosquitto_passwd");
+                if i == 0 {
+                    c.arg("-c");
+                }
+                let o = c
+                    .arg("-b")
+                    .arg(&passwd)
+                    .args([user.as_str(), &format!("{user}-pw")])
+                    .output()
+                    .unwrap();
+                assert!(o.status.success(), "mosquitto_passwd: {}", stderr(&o));
+                std::fs::write(self.dir.join(format!("{user}.pw")), format!("{user}-pw")).unwrap();
+            }
+            let repo_acl = concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../edge-agent/deploy/kestrel.acl"
+            );
+            let acl = std::fs::read_to_string(repo_acl).unwrap() + "\n" + &self.extra_acl + "\n";
+            std::fs::write(self.dir.join("acl"), acl).unwrap();
+            conf += &format!("allow_anonymous false\npassword_file {d}/passwd\nacl_file {d}/acl\n");
+        } else {
+            conf += "allow_anonymous true\n";
+        }
+        let path = self.dir.join("mosquitto.conf");
+        std::fs::write(&path, conf).unwrap();
+        path
+    }
+
+    /// The broker's address with `user`'s credentials ([`BrokerKind::MosquittoAcl`]; other
+    /// brokers take anyone, and get the same address).
+    pub fn config_as(&self, user: &str) -> BrokerConfig {
+        let mut c = BrokerConfig::new(&self.url());
+        if self.kind == BrokerKind::MosquittoAcl {
+            c.username = Some(user.into());
+            c.password_file = Some(self.dir.join(format!("{user}.pw")));
+        }
+        c
     }
 
     /// (Re)starts the broker process on the same port (Mosquitto keeps its persisted state).
@@ -137,19 +207,8 @@ impl Broker {
                 ]),
                 &log,
             ),
-            BrokerKind::Mosquitto => {
-                let conf = self.dir.join("mosquitto.conf");
-                std::fs::write(
-                    &conf,
-                    format!(
-                        "listener {} 127.0.0.1\nallow_anonymous true\npersistence true\n\
-                         persistence_location {}/\nautosave_interval 1\nuser root\n\
-                         max_inflight_messages 64\nmax_queued_messages 10000\n",
-                        self.port,
-                        self.dir.display()
-                    ),
-                )
-                .unwrap();
+            BrokerKind::Mosquitto | BrokerKind::MosquittoAcl => {
+                let conf = self.mosquitto_conf();
                 let exe = ["/usr/sbin/mosquitto", "/usr/bin/mosquitto"]
                     .into_iter()
                     .find(|p| Path::new(p).exists())
@@ -165,8 +224,21 @@ impl Broker {
         format!("mqtt://127.0.0.1:{}", self.port)
     }
 
+    /// The broker's address, as the trainer logs in ([`BrokerKind::MosquittoAcl`]: as
+    /// `kestrel-trainer`).
     pub fn config(&self) -> BrokerConfig {
-        BrokerConfig::new(&self.url())
+        self.config_as("kestrel-trainer")
+    }
+
+    /// The trainer's flags for this broker: `--broker URL`, with the trainer's credentials on a
+    /// [`BrokerKind::MosquittoAcl`].
+    pub fn cli_args(&self) -> Vec<String> {
+        let c = self.config();
+        let mut a = vec!["--broker".to_string(), self.url()];
+        if let (Some(u), Some(p)) = (c.username, c.password_file) {
+            a.extend(["--username".into(), u, "--password-file".into(), s(&p)]);
+        }
+        a
     }
 }
 
@@ -300,6 +372,30 @@ pub fn agent_config(
     p
 }
 
+/// [`agent_config`] for a device that logs in to `b` as `user` (its own id on a
+/// [`BrokerKind::MosquittoAcl`], where the ACL lets it write only its own topics).
+pub fn agent_config_on(
+    dir: &Path,
+    device: &str,
+    b: &Broker,
+    user: &str,
+    extra_limits: &str,
+) -> PathBuf {
+    let p = agent_config(dir, device, &b.url(), &fixture().keys, extra_limits);
+    let c = b.config_as(user);
+    if let (Some(u), Some(pw)) = (c.username, c.password_file) {
+        let text = std::fs::read_to_string(&p).unwrap().replace(
+            "keep_alive_s = 5\n",
+            &format!(
+                "keep_alive_s = 5\nusername = \"{u}\"\npassword_file = \"{}\"\n",
+                pw.display()
+            ),
+        );
+        std::fs::write(&p, text).unwrap();
+    }
+    p
+}
+
 /// Starts `edge-agent run --config CONFIG` with extra environment.
 pub fn start_agent(config: &Path, env: &[(&str, &str)]) -> Proc {
     start_agent_with(config, env, &[])
@@ -331,22 +427,21 @@ pub fn wait_status(
 
 /// `trainer publish --json` as a user types it.
 pub fn publish(b: &Broker, art: &Path, key: &Path, target: &str, extra: &[&str]) -> Output {
-    let url = b.url();
-    let mut args = vec![
-        "publish",
-        "--broker",
-        &url,
-        "--artifact",
-        &s(art),
-        "--key",
-        &s(key),
-        "--target",
-        target,
-        "--json",
-    ]
-    .into_iter()
-    .map(String::from)
-    .collect::<Vec<_>>();
+    let mut args = vec!["publish".to_string()];
+    args.extend(b.cli_args());
+    args.extend(
+        [
+            "--artifact",
+            &s(art),
+            "--key",
+            &s(key),
+            "--target",
+            target,
+            "--json",
+        ]
+        .into_iter()
+        .map(String::from),
+    );
     args.extend(extra.iter().map(|a| a.to_string()));
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     run("trainer", &refs)
@@ -430,16 +525,11 @@ pub fn killed_mid_download(
 /// the fixture's key.
 pub fn rollout_command(b: &Broker, art: &Path, plan: &str) -> Command {
     let mut c = Command::new(bin("trainer"));
-    c.args([
-        "rollout",
-        "--broker",
-        &b.url(),
-        "--artifact",
-        &s(art),
-        "--key",
-    ])
-    .arg(fixture().key())
-    .args(["--fleet", plan]);
+    c.arg("rollout")
+        .args(b.cli_args())
+        .args(["--artifact", &s(art), "--key"])
+        .arg(fixture().key())
+        .args(["--fleet", plan]);
     c
 }
 

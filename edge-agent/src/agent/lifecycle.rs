@@ -243,6 +243,10 @@ pub fn run(
         cfg.limits.max_artifact_bytes,
         cfg.inference.engine,
         engine_threads,
+        kestrel_shared::ImageLimits {
+            jpeg_png_only: !cfg.limits.any_image_format,
+            ..kestrel_shared::ImageLimits::device(cfg.limits.max_image_bytes as u64)
+        },
     ));
     rt.block_on(async move {
         let Some(n) = simulate else {

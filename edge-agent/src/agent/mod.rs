@@ -482,8 +482,22 @@ impl Agent {
                     self.on_observed(o);
                 }
                 if let Some(reply) = reply {
-                    let topic = self.topics.result(&self.cfg.device_id, &reply.request);
-                    self.publish_durable(topic, serde_json::to_string(&reply)?);
+                    let msg = Message {
+                        topic: self.topics.result(&self.cfg.device_id, &reply.request),
+                        retain: false,
+                        payload: serde_json::to_string(&reply)?,
+                    };
+                    match self
+                        .outbox
+                        .push_reply(msg, self.cfg.limits.max_outbox_bytes)
+                    {
+                        Ok(0) => {}
+                        Ok(n) => eprintln!(
+                            "warning: outbox over its {} bytes: {n} inference replies dropped",
+                            self.cfg.limits.max_outbox_bytes
+                        ),
+                        Err(e) => eprintln!("error: outbox: {e}"),
+                    }
                 }
                 Ok(())
             }

@@ -22,8 +22,9 @@ struct Cli {
     /// Address to listen on (MQTT 3.1.1, plain TCP).
     #[arg(long, default_value = "127.0.0.1:1883")]
     listen: SocketAddr,
-    /// Largest message payload accepted (must exceed the publisher's chunk size).
-    #[arg(long, default_value_t = 1 << 20)]
+    /// Largest message payload accepted (must exceed the publisher's chunk size; the clients'
+    /// packet limit, kestrel_shared::mqtt::MAX_PAYLOAD_BYTES by default, must exceed it).
+    #[arg(long, default_value_t = 2 << 20)]
     max_payload_bytes: usize,
 }
 

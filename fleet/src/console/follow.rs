@@ -39,7 +39,7 @@ pub fn start(cfg: BrokerConfig, shared: Arc<Shared>) {
 /// One connection: subscribe, then apply messages until it fails.
 fn follow(cfg: &BrokerConfig, shared: &Shared) -> Result<(), FleetError> {
     let mut conn = Conn::connect(cfg, "console")?;
-    for f in filters(conn.topics.prefix()) {
+    for f in filters(&conn.topics) {
         conn.subscribe(&f)?;
     }
     shared.connected.store(true, Ordering::Relaxed);

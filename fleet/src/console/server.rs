@@ -299,6 +299,7 @@ async fn act(
         },
         by: app.by.clone(),
         issued: issued_now(),
+        nonce: Command::new_nonce(),
     };
     let broker = app.broker.clone();
     let sent = tokio::task::spawn_blocking(move || publish_command(&broker, &cmd, &key)).await;

@@ -3,7 +3,7 @@
 use kestrel_shared::protocol::{LatencyStats, Status};
 use kestrel_shared::quality::{DeviceQuality, Drift, QualityReport};
 
-use super::view::{DeviceFilter, FleetView, Subject, subject};
+use super::view::{DeviceFilter, FleetView};
 use crate::rollout::{Controller, Plan};
 
 const NOW: &str = "2026-12-03T09:00:00Z";
@@ -69,18 +69,22 @@ fn quality(id: &str, total: u64, confidence: f64, z: f64) -> Vec<u8> {
 }
 
 #[test]
-fn topics_under_the_prefix_are_recognised() {
-    assert_eq!(
-        subject("k", "k/devices/pi-01/status"),
-        Some(Subject::Status("pi-01"))
-    );
-    assert_eq!(
-        subject("k", "k/rollouts/r1/state"),
-        Some(Subject::Rollout("r1"))
-    );
-    assert_eq!(subject("k", "k/rollouts/r1/command"), None);
-    assert_eq!(subject("k", "other/devices/pi-01/status"), None);
-    assert_eq!(subject("k", "kx/devices/pi-01/status"), None);
+fn a_device_speaks_only_for_itself() {
+    let mut v = FleetView::new("k");
+    // pi-02's topic carrying a status that says it is pi-01's: refused, and no row made.
+    let forged = status("pi-01", "all", Some(3), None);
+    assert!(v.apply("k/devices/pi-02/status", &forged, NOW).is_err());
+    assert!(v.apply("k/devices/pi-01/status", &forged, NOW).unwrap());
+    let ids: Vec<String> = v
+        .devices(&DeviceFilter::default())
+        .into_iter()
+        .map(|d| d.id.clone())
+        .collect();
+    assert_eq!(ids, vec!["pi-01".to_string()]);
+    // Not the console's topics, or not the protocol's.
+    assert!(!v.apply("k/rollouts/r1/command", b"{}", NOW).unwrap());
+    assert!(!v.apply("other/devices/pi-01/status", &forged, NOW).unwrap());
+    assert!(!v.apply("kx/devices/pi-01/status", &forged, NOW).unwrap());
 }
 
 #[test]

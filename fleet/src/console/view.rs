@@ -5,8 +5,9 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use kestrel_shared::protocol::{DeviceEvent, Status, parse};
+use kestrel_shared::protocol::{DeviceEvent, Status, Topics, parse};
 use kestrel_shared::quality::DeviceQuality;
+use kestrel_shared::topics::{self, DeviceTopic, Route};
 use serde::Serialize;
 
 use crate::rollout::gates::Gate;
@@ -17,37 +18,15 @@ pub const HISTORY: usize = 30;
 /// Events kept for the feed.
 pub const EVENTS: usize = 500;
 
-/// What one message under the prefix is about.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Subject<'a> {
-    Status(&'a str),
-    Quality(&'a str),
-    Online(&'a str),
-    Events(&'a str),
-    Rollout(&'a str),
-}
-
-/// The subject of `topic` under `prefix`, if the console follows it.
-pub fn subject<'a>(prefix: &str, topic: &'a str) -> Option<Subject<'a>> {
-    let rest = topic.strip_prefix(prefix)?.strip_prefix('/')?;
-    let parts: Vec<&str> = rest.split('/').collect();
-    match parts.as_slice() {
-        ["devices", id, "status"] => Some(Subject::Status(id)),
-        ["devices", id, "quality"] => Some(Subject::Quality(id)),
-        ["devices", id, "online"] => Some(Subject::Online(id)),
-        ["devices", id, "events"] => Some(Subject::Events(id)),
-        ["rollouts", name, "state"] => Some(Subject::Rollout(name)),
-        _ => None,
-    }
-}
-
 /// The topic filters the console subscribes to.
-pub fn filters(prefix: &str) -> Vec<String> {
-    ["status", "quality", "online", "events"]
-        .iter()
-        .map(|t| format!("{prefix}/devices/+/{t}"))
-        .chain([format!("{prefix}/rollouts/+/state")])
-        .collect()
+pub fn filters(topics: &Topics) -> Vec<String> {
+    vec![
+        topics.status_filter(),
+        topics.quality_filter(),
+        topics.online_filter(),
+        topics.events_filter(),
+        topics.rollout_states_filter(),
+    ]
 }
 
 /// One device as the console shows it (`/api/devices`).
@@ -297,7 +276,7 @@ impl DeviceFilter {
 /// The console's state: every device, rollout and recent event seen on the broker.
 #[derive(Debug, Default)]
 pub struct FleetView {
-    prefix: String,
+    topics: Topics,
     devices: BTreeMap<String, DeviceRow>,
     rollouts: BTreeMap<String, RolloutRow>,
     events: VecDeque<EventRow>,
@@ -315,7 +294,7 @@ pub struct BadMessage {
 impl FleetView {
     pub fn new(prefix: &str) -> Self {
         Self {
-            prefix: prefix.trim_end_matches('/').to_string(),
+            topics: Topics::new(prefix),
             ..Self::default()
         }
     }
@@ -326,49 +305,54 @@ impl FleetView {
 
     /// Takes in one message; `now` (RFC 3339) stamps the console's own events. Returns whether
     /// anything changed.
+    /// A device's message is taken only from the topic of the device it names: one whose
+    /// payload names another is refused like a malformed one.
     pub fn apply(&mut self, topic: &str, payload: &[u8], now: &str) -> Result<bool, BadMessage> {
-        let prefix = self.prefix.clone();
-        let Some(subject) = subject(&prefix, topic) else {
-            return Ok(false);
-        };
-        let bad = |e: kestrel_shared::protocol::ProtocolError| BadMessage {
+        let topics = self.topics.clone();
+        let bad = |e: &dyn std::fmt::Display| BadMessage {
             topic: topic.to_string(),
             reason: e.to_string(),
         };
-        match subject {
-            // A cleared retained message: the device or rollout is forgotten.
-            Subject::Status(id) if payload.is_empty() => Ok(self.forget_device(id)),
-            Subject::Rollout(name) if payload.is_empty() => {
+        match topics.parse(topic) {
+            Some(Route::Device { device, kind }) => {
+                if payload.is_empty() {
+                    // A cleared retained status: the device is forgotten.
+                    return Ok(kind == DeviceTopic::Status && self.forget_device(device));
+                }
+                match kind {
+                    DeviceTopic::Status => {
+                        let s: Status = topics::from_device(&topics, kind, topic, payload)
+                            .map_err(|e| bad(&e))?;
+                        self.device(device).take_status(s);
+                    }
+                    DeviceTopic::Quality => {
+                        let q: DeviceQuality = topics::from_device(&topics, kind, topic, payload)
+                            .map_err(|e| bad(&e))?;
+                        self.device(device).take_quality(q);
+                    }
+                    DeviceTopic::Online => self.device(device).online = Some(payload == b"1"),
+                    DeviceTopic::Events => {
+                        let e: DeviceEvent = topics::from_device(&topics, kind, topic, payload)
+                            .map_err(|e| bad(&e))?;
+                        self.device_event(e);
+                    }
+                    _ => return Ok(false),
+                }
+                Ok(true)
+            }
+            Some(Route::RolloutState { name }) if payload.is_empty() => {
                 self.seq += 1;
                 Ok(self.rollouts.remove(name).is_some())
             }
-            _ if payload.is_empty() => Ok(false),
-            Subject::Status(id) => {
-                let s: Status = parse(topic, payload).map_err(bad)?;
-                self.device(id).take_status(s);
-                Ok(true)
-            }
-            Subject::Quality(id) => {
-                let q: DeviceQuality = parse(topic, payload).map_err(bad)?;
-                self.device(id).take_quality(q);
-                Ok(true)
-            }
-            Subject::Online(id) => {
-                let on = payload == b"1";
-                let d = self.device(id);
-                d.online = Some(on);
-                Ok(true)
-            }
-            Subject::Events(_) => {
-                let e: DeviceEvent = parse(topic, payload).map_err(bad)?;
-                self.device_event(e);
-                Ok(true)
-            }
-            Subject::Rollout(_) => {
-                let c: Controller = parse(topic, payload).map_err(bad)?;
+            Some(Route::RolloutState { name }) => {
+                let c: Controller = parse(topic, payload).map_err(|e| bad(&e))?;
+                if c.name != name {
+                    return Err(bad(&format!("the state of rollout `{}`", c.name)));
+                }
                 self.rollout(&c, now);
                 Ok(true)
             }
+            _ => Ok(false),
         }
     }
 

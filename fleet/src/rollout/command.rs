@@ -1,8 +1,10 @@
 //! An operator's command to a running rollout controller (`trainer console --allow-actions`):
 //! published on `P/rollouts/<name>/command` (QoS 1, not retained), signed with a key the
 //! controller trusts (the key it signs desired states with). The controller honours it only if
-//! the signature verifies, it names this rollout and it was issued within [`FRESH_MS`] of the
-//! controller's clock (a recorded command replayed later is refused).
+//! the signature verifies, it names this rollout, it was issued within [`FRESH_MS`] of the
+//! controller's clock (a recorded command replayed later is refused) and its nonce is new (a
+//! command replayed within that window is refused too: the controller remembers the nonces of the
+//! commands it honoured until they would be stale anyway).
 
 use ed25519_dalek::{SigningKey, VerifyingKey};
 use kestrel_shared::signing::{SignatureFile, sign, verify};
@@ -34,6 +36,10 @@ pub struct Command {
     pub by: String,
     /// Milliseconds since the Unix epoch.
     pub issued: u64,
+    /// Unique per command ([`Command::new_nonce`]): a command whose nonce the controller has
+    /// seen is a replay.
+    #[serde(default)]
+    pub nonce: String,
 }
 
 /// A command as published: the exact JSON of [`Command`] and its signature.
@@ -54,9 +60,22 @@ pub enum CommandError {
     OtherRollout(String),
     #[error("issued {0} ms away from this controller's clock (at most {FRESH_MS} ms)")]
     Stale(u64),
+    #[error("replayed: nonce {0} was honoured already")]
+    Replayed(String),
+    #[error("no nonce (a command without one could be replayed)")]
+    NoNonce,
 }
 
 impl Command {
+    /// A nonce no other command of this or another process has: the time in nanoseconds, the
+    /// process id and a counter.
+    pub fn new_nonce() -> String {
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let nanos = std::time::UNIX_EPOCH.elapsed().map_or(0, |d| d.as_nanos());
+        format!("{nanos:x}-{:x}-{n}", std::process::id())
+    }
+
     pub fn sign(&self, key: &SigningKey) -> SignedCommand {
         let body = serde_json::to_string(self).expect("serializable");
         let signature = sign(key, body.as_bytes());
@@ -87,7 +106,31 @@ impl Command {
         if c.issued.abs_diff(now_ms) > FRESH_MS {
             return Err(CommandError::Stale(c.issued.abs_diff(now_ms)));
         }
+        if c.nonce.is_empty() {
+            return Err(CommandError::NoNonce);
+        }
         Ok(c)
+    }
+}
+
+/// The nonces of the commands a controller honoured, each until it would be stale anyway.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Nonces(std::collections::BTreeMap<String, u64>);
+
+impl Nonces {
+    /// Takes `c`'s nonce at `now_ms`; refused when it was taken before.
+    pub fn take(&mut self, c: &Command, now_ms: u64) -> Result<(), CommandError> {
+        self.0
+            .retain(|_, issued| issued.abs_diff(now_ms) <= FRESH_MS);
+        if self.0.contains_key(&c.nonce) {
+            return Err(CommandError::Replayed(c.nonce.clone()));
+        }
+        self.0.insert(c.nonce.clone(), c.issued);
+        Ok(())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 
@@ -102,7 +145,40 @@ mod tests {
             reason: "drift on the canary".into(),
             by: "console@127.0.0.1:8080".into(),
             issued,
+            nonce: format!("n-{issued}"),
         }
+    }
+
+    #[test]
+    fn a_command_is_honoured_once() {
+        let now = 1_796_022_428_000;
+        let mut seen = Nonces::default();
+        let c = cmd("r1", now);
+        assert_eq!(seen.take(&c, now), Ok(()));
+        assert_eq!(
+            seen.take(&c, now + 1_000),
+            Err(CommandError::Replayed(c.nonce.clone()))
+        );
+        // Forgotten once it would be stale: by then `open` refuses it.
+        assert_eq!(seen.take(&cmd("r1", now + 1), now + 1), Ok(()));
+        assert_eq!(seen.take(&c, now + FRESH_MS + 1), Ok(()));
+        assert!(matches!(
+            Command::open(
+                &serde_json::to_vec(&c.sign(&SigningKey::from_bytes(&[3; 32]))).unwrap(),
+                &SigningKey::from_bytes(&[3; 32]).verifying_key(),
+                "r1",
+                now + FRESH_MS + 1
+            ),
+            Err(CommandError::Stale(_))
+        ));
+        let mut blank = cmd("r1", now);
+        blank.nonce.clear();
+        let key = SigningKey::from_bytes(&[3; 32]);
+        let signed = serde_json::to_vec(&blank.sign(&key)).unwrap();
+        assert_eq!(
+            Command::open(&signed, &key.verifying_key(), "r1", now),
+            Err(CommandError::NoNonce)
+        );
     }
 
     #[test]

@@ -8,22 +8,23 @@ use std::time::{Duration, Instant};
 use ed25519_dalek::SigningKey;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{
-    Desired, ModelRef, SignedDesired, Status, Target, check_name, parse,
+    DEFAULT_VALIDITY_S, Desired, ModelRef, SignedDesired, Status, Target, check_name, parse,
 };
 use kestrel_shared::quality::DeviceQuality;
+use kestrel_shared::topics::{DeviceTopic, Route, from_device};
 use kestrel_shared::{issued_now, now_unix};
 
 use super::command::{Action, Command};
 use super::{Controller, DeviceState, Output, Plan, RolloutState};
-use crate::{Bundle, Conn, FleetError};
+use crate::{Bundle, Conn, FleetError, Skipped};
 
 pub fn state_topic(conn: &Conn, name: &str) -> String {
-    format!("{}/rollouts/{name}/state", conn.topics.prefix())
+    conn.topics.rollout_state(name)
 }
 
 /// Where operators' signed commands to rollout `name` arrive ([`super::command`]).
 pub fn command_topic(conn: &Conn, name: &str) -> String {
-    format!("{}/rollouts/{name}/command", conn.topics.prefix())
+    conn.topics.rollout_command(name)
 }
 
 /// The rollout's retained controller, if any.
@@ -83,7 +84,7 @@ fn execute(
             version,
             rollback,
             issued: issued_now(),
-            expires: None,
+            expires: Some(now_unix() + DEFAULT_VALIDITY_S),
             clear,
             rollout: Some(c.name.clone()),
             source: source
@@ -137,13 +138,10 @@ pub fn run(
         None => begin(&mut conn, &name, bundle, plan, log)?,
     };
     let signer = (key, bundle.manifest.registry.as_deref());
-    // Each device's latest status: after an abort, a device that never left its previous model
-    // sends nothing new, and a broker need not resend retained messages to a subscription that
-    // exists already (rumqttd does not), so the wait for the roll back starts from these.
-    let mut latest: BTreeMap<String, Status> = BTreeMap::new();
+    let mut seen = Seen::default();
     // A lost broker (a restart, an outage) is waited for: reconnected, the controller goes on as
     // a restarted one would (its phase's desired states again, all idempotent).
-    while let Err(e) = follow(&mut conn, &mut c, signer, &mut latest, log) {
+    while let Err(e) = follow(&mut conn, &mut c, signer, &mut seen, log) {
         let FleetError::Broker { .. } = e else {
             return Err(e);
         };
@@ -151,7 +149,10 @@ pub fn run(
         conn = reconnect(cfg, e)?;
     }
     if let RolloutState::Aborted(_) = &c.state {
-        wait_rolled_back(&mut conn, &mut c, signer, latest, log)?;
+        wait_rolled_back(&mut conn, &mut c, signer, &mut seen, log)?;
+    }
+    if let Some(line) = seen.skipped.summary() {
+        log(line);
     }
     conn.disconnect();
     Ok(c)
@@ -166,33 +167,27 @@ fn follow(
     conn: &mut Conn,
     c: &mut Controller,
     signer: (&SigningKey, Option<&str>),
-    latest: &mut BTreeMap<String, Status>,
+    seen: &mut Seen,
     log: &mut dyn FnMut(String),
 ) -> Result<(), FleetError> {
     let outputs = c.start(now_unix());
     execute(conn, c, signer, outputs, log)?;
     conn.subscribe(&conn.topics.status_filter())?;
     conn.subscribe(&conn.topics.quality_filter())?;
-    let commands = command_topic(conn, &c.name);
-    conn.subscribe(&commands)?;
-    let mut last_tick = Instant::now();
+    conn.subscribe(&conn.topics.rollout_command(&c.name))?;
+    let (mut last_tick, mut renewed) = (Instant::now(), Instant::now());
     while c.state == RolloutState::Running {
+        // Desired states expire (DEFAULT_VALIDITY_S): a long rollout signs its own again.
+        if renewed.elapsed() >= Duration::from_secs(DEFAULT_VALIDITY_S / 2) {
+            renewed = Instant::now();
+            let outputs = c.renew();
+            execute(conn, c, signer, outputs, log)?;
+        }
         if let Some((t, p)) = conn.recv(Duration::from_millis(250))?
             && !p.is_empty()
         {
-            if t.ends_with("/status") {
-                let s: Status = parse(&t, &p)?;
-                let outputs = c.on_status(&s, now_unix());
-                latest.insert(s.device.clone(), s);
-                execute(conn, c, signer, outputs, log)?;
-            } else if t.ends_with("/quality") {
-                let q: DeviceQuality = parse(&t, &p)?;
-                let outputs = c.on_quality(&q, now_unix());
-                execute(conn, c, signer, outputs, log)?;
-            } else if t == commands {
-                let outputs = command(c, &p, signer.0, log);
-                execute(conn, c, signer, outputs, log)?;
-            }
+            let outputs = on_message(conn, c, signer.0, seen, (&t, &p), log);
+            execute(conn, c, signer, outputs, log)?;
         }
         if last_tick.elapsed() >= Duration::from_secs(1) {
             last_tick = Instant::now();
@@ -201,6 +196,58 @@ fn follow(
         }
     }
     Ok(())
+}
+
+/// What the rollout has seen of the fleet: each device's latest status (after an abort, a device
+/// that never left its previous model sends nothing new, and a broker need not resend retained
+/// messages to a subscription that exists already (rumqttd does not), so the wait for the roll
+/// back starts from these), and the messages it skipped.
+#[derive(Default)]
+struct Seen {
+    latest: BTreeMap<String, Status>,
+    skipped: Skipped,
+}
+
+/// One message from the broker, by its topic: a device's status or quality report (the device
+/// is the one its topic names; a payload that names another, or does not parse, is skipped and
+/// counted), or an operator's command to this rollout.
+fn on_message(
+    conn: &Conn,
+    c: &mut Controller,
+    key: &SigningKey,
+    seen: &mut Seen,
+    (topic, payload): (&str, &[u8]),
+    log: &mut dyn FnMut(String),
+) -> Vec<Output> {
+    let topics = &conn.topics;
+    match topics.parse(topic) {
+        Some(Route::Device {
+            kind: DeviceTopic::Status,
+            ..
+        }) => match from_device::<Status>(topics, DeviceTopic::Status, topic, payload) {
+            Ok(s) => {
+                let outputs = c.on_status(&s, now_unix());
+                seen.latest.insert(s.device.clone(), s);
+                outputs
+            }
+            Err(e) => {
+                seen.skipped.note(topics, topic, &e, log);
+                vec![]
+            }
+        },
+        Some(Route::Device {
+            kind: DeviceTopic::Quality,
+            ..
+        }) => match from_device::<DeviceQuality>(topics, DeviceTopic::Quality, topic, payload) {
+            Ok(q) => c.on_quality(&q, now_unix()),
+            Err(e) => {
+                seen.skipped.note(topics, topic, &e, log);
+                vec![]
+            }
+        },
+        Some(Route::RolloutCommand { name }) if name == c.name => command(c, payload, key, log),
+        _ => vec![],
+    }
 }
 
 /// An operator's command: honoured when signed by the rollout's own key, for this rollout and
@@ -212,7 +259,9 @@ fn command(
     log: &mut dyn FnMut(String),
 ) -> Vec<Output> {
     let now_ms = kestrel_shared::issued_now();
-    match Command::open(payload, &key.verifying_key(), &c.name, now_ms) {
+    let opened = Command::open(payload, &key.verifying_key(), &c.name, now_ms)
+        .and_then(|cmd| c.commands.take(&cmd, now_ms).map(|()| cmd));
+    match opened {
         Ok(cmd) => {
             log(format!(
                 "{:?} requested by {}: {}",
@@ -261,8 +310,12 @@ fn begin(
 ) -> Result<Controller, FleetError> {
     let (model, version) = (&bundle.offer.name, bundle.offer.version);
     let filter = conn.topics.status_filter();
-    let mut fleet: Vec<Status> =
-        crate::status::retained(conn, &filter, Duration::from_millis(500))?;
+    let mut fleet: Vec<Status> = crate::status::retained(
+        conn,
+        &filter,
+        DeviceTopic::Status,
+        Duration::from_millis(500),
+    )?;
     if let Some(list) = &plan.devices {
         if let Some(missing) = list.iter().find(|d| !fleet.iter().any(|s| &s.device == *d)) {
             return Err(FleetError::Refused(format!(
@@ -283,12 +336,12 @@ fn begin(
 }
 
 /// After an abort: waits (up to a minute) until every device sent back reports its previous
-/// model, starting from the `latest` status of each device seen during the rollout.
+/// model, starting from the latest status of each device seen during the rollout.
 fn wait_rolled_back(
     conn: &mut Conn,
     c: &mut Controller,
     signer: (&SigningKey, Option<&str>),
-    latest: BTreeMap<String, Status>,
+    seen: &mut Seen,
     log: &mut dyn FnMut(String),
 ) -> Result<(), FleetError> {
     let mut left: BTreeMap<String, (String, u64)> = c
@@ -306,21 +359,25 @@ fn wait_rolled_back(
             left.remove(s.device.as_str());
         }
     };
-    for s in latest.values() {
+    for s in seen.latest.values() {
         back(&mut left, s);
     }
     let deadline = Instant::now() + Duration::from_secs(60);
     while !left.is_empty() && Instant::now() < deadline {
         if let Some((t, p)) = conn.recv(Duration::from_millis(250))?
             && !p.is_empty()
-            && t.ends_with("/status")
         {
-            let s: Status = parse(&t, &p)?;
             // A failure reported now (a device that was installing when the abort came) is
             // recorded in the saved controller.
-            let outputs = c.on_status(&s, now_unix());
+            let outputs = on_message(conn, c, signer.0, seen, (&t, &p), log);
             execute(conn, c, signer, outputs, log)?;
-            back(&mut left, &s);
+            if let Some(s) = seen.latest.get(
+                conn.topics
+                    .device_of(&t, DeviceTopic::Status)
+                    .unwrap_or_default(),
+            ) {
+                back(&mut left, s);
+            }
         }
     }
     match left.keys().next() {

@@ -251,6 +251,10 @@ pub struct Controller {
     /// abort), but it is not promoted until resumed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub paused: bool,
+    /// The nonces of the operators' commands honoured lately (a replay is refused, across a
+    /// restart of the controller too).
+    #[serde(default, skip_serializing_if = "command::Nonces::is_empty")]
+    pub commands: command::Nonces,
 }
 
 impl Controller {
@@ -343,6 +347,7 @@ impl Controller {
             state: RolloutState::Running,
             gates: Vec::new(),
             paused: false,
+            commands: command::Nonces::default(),
         })
     }
 
@@ -386,6 +391,40 @@ impl Controller {
             });
         }
         out.push(Output::Save);
+        out
+    }
+
+    /// Every moved device's desired state again (signed anew, so with a new expiry): what
+    /// [`Controller::start`] sent the current phase, and the rolled-out model for the devices of
+    /// the phases before it.
+    pub fn renew(&self) -> Vec<Output> {
+        if self.state != RolloutState::Running {
+            return vec![];
+        }
+        let shadow = self.plan.phases[self.phase].mode == Mode::Shadow;
+        let mut out: Vec<Output> = self
+            .devices
+            .values()
+            .filter(|d| d.phase <= self.phase && d.state != DeviceState::Waiting)
+            .map(|d| {
+                let shadow = shadow && d.phase == self.phase;
+                let (name, version) = match (&d.previous, shadow) {
+                    (Some((n, v)), true) => (n.clone(), *v),
+                    _ => (self.model.clone(), self.version),
+                };
+                Output::Desired {
+                    device: d.id.clone(),
+                    name,
+                    version,
+                    rollback: false,
+                    shadow,
+                }
+            })
+            .collect();
+        out.push(Output::Log(format!(
+            "renewed the desired states of {} devices",
+            out.len()
+        )));
         out
     }
 

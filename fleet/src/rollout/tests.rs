@@ -529,3 +529,40 @@ fn a_paused_rollout_holds_its_phase_until_resumed() {
     let json = serde_json::to_value(&c).unwrap();
     assert!(json.get("paused").is_none(), "{json}");
 }
+
+#[test]
+fn renewal_signs_again_what_every_moved_device_runs() {
+    let plan = Plan::parse(PLAN, "fleet.toml").unwrap();
+    let mut c = Controller::new("r1", "m", 2, plan, &fleet(20)).unwrap();
+    c.start(100);
+    let canary: Vec<String> = c.phase_devices(0).map(|d| d.id.clone()).collect();
+    for id in &canary {
+        c.on_status(&status(id, &[], Some(2), None), 101);
+    }
+    assert_eq!(c.phase, 1);
+    let moved: Vec<String> = c
+        .devices
+        .values()
+        .filter(|d| d.phase <= 1)
+        .map(|d| d.id.clone())
+        .collect();
+    let out = c.renew();
+    assert_eq!(desired_devices(&out), moved);
+    assert!(out.iter().all(|o| match o {
+        Output::Desired {
+            name,
+            version,
+            rollback,
+            shadow,
+            ..
+        } => name == "m" && *version == 2 && !rollback && !shadow,
+        _ => true,
+    }));
+    // Devices of later phases are told nothing; a finished rollout renews nothing.
+    assert!(
+        c.phase_devices(2)
+            .all(|d| !desired_devices(&out).contains(&d.id))
+    );
+    c.on_abort("test", "tester");
+    assert!(c.renew().is_empty());
+}

@@ -1,9 +1,11 @@
 //! Kestrel's end-to-end tests, one test binary with a module per area (as ripgrep's
 //! `tests/tests.rs`): one link per build instead of eleven. They run the real binaries on real
 //! weights and photos; run them through `scripts/test.sh`, which fetches and builds what they need.
-//! Tests run as threads of this one process: every test uses its own temporary directories and
-//! free ports, and sets no process-global state (environment, current directory).
+//! The test command runs them with nextest, each in a process of its own; every test uses its
+//! own temporary directories and free ports, sets no process-global state, and reads what many
+//! share (a trained run, its exports) from fixtures built once per run (`kestrel_tests::once`).
 
+mod adversary;
 mod arm;
 mod backbone;
 mod capture;

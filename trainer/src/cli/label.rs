@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
+use kestrel_shared::protocol::{check_name, sha256_hex};
 use kestrel_trainer::data::delta_write::{self, CaptureRow};
 
 /// Fill in the labels of a capture table from a `path,label` CSV, or export its unlabelled rows
@@ -118,6 +119,20 @@ fn apply_labels(rows: &mut [CaptureRow], csv: &Path, add_classes: bool) -> Resul
     Ok(updates.len())
 }
 
+/// Where a row's image goes under the images directory, without its extension: `DEVICE/ID`,
+/// distinct for distinct rows (device ids and capture ids are checked names: no `/`, at most 64
+/// characters); a row whose device or id is not such a name (written before they were checked)
+/// goes to `_/` under the first 16 hex digits of its path's sha256.
+fn image_stem(r: &CaptureRow) -> String {
+    let id = r.path.strip_prefix(&format!("{}/", r.device));
+    match id {
+        Some(id) if check_name(&r.device).is_ok() && check_name(id).is_ok() => {
+            format!("{}/{id}", r.device)
+        }
+        _ => format!("_/{}", &sha256_hex(r.path.as_bytes())[..16]),
+    }
+}
+
 /// Writes the unlabelled rows and their images; returns how many.
 fn export_todo(rows: &[CaptureRow], csv: &Path) -> Result<usize> {
     let stem = csv.file_stem().unwrap_or_default().to_string_lossy();
@@ -143,8 +158,11 @@ fn export_todo(rows: &[CaptureRow], csv: &Path) -> Result<usize> {
             .ok()
             .and_then(|f| f.extensions_str().first().copied())
             .unwrap_or("bin");
-        let name = format!("{}.{ext}", r.path.replace('/', "_"));
+        let name = format!("{}.{ext}", image_stem(r));
         let file = images.join(&name);
+        if let Some(dir) = file.parent() {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
         std::fs::write(&file, &r.content).with_context(|| format!("writing {}", file.display()))?;
         let at = chrono::DateTime::from_timestamp_micros(r.captured_at)
             .map(|t| t.to_rfc3339())

@@ -14,8 +14,9 @@ pub struct Args {
     /// Address to listen on (MQTT 3.1.1, plain TCP).
     #[arg(long, default_value = "127.0.0.1:1883")]
     listen: SocketAddr,
-    /// Largest message payload accepted (must exceed the publisher's chunk size).
-    #[arg(long, default_value_t = 1 << 20)]
+    /// Largest message payload accepted (must exceed the publisher's chunk size; by default the
+    /// clients' packet limit leaves room for it, so no device is disconnected by a message).
+    #[arg(long, default_value_t = kestrel_shared::mqtt::MAX_PAYLOAD_BYTES)]
     max_payload_bytes: usize,
 }
 

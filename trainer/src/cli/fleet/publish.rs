@@ -26,9 +26,10 @@ pub struct Args {
     #[arg(long)]
     rollback: bool,
     /// Devices refuse the desired state once this many seconds have passed (freeze protection:
-    /// a state withheld and delivered late is reported instead of followed). Default: never.
-    #[arg(long, value_name = "SECONDS")]
-    expires_in: Option<u64>,
+    /// a state withheld and replayed later, or a recorded one shown to a device that joins, is
+    /// reported instead of followed); publish again before then. 0: never expires.
+    #[arg(long, value_name = "SECONDS", default_value_t = kestrel_shared::protocol::DEFAULT_VALIDITY_S)]
+    expires_in: u64,
     /// Chunk size of the delivery, in bytes.
     #[arg(long, default_value_t = DEFAULT_CHUNK_BYTES)]
     chunk_bytes: usize,
@@ -50,7 +51,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         PublishOptions {
             rollback: args.rollback,
             rollout: None,
-            expires: args.expires_in.map(|s| kestrel_shared::now_unix() + s),
+            expires: (args.expires_in > 0).then(|| kestrel_shared::now_unix() + args.expires_in),
         },
     )?;
     if args.json {
