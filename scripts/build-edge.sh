@@ -13,15 +13,17 @@
 # C/C++ (OpenSSL, aws-lc, native-tls, cxx, other -sys crates). The binaries use `--profile edge`
 # (root Cargo.toml: fat LTO, one codegen unit, panic=abort, opt-level s except tract) and are stripped.
 #
-# Toolchain, per target (KESTREL_EDGE_TOOLCHAIN=auto|cross|debian|rustup, default auto = the first that works):
+# Toolchain, per target (KESTREL_EDGE_TOOLCHAIN=auto|cross|debian|rustup, default auto = the one that built
+# the target last if it still works, else the first that works of):
 #   cross   `cross` with Docker or Podman answering (Cross.toml; the documented path for users)
 #   debian  Debian 12's rustc-web (pinned below) with libstd-rust-web-dev:<arch>, the cross gcc as linker;
 #           installed by this script (apt, needs root or sudo), selected per command with RUSTC=/usr/bin/rustc
 #   rustup  rustup's toolchain with `rustup target add`, the same cross gcc as linker: used when apt cannot
 #           provide the pinned standard library (another point release replaced it, or the mirror's index for
 #           that architecture is broken, as bookworm-security's armhf index was on 2026-11-30)
-# Each target builds in its own $KESTREL_HOME/target-<arch> (outside the clone, so CI reuses it; another
-# compiler would invalidate the host build's artifacts).
+# Each target builds in its own $KESTREL_HOME/target-<arch> (the ONNX Runtime variant in target-aarch64-ort;
+# outside the clone, so CI reuses them; another compiler would invalidate the host build's artifacts), all
+# targets at once.
 # KESTREL_EDGE_MAX_BYTES: size budget of the stripped aarch64 binary (default 12000000), checked: a
 #   warning, or a failure with KESTREL_EDGE_STRICT_SIZE=1.
 set -euo pipefail
@@ -141,15 +143,15 @@ edge_rustflags() {
   echo "$flags"
 }
 
-# Builds target $1 with toolchain $2 (more cargo arguments after them); prints the path of the
-# unstripped binary. (Called as `bin=$(build ...) || ...`, where `set -e` does not apply: every
+# Builds target $1 with toolchain $2 in $KESTREL_HOME/target-<arch>$3 (more cargo arguments after
+# them); prints the path of the unstripped binary. (Called as `bin=$(build ...) || ...`, where `set -e` does not apply: every
 # failure returns explicitly.)
 build() {
-  local t="$1" how="$2" short gnu T dir
-  shift 2
+  local t="$1" how="$2" suffix="$3" short gnu T dir
+  shift 3
   short=$(short_of "$t"); gnu=$(gnu_of "$t")
   T=$(echo "$t" | tr 'a-z-' 'A-Z_')
-  dir="$KESTREL_HOME/target-$short"
+  dir="$KESTREL_HOME/target-$short$suffix"
   local start=$SECONDS
   case "$how" in
     cross)
@@ -185,8 +187,41 @@ install_stripped() {
   log "$out: $(stat -c %s "$out") bytes ($(file -b "$out" | cut -d, -f1-2))"
 }
 
+# The ARM builds, once each target's toolchain is ready: every binary is built in a job of its own,
+# all at once (the ONNX Runtime variant in its own target directory). A warm rebuild is mostly
+# single-threaded (one codegen unit, then fat LTO), so the jobs share the cores: after a change to
+# the device's crates, 386 s one after another, about half that side by side (2 cores).
+
+# Builds variant $3 (extra cargo arguments after it) of target $1 with toolchain $2 into
+# dist/edge-agent-<short><suffix> and, for the plain variant, its .deb.
+target_job() {
+  local t="$1" how="$2" suffix="$3" short bin out bytes version
+  shift 3
+  short=$(short_of "$t")
+  bin=$(build "$t" "$how" "$suffix" "$@") || return 1
+  out="dist/edge-agent-$short$suffix"
+  install_stripped "$t" "$bin" "$out"
+  [ -n "$suffix" ] && return 0
+  bytes=$(stat -c %s "$out")
+  if [ "$short" = aarch64 ] && [ "$bytes" -gt "$max_bytes" ]; then
+    # A warning, or a failure with KESTREL_EDGE_STRICT_SIZE=1 (tests/tests/e2e/arm.rs holds the same budget).
+    echo "WARNING: $out is $bytes bytes, over the budget of $max_bytes (KESTREL_EDGE_MAX_BYTES)" >&2
+    [ "${KESTREL_EDGE_STRICT_SIZE:-0}" = 1 ] && return 1
+  fi
+  if [ $deb -eq 1 ]; then
+    version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+    if command -v dpkg-deb >/dev/null 2>&1; then
+      edge-agent/deploy/build-deb.sh "$out" "$(debarch_of "$t")" "$version" dist >&2 || return 1
+    else
+      log "dpkg-deb is not installed: no .deb for $t"
+      return 1
+    fi
+  fi
+}
+
 mkdir -p dist
 status=0
+jobs=()
 for t in "${targets[@]}"; do
   short=$(short_of "$t") || { status=1; continue; }
   bad=$(cargo tree --locked -p edge-agent --target "$t" -e normal,build --prefix none 2>/dev/null \
@@ -200,7 +235,10 @@ for t in "${targets[@]}"; do
   log "$t: dependency tree is pure Rust"
 
   how=""
-  for c in $([ "$toolchain" = auto ] && echo cross debian rustup || echo "$toolchain"); do
+  # auto: the toolchain that built this target last, if it still works (another compiler would
+  # rebuild everything: the Debian one appears once apt's index has it), then cross, debian, rustup.
+  last=$(cat "$KESTREL_HOME/target-$short/.toolchain" 2>/dev/null || true)
+  for c in $([ "$toolchain" = auto ] && echo $last cross debian rustup || echo "$toolchain"); do
     case "$c" in
       cross) command -v cross >/dev/null 2>&1 && container_engine && how=cross ;;
       debian) debian_ready "$t" && how=debian ;;
@@ -215,36 +253,23 @@ for t in "${targets[@]}"; do
     continue
   fi
 
-  bin=$(build "$t" "$how") || { status=1; continue; }
-  out="dist/edge-agent-$short"
-  install_stripped "$t" "$bin" "$out"
-  bytes=$(stat -c %s "$out")
-  if [ "$short" = aarch64 ] && [ "$bytes" -gt "$max_bytes" ]; then
-    # A warning, or a failure with KESTREL_EDGE_STRICT_SIZE=1 (tests/tests/e2e/arm.rs holds the same budget).
-    echo "WARNING: $out is $bytes bytes, over the budget of $max_bytes (KESTREL_EDGE_MAX_BYTES)" >&2
-    [ "${KESTREL_EDGE_STRICT_SIZE:-0}" = 1 ] && status=1
-  fi
-  if [ $deb -eq 1 ]; then
-    version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
-    if command -v dpkg-deb >/dev/null 2>&1; then
-      edge-agent/deploy/build-deb.sh "$out" "$(debarch_of "$t")" "$version" dist >&2 || status=1
-    else
-      log "dpkg-deb is not installed: no .deb for $t"
-      status=1
-    fi
-  fi
+  mkdir -p "$KESTREL_HOME/target-$short"
+  echo "$how" > "$KESTREL_HOME/target-$short/.toolchain"
+  target_job "$t" "$how" "" & jobs+=($!)
   # The ONNX Runtime variant: ONNX Runtime publishes aarch64 Linux wheels only (no armv7). ort-sys
   # with `load-dynamic` links nothing: the library is opened at run time.
   if [ $ort -eq 1 ] && [ "$short" = aarch64 ]; then
-    if bin=$(build "$t" "$how" --features ort,multicore); then
-      install_stripped "$t" "$bin" "dist/edge-agent-$short-ort"
-      lib=$(ort_library aarch64 "$KESTREL_HOME/onnxruntime-aarch64") || status=1
+    target_job "$t" "$how" -ort --features ort,multicore & jobs+=($!)
+    if lib=$(ort_library aarch64 "$KESTREL_HOME/onnxruntime-aarch64"); then
       rm -rf dist/onnxruntime-aarch64 && mkdir -p dist/onnxruntime-aarch64
       cp "$(dirname "$lib")"/libonnxruntime.so.* dist/onnxruntime-aarch64/
     else
       status=1
     fi
   fi
+done
+for j in "${jobs[@]}"; do
+  wait "$j" || status=1
 done
 
 # Checksums of everything in dist/ (binaries and packages).

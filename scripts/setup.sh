@@ -16,24 +16,28 @@ full=1
 mkdir -p "$KESTREL_HOME"/{wheels,onnxruntime,photos}
 SECONDS=0
 
-# Debian packages, in one apt run: the font for the text in training-curve PNGs (plotters + ab_glyph
-# read it at run time; no fontconfig); for the tests, Mosquitto (the production broker; each test
-# starts its own instance), headless Chromium with its WebDriver (the console's browser test), Open MPI
-# with libclang for the mpi crate's bindings (`mpirun -np N trainer fit`; optional: without it the
-# trainer builds without the `mpi` feature and those tests skip) and qemu user mode (the ARM tests).
-need=()
-[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
+# Debian packages: the font for the text in training-curve PNGs (plotters + ab_glyph read it at run
+# time; no fontconfig); for the tests, Mosquitto (the production broker; each test starts its own
+# instance), headless Chromium with its WebDriver (the console's browser test), Open MPI with libclang
+# for the mpi crate's bindings (`mpirun -np N trainer fit`; optional: without it the trainer builds
+# without the `mpi` feature and those tests skip) and qemu user mode (the ARM tests).
+apt_install() { # the Debian packages named, in one apt run; a failure only warns
+  [ $# -gt 0 ] || return 0
+  log "installing $*"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null) \
+    || log "WARNING: could not install all of $*: what needs them skips or fails, saying so"
+}
+font=()
+[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || font=(fonts-dejavu-core)
 if [ $full = 1 ]; then
+  # Before the build: with Open MPI there, the trainer is built with its `mpi` feature.
+  need=("${font[@]}")
   command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
   [ -x /usr/bin/chromium ] || need+=(chromium)
   [ -x /usr/bin/chromedriver ] || need+=(chromium-driver)
   have_mpi || need+=(libopenmpi-dev openmpi-bin libclang-dev pkg-config)
   command -v qemu-aarch64-static >/dev/null && command -v qemu-arm-static >/dev/null || need+=(qemu-user-static)
-fi
-if [ ${#need[@]} -gt 0 ]; then
-  log "installing ${need[*]}"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null) \
-    || log "WARNING: could not install all of ${need[*]}: what needs them skips or fails, saying so"
+  apt_install "${need[@]}"
   source "$here/env.sh" # Open MPI may be there now
 fi
 
@@ -43,6 +47,7 @@ log "building release binaries (CARGO_TARGET_DIR=$CARGO_TARGET_DIR) ${KESTREL_FE
 (cd "$here/.." && cargo build --release --locked --workspace --bins $KESTREL_FEATURES) &
 build=$!
 trap 'kill $build 2>/dev/null || true' EXIT
+[ $full = 1 ] || apt_install "${font[@]}"
 
 # ONNX Runtime shared library from the PyPI wheel (the ort crate loads it at run time).
 [ -f "$ORT_DYLIB_PATH" ] || ort_library x86_64 "$(dirname "$ORT_DYLIB_PATH")" >/dev/null
