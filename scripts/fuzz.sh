@@ -30,8 +30,9 @@ cd "$here/../fuzz"
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && mapfile -t targets < <(cargo "${toolchain[@]}" fuzz list)
 log "cargo fuzz build (-s $sanitizer): ${targets[*]}"
-# Exit 3 when the targets cannot be built (no usable toolchain here, for one): scripts/test.sh
-# then warns instead of failing; a crash found while fuzzing exits 1.
+# Exit 3 when cargo-fuzz cannot be installed or the targets cannot be built (scripts/test.sh warns
+# for the first and fails for the second: a target that does not compile is a broken test); a
+# crash found while fuzzing exits 1.
 cargo "${toolchain[@]}" fuzz build -a -s "$sanitizer" >&2 || { log "cargo fuzz build failed"; exit 3; }
 status=0
 for t in "${targets[@]}"; do

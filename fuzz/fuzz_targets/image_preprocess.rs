@@ -6,11 +6,10 @@ use kestrel_shared::{ImageLimits, PreprocessSpec};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
+    // Every format a device can be configured to take ([limits] any_image_format).
     let limits = ImageLimits {
-        max_width: 4096,
-        max_height: 4096,
-        max_alloc: 256 << 20,
-        max_file_bytes: 16 << 20,
+        jpeg_png_only: false,
+        ..ImageLimits::device(2 << 20)
     };
     let spec = PreprocessSpec::tf_inception();
     if let Ok(t) = spec.run_bytes(data, "fuzz", &limits) {
