@@ -7,7 +7,7 @@ use ed25519_dalek::SigningKey;
 use kestrel_models::artifact::{self, read_manifest};
 use kestrel_shared::manifest::{MANIFEST_FILE, Manifest};
 use kestrel_shared::protocol::{ArtifactOffer, Topics, device_files};
-use kestrel_shared::signing::sign;
+use kestrel_shared::signing::{PayloadType, sign};
 
 use crate::FleetError;
 
@@ -38,7 +38,7 @@ impl Bundle {
             })?);
         }
         let chunk_bytes = chunk_bytes.max(1);
-        let signature = sign(key, text.as_bytes());
+        let signature = sign(key, PayloadType::Manifest, text.as_bytes());
         let offer = ArtifactOffer::new(&manifest, text, signature, &bundle, chunk_bytes);
         let chunks = bundle.chunks(chunk_bytes).map(<[u8]>::to_vec).collect();
         Ok(Self {

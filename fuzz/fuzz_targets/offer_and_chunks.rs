@@ -7,7 +7,7 @@ use ed25519_dalek::SigningKey;
 use edge_agent::store::Store;
 use kestrel_models::artifact;
 use kestrel_shared::protocol::{ArtifactOffer, sha256_hex};
-use kestrel_shared::signing::sign;
+use kestrel_shared::signing::{PayloadType, sign};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -24,7 +24,7 @@ fuzz_target!(|data: &[u8]| {
     let offer = ArtifactOffer {
         name: "m".into(),
         version: 1,
-        signature: sign(&key, manifest.as_bytes()),
+        signature: sign(&key, PayloadType::Manifest, manifest.as_bytes()),
         manifest,
         chunk_bytes: chunk_bytes as u64,
         chunks: bundle.chunks(chunk_bytes).map(sha256_hex).collect(),

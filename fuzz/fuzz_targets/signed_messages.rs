@@ -7,7 +7,7 @@ use ed25519_dalek::SigningKey;
 use edge_agent::desired::DesiredStates;
 use edge_agent::trust::Trust;
 use kestrel_shared::protocol::{SignedDesired, SignedKeyList, parse};
-use kestrel_shared::signing::sign;
+use kestrel_shared::signing::{PayloadType, sign};
 use libfuzzer_sys::fuzz_target;
 
 const TOPIC: &str = "kestrel/devices/pi/desired";
@@ -32,7 +32,7 @@ fuzz_target!(|data: &[u8]| {
     // As a signed body.
     let body = String::from_utf8_lossy(data).into_owned();
     let signed = SignedDesired {
-        signature: sign(&key, body.as_bytes()),
+        signature: sign(&key, PayloadType::Desired, body.as_bytes()),
         body: body.clone(),
     };
     if let Ok(d) = signed.open(&trusted, TOPIC) {
@@ -44,7 +44,7 @@ fuzz_target!(|data: &[u8]| {
         let _: DesiredStates = serde_json::from_slice(&journaled).unwrap();
     }
     let list = SignedKeyList {
-        signature: sign(&root, body.as_bytes()),
+        signature: sign(&root, PayloadType::KeyList, body.as_bytes()),
         body,
     };
     trust.receive(list.clone(), "kestrel/keys");

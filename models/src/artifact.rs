@@ -89,14 +89,14 @@ pub fn verify_signature(
     dir: &Path,
     trusted: &[ed25519_dalek::VerifyingKey],
 ) -> Result<String, ArtifactError> {
-    use kestrel_shared::signing::{SIGNATURE_FILE, SignError, SignatureFile, verify};
+    use kestrel_shared::signing::{PayloadType, SIGNATURE_FILE, SignError, SignatureFile, verify};
     let mpath = dir.join(MANIFEST_FILE);
     let manifest = std::fs::read(&mpath).map_err(|e| io(&mpath, e))?;
     let spath = dir.join(SIGNATURE_FILE);
     let text = std::fs::read_to_string(&spath).map_err(|e| io(&spath, e))?;
     let sig: SignatureFile =
         serde_json::from_str(&text).map_err(|e| SignError::Format(e.to_string()))?;
-    Ok(verify(trusted, &manifest, &sig)?)
+    Ok(verify(trusted, PayloadType::Manifest, &manifest, &sig)?)
 }
 
 /// Checks every file the manifest lists (safe name, size, sha256) and the total against `max_bytes`.

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::manifest::{FileEntry, Manifest};
-use crate::signing::{SignError, SignatureFile, sign, verify};
+use crate::signing::{PayloadType, SignError, SignatureFile, sign, verify};
 pub use crate::topics::{DEFAULT_PREFIX, Topics};
 
 /// How long a desired state is valid by default (`trainer publish --expires-in`, rollouts, which
@@ -141,7 +141,12 @@ impl ArtifactOffer {
     /// Checks the signature with `trusted` keys, parses the manifest and checks that it agrees
     /// with the offer (name, version, chunk count and total size of the device files).
     pub fn open(&self, trusted: &[ed25519_dalek::VerifyingKey]) -> Result<Manifest, ProtocolError> {
-        verify(trusted, self.manifest.as_bytes(), &self.signature)?;
+        verify(
+            trusted,
+            PayloadType::Manifest,
+            self.manifest.as_bytes(),
+            &self.signature,
+        )?;
         let bad = |reason: String| ProtocolError::Payload {
             topic: format!("artifact {} v{}", self.name, self.version),
             reason,
@@ -219,7 +224,7 @@ impl SignedDesired {
     pub fn new(key: &ed25519_dalek::SigningKey, d: &Desired) -> Self {
         let body = serde_json::to_string(d).expect("serializable");
         Self {
-            signature: sign(key, body.as_bytes()),
+            signature: sign(key, PayloadType::Desired, body.as_bytes()),
             body,
         }
     }
@@ -230,7 +235,12 @@ impl SignedDesired {
         trusted: &[ed25519_dalek::VerifyingKey],
         topic: &str,
     ) -> Result<Desired, ProtocolError> {
-        verify(trusted, self.body.as_bytes(), &self.signature)?;
+        verify(
+            trusted,
+            PayloadType::Desired,
+            self.body.as_bytes(),
+            &self.signature,
+        )?;
         serde_json::from_str(&self.body).map_err(|e| ProtocolError::Payload {
             topic: topic.to_string(),
             reason: e.to_string(),
@@ -262,7 +272,7 @@ impl SignedKeyList {
     pub fn new(root: &ed25519_dalek::SigningKey, list: &KeyList) -> Self {
         let body = serde_json::to_string(list).expect("serializable");
         Self {
-            signature: sign(root, body.as_bytes()),
+            signature: sign(root, PayloadType::KeyList, body.as_bytes()),
             body,
         }
     }
@@ -275,6 +285,7 @@ impl SignedKeyList {
     ) -> Result<(KeyList, Vec<ed25519_dalek::VerifyingKey>), ProtocolError> {
         verify(
             std::slice::from_ref(root),
+            PayloadType::KeyList,
             self.body.as_bytes(),
             &self.signature,
         )?;

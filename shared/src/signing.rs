@@ -1,6 +1,11 @@
-//! Ed25519 signatures over artifact manifests. The trainer signs the exact bytes of
-//! `manifest.json` into `manifest.sig`; devices accept a manifest only when a trusted public key
-//! verifies it. Keys are stored as hex (secret: 32-byte seed; public: 32 bytes).
+//! Ed25519 signatures over Kestrel's signed bodies: artifact manifests (`manifest.json`, signed
+//! into `manifest.sig`), desired states, key lists and operators' rollout commands. Keys are
+//! stored as hex (secret: 32-byte seed; public: 32 bytes).
+//!
+//! Every signature names the type of what it signs ([`PayloadType`]) and covers that type with
+//! the body (DSSE's pre-authentication encoding, [`pae`]): a signature made for one kind of body
+//! never verifies as another kind (a rollout command's signature is no desired state's), and a
+//! verifier says which type it expects.
 
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 use serde::{Deserialize, Serialize};
@@ -21,12 +26,56 @@ pub enum SignError {
     BadSignature(String),
     #[error("manifest.sig: {0}")]
     Format(String),
+    #[error(
+        "signed as {found:?}, not as {expected:?} (a signature is good for one kind of body only)"
+    )]
+    WrongType {
+        expected: &'static str,
+        found: String,
+    },
 }
 
-/// `manifest.sig`: which key signed, and the signature.
+/// What a signature is for: named inside the signature and covered by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PayloadType {
+    /// An artifact's `manifest.json` (publishing key).
+    Manifest,
+    /// A device's or group's desired state (publishing key).
+    Desired,
+    /// The list of publishing keys (root key).
+    KeyList,
+    /// An operator's command to a rollout controller (operator or publishing key).
+    Command,
+}
+
+impl PayloadType {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Manifest => "application/vnd.kestrel.manifest+json",
+            Self::Desired => "application/vnd.kestrel.desired+json",
+            Self::KeyList => "application/vnd.kestrel.keylist+json",
+            Self::Command => "application/vnd.kestrel.command+json",
+        }
+    }
+}
+
+/// DSSE's pre-authentication encoding: `DSSEv1 LEN(type) type LEN(body) body`, the bytes a
+/// signature covers (so neither the type nor the body can be changed or moved between them).
+pub fn pae(ty: PayloadType, body: &[u8]) -> Vec<u8> {
+    let t = ty.as_str();
+    let mut out = format!("DSSEv1 {} {t} {} ", t.len(), body.len()).into_bytes();
+    out.extend_from_slice(body);
+    out
+}
+
+/// `manifest.sig` (and the signature beside every signed body): which key signed, for what type
+/// of body, and the signature over [`pae`] of both.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SignatureFile {
     pub key_id: String,
+    /// [`PayloadType::as_str`]; empty in a signature from before types were named (refused).
+    #[serde(default)]
+    pub payload_type: String,
     pub signature: String,
 }
 
@@ -71,20 +120,28 @@ pub fn keypair_hex(seed: [u8; 32]) -> (String, String) {
     )
 }
 
-/// Signs `manifest` (the exact bytes of manifest.json).
-pub fn sign(key: &SigningKey, manifest: &[u8]) -> SignatureFile {
+/// Signs `body` (its exact bytes) as a `ty`.
+pub fn sign(key: &SigningKey, ty: PayloadType, body: &[u8]) -> SignatureFile {
     SignatureFile {
         key_id: key_id(&key.verifying_key()),
-        signature: hex::encode(key.sign(manifest).to_bytes()),
+        payload_type: ty.as_str().to_string(),
+        signature: hex::encode(key.sign(&pae(ty, body)).to_bytes()),
     }
 }
 
-/// Verifies `manifest` against its signature with one of the `trusted` keys; returns the key id.
+/// Verifies that one of the `trusted` keys signed `body` as a `ty`; returns the key id.
 pub fn verify(
     trusted: &[VerifyingKey],
-    manifest: &[u8],
+    ty: PayloadType,
+    body: &[u8],
     sig: &SignatureFile,
 ) -> Result<String, SignError> {
+    if sig.payload_type != ty.as_str() {
+        return Err(SignError::WrongType {
+            expected: ty.as_str(),
+            found: sig.payload_type.clone(),
+        });
+    }
     let key = trusted
         .iter()
         .find(|k| key_id(k) == sig.key_id)
@@ -93,7 +150,7 @@ pub fn verify(
     let raw: [u8; 64] = raw
         .try_into()
         .map_err(|_| SignError::Format("signature is not 64 bytes".into()))?;
-    key.verify(manifest, &Signature::from_bytes(&raw))
+    key.verify(&pae(ty, body), &Signature::from_bytes(&raw))
         .map_err(|_| SignError::BadSignature(sig.key_id.clone()))?;
     Ok(sig.key_id.clone())
 }
@@ -110,15 +167,38 @@ mod tests {
         let pk = public_key(&pk_hex, "p").unwrap();
         let other = public_key(&other_hex, "o").unwrap();
         let msg = br#"{"name":"m","version":2}"#;
-        let sig = sign(&sk, msg);
-        assert_eq!(verify(&[other, pk], msg, &sig), Ok(key_id(&pk)));
+        let m = PayloadType::Manifest;
+        let sig = sign(&sk, m, msg);
+        assert_eq!(verify(&[other, pk], m, msg, &sig), Ok(key_id(&pk)));
         assert_eq!(
-            verify(&[other], msg, &sig),
+            verify(&[other], m, msg, &sig),
             Err(SignError::UnknownKey(key_id(&pk)))
         );
         let altered = br#"{"name":"m","version":3}"#;
         assert!(matches!(
-            verify(&[pk], altered, &sig),
+            verify(&[pk], m, altered, &sig),
+            Err(SignError::BadSignature(_))
+        ));
+        // A signature is good for its own type only: claimed as another, or relabelled.
+        assert!(matches!(
+            verify(&[pk], PayloadType::Desired, msg, &sig),
+            Err(SignError::WrongType { .. })
+        ));
+        let relabelled = SignatureFile {
+            payload_type: PayloadType::Desired.as_str().into(),
+            ..sig.clone()
+        };
+        assert!(matches!(
+            verify(&[pk], PayloadType::Desired, msg, &relabelled),
+            Err(SignError::BadSignature(_))
+        ));
+        // A signature over the bare body (as before types were named) does not verify.
+        let untyped = SignatureFile {
+            signature: hex::encode(sk.sign(msg).to_bytes()),
+            ..sig.clone()
+        };
+        assert!(matches!(
+            verify(&[pk], m, msg, &untyped),
             Err(SignError::BadSignature(_))
         ));
         assert!(matches!(

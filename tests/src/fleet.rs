@@ -275,6 +275,8 @@ pub fn fixture() -> &'static Fixture {
 /// Keys, an LFW run (the demo's: ORT, 10 epochs, 20% held out) and its three exports, in `dir`.
 fn build_fixture(dir: &Path) {
     trainer_ok(&["keygen", "--out", &s(&dir.join("keys"))]);
+    // The console's key (operator.key, operator.pub): commands only.
+    trainer_ok(&["keygen", "--operator", "--out", &s(&dir.join("keys"))]);
     trainer_ok(&["keygen", "--out", &s(&dir.join("rogue"))]);
     let run_dir = dir.join("run");
     trainer_ok(&[
@@ -324,6 +326,11 @@ pub fn signing_key_file(p: &Path) -> ed25519_dalek::SigningKey {
 impl Fixture {
     pub fn key(&self) -> PathBuf {
         self.keys.join("kestrel.key")
+    }
+
+    /// The operator's secret key (`trainer keygen --operator`), for `trainer console`.
+    pub fn operator_key(&self) -> PathBuf {
+        self.keys.join("operator.key")
     }
 
     pub fn signing(&self) -> ed25519_dalek::SigningKey {
@@ -529,6 +536,8 @@ pub fn rollout_command(b: &Broker, art: &Path, plan: &str) -> Command {
         .args(b.cli_args())
         .args(["--artifact", &s(art), "--key"])
         .arg(fixture().key())
+        .arg("--operator-key")
+        .arg(fixture().keys.join("operator.pub"))
         .args(["--fleet", plan]);
     c
 }

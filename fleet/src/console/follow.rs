@@ -43,6 +43,8 @@ fn follow(cfg: &BrokerConfig, shared: &Shared) -> Result<(), FleetError> {
         conn.subscribe(&f)?;
     }
     shared.connected.store(true, Ordering::Relaxed);
+    // The pages learn it now, not with the next message.
+    shared.changed.send_modify(|_| {});
     eprintln!("console: following {}", cfg.url);
     loop {
         let Some((topic, payload)) = conn.recv(Duration::from_secs(1))? else {

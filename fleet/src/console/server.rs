@@ -1,30 +1,33 @@
 //! The console's HTTP side (axum): the page and its assets (embedded), the JSON API, the live
-//! stream (server-sent events), `/metrics`, the token check and the actions (abort, pause,
-//! resume a rollout).
+//! stream (server-sent events), `/metrics`, the request rules ([`super::guard`]: `Host`,
+//! `Origin`, security headers, token and sessions) and the actions (pause, resume, abort a
+//! rollout). Connections, TLS, caps and timeouts are [`super::listen`]'s.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::{Path, Query, Request, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use ed25519_dalek::SigningKey;
-use futures_util::Stream;
 use kestrel_shared::issued_now;
 use kestrel_shared::mqtt::BrokerConfig;
 use serde::Deserialize;
 use tokio::sync::watch;
 
 use super::follow::{self, Shared};
+use super::guard::{Refusal, SECURITY_HEADERS, Sessions, Site, without_token};
+use super::listen::{self, Peer, RefusalLog};
 use super::view::{DeviceFilter, FleetView};
-use super::{ConsoleError, Options, metrics};
+use super::{ConsoleError, Limits, Options, metrics};
 use crate::Conn;
 use crate::rollout::command::{Action, Command};
 use crate::rollout::driver::command_topic;
@@ -32,8 +35,10 @@ use crate::rollout::driver::command_topic;
 const INDEX: &str = include_str!("assets/index.html");
 const APP_JS: &str = include_str!("assets/app.js");
 const APP_CSS: &str = include_str!("assets/app.css");
-/// The cookie that carries the token after the page was opened with `?token=`.
-const COOKIE: &str = "kestrel_console";
+/// The cookie that carries a browser's session id (never the token).
+const COOKIE: &str = "kestrel_session";
+/// Sessions held at once, at most (the oldest ends first).
+const MAX_SESSIONS: usize = 10_000;
 /// Changes are pushed at most this often (a fleet's statuses arrive in bursts).
 const PUSH_EVERY: Duration = Duration::from_millis(500);
 
@@ -44,11 +49,24 @@ struct App {
     actions: Option<SigningKey>,
     /// Who signs commands, as named in them: `console@ADDR`.
     by: String,
+    site: Site,
+    tls: bool,
+    sessions: Mutex<Sessions>,
+    limits: Limits,
+    /// Open live streams per client address.
+    streams: Mutex<HashMap<IpAddr, usize>>,
+    refusals: Arc<RefusalLog>,
 }
 
 type AppState = State<Arc<App>>;
 
-pub async fn run(opts: Options, ready: impl FnOnce(SocketAddr)) -> Result<(), ConsoleError> {
+/// Serves the console on `opts.listen`; `ready` gets its URL (`http://` or `https://`, the
+/// bound port) once it listens.
+pub async fn run(opts: Options, ready: impl FnOnce(&str)) -> Result<(), ConsoleError> {
+    let tls = match &opts.tls {
+        Some(t) => Some(listen::tls_acceptor(&t.cert, &t.key)?),
+        None => None,
+    };
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|e| ConsoleError::Listen {
@@ -59,6 +77,8 @@ pub async fn run(opts: Options, ready: impl FnOnce(SocketAddr)) -> Result<(), Co
         addr: opts.listen,
         reason: e.to_string(),
     })?;
+    let site =
+        Site::new(addr, opts.public_url.as_deref(), tls.is_some()).map_err(ConsoleError::Config)?;
     let (changed, _) = watch::channel(0);
     let shared = Arc::new(Shared {
         view: Mutex::new(FleetView::new(&opts.broker.prefix)),
@@ -66,17 +86,24 @@ pub async fn run(opts: Options, ready: impl FnOnce(SocketAddr)) -> Result<(), Co
         changed,
     });
     follow::start(opts.broker.clone(), shared.clone());
+    let refusals = Arc::new(RefusalLog::new());
     let app = Arc::new(App {
         shared,
         broker: opts.broker,
         token: opts.token,
         actions: opts.actions,
         by: format!("console@{addr}"),
+        site,
+        tls: tls.is_some(),
+        sessions: Mutex::new(Sessions::new(opts.limits.session_ttl, MAX_SESSIONS)),
+        limits: opts.limits.clone(),
+        streams: Mutex::new(HashMap::new()),
+        refusals: refusals.clone(),
     });
-    ready(addr);
-    axum::serve(listener, router(app))
-        .await
-        .map_err(|e| ConsoleError::Runtime(e.to_string()))
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    ready(&format!("{scheme}://{addr}/"));
+    listen::serve(listener, tls, router(app), opts.limits, refusals).await;
+    Ok(())
 }
 
 fn router(app: Arc<App>) -> Router {
@@ -100,27 +127,91 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/stream", get(stream))
         .route("/metrics", get(prometheus))
         .layer(middleware::from_fn_with_state(app.clone(), auth))
+        .layer(middleware::from_fn_with_state(app.clone(), addressed))
+        .layer(middleware::from_fn_with_state(app.clone(), headers))
         .with_state(app)
 }
 
-/// The token, from the Authorization header, the cookie or the `token` query parameter.
-fn presented(req: &Request) -> Option<String> {
+/// The security headers, on every response (refusals included); HSTS under TLS.
+async fn headers(State(app): AppState, req: Request, next: Next) -> Response {
+    let mut r = next.run(req).await;
+    let h = r.headers_mut();
+    for (name, value) in SECURITY_HEADERS {
+        h.insert(name, HeaderValue::from_static(value));
+    }
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    if app.tls {
+        h.insert(
+            header::STRICT_TRANSPORT_SECURITY,
+            HeaderValue::from_static("max-age=31536000"),
+        );
+    }
+    r
+}
+
+/// Answers only requests addressed to this console (`Host`), and state changes only from its
+/// own page (`Origin`): 421 and 403 otherwise.
+async fn addressed(State(app): AppState, req: Request, next: Next) -> Response {
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok());
+    if let Err(e) = app.site.check_host(host) {
+        return refuse(&app, &req, StatusCode::MISDIRECTED_REQUEST, e);
+    }
+    let changes = !matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
+    let origin = req
+        .headers()
+        .get(header::ORIGIN)
+        .map(|v| v.to_str().unwrap_or("(not text)"));
+    if changes && let Err(e) = app.site.check_origin(origin, host.unwrap_or_default()) {
+        return refuse(&app, &req, StatusCode::FORBIDDEN, e);
+    }
+    next.run(req).await
+}
+
+fn refuse(app: &App, req: &Request, status: StatusCode, why: Refusal) -> Response {
+    let peer = client(req);
+    let line = format!("{why}");
+    app.refusals.note(
+        match why {
+            Refusal::ForeignHost(_) | Refusal::NoHost => "foreign Host",
+            Refusal::ForeignOrigin(_) => "foreign Origin",
+        },
+        || {
+            format!(
+                "{} {} from {peer:?}: {line}",
+                req.method(),
+                req.uri().path()
+            )
+        },
+    );
+    (status, format!("{why}\n")).into_response()
+}
+
+fn client(req: &Request) -> Option<SocketAddr> {
+    req.extensions().get::<Peer>().map(|p| p.0)
+}
+
+/// The token from `Authorization: Bearer`, or the session id from the cookie.
+fn presented(req: &Request) -> (Option<&str>, Option<&str>) {
     let h = req.headers();
     let bearer = h
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    let cookie = h
+    let session = h
         .get_all(header::COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
-        .find_map(|c| {
-            c.trim()
-                .strip_prefix(&format!("{COOKIE}="))
-                .map(String::from)
-        });
-    let query = req.uri().query().and_then(|q| {
+        .find_map(|c| c.trim().strip_prefix(COOKIE)?.strip_prefix('='));
+    (bearer, session)
+}
+
+/// The `token` query parameter, decoded.
+fn query_token(req: &Request) -> Option<String> {
+    req.uri().query().and_then(|q| {
         q.split('&')
             .find_map(|kv| kv.strip_prefix("token="))
             .map(|t| {
@@ -128,8 +219,7 @@ fn presented(req: &Request) -> Option<String> {
                     .decode_utf8_lossy()
                     .into_owned()
             })
-    });
-    bearer.map(String::from).or(cookie).or(query)
+    })
 }
 
 /// Equal without an early exit (the time taken does not tell how much of a guess was right).
@@ -141,29 +231,50 @@ fn same(a: &str, b: &str) -> bool {
             == 0
 }
 
-/// Every request carries the token when one is set (401 otherwise); a page opened with a
-/// valid `?token=` gets it as an HttpOnly cookie, so its own requests carry it.
+/// With a token set, every request carries it (`Authorization: Bearer`) or a live session's
+/// cookie. A page opened with a valid `?token=` opens a session: its id as an HttpOnly,
+/// SameSite=Strict cookie (Secure under TLS) and a redirect to the same URL without the token,
+/// which so stays out of the browser's history and of the page's links. 401 otherwise.
 async fn auth(State(app): AppState, req: Request, next: Next) -> Response {
     let Some(token) = &app.token else {
         return next.run(req).await;
     };
-    let given = presented(&req);
-    if !given.as_deref().is_some_and(|g| same(g, token)) {
-        let mut r = (
-            StatusCode::UNAUTHORIZED,
-            "a token is required: open /?token=TOKEN or send Authorization: Bearer TOKEN\n",
-        )
-            .into_response();
-        r.headers_mut()
-            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    let (bearer, session) = presented(&req);
+    let now = Instant::now();
+    let sessions = || app.sessions.lock().unwrap_or_else(|e| e.into_inner());
+    if bearer.is_some_and(|b| same(b, token)) || session.is_some_and(|s| sessions().valid(s, now)) {
+        return next.run(req).await;
+    }
+    if req.method() == Method::GET && query_token(&req).is_some_and(|t| same(&t, token)) {
+        let id = sessions().open(now);
+        let cookie = format!(
+            "{COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}{}",
+            app.limits.session_ttl.as_secs(),
+            if app.tls { "; Secure" } else { "" }
+        );
+        let to = without_token(req.uri().path(), req.uri().query());
+        let mut r = Redirect::to(&to).into_response();
+        r.headers_mut().insert(
+            header::SET_COOKIE,
+            HeaderValue::from_str(&cookie).expect("hex and ASCII"),
+        );
         return r;
     }
-    let mut r = next.run(req).await;
-    if let Ok(v) = HeaderValue::from_str(&format!(
-        "{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"
-    )) {
-        r.headers_mut().insert(header::SET_COOKIE, v);
-    }
+    app.refusals.note("no valid token or session", || {
+        format!(
+            "{} {} from {:?}",
+            req.method(),
+            req.uri().path(),
+            client(&req)
+        )
+    });
+    let mut r = (
+        StatusCode::UNAUTHORIZED,
+        "a token is required: open /?token=TOKEN once, or send Authorization: Bearer TOKEN\n",
+    )
+        .into_response();
+    r.headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     r
 }
 
@@ -231,13 +342,60 @@ async fn prometheus(State(app): AppState) -> Response {
         .into_response()
 }
 
+/// One open live stream of a client, given back when the stream ends.
+struct StreamSlot {
+    app: Arc<App>,
+    ip: IpAddr,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut open = self.app.streams.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// A stream slot for `ip`, or which cap refuses it.
+fn stream_slot(app: &Arc<App>, ip: IpAddr) -> Result<StreamSlot, &'static str> {
+    let mut open = app.streams.lock().unwrap_or_else(|e| e.into_inner());
+    if open.values().sum::<usize>() >= app.limits.max_streams {
+        return Err("live-stream cap (--max-streams) reached");
+    }
+    let mine = open.entry(ip).or_default();
+    if *mine >= app.limits.max_streams_per_client {
+        return Err("per-client live-stream cap (--max-streams-per-client) reached");
+    }
+    *mine += 1;
+    Ok(StreamSlot {
+        app: app.clone(),
+        ip,
+    })
+}
+
 /// The live stream: a full delta first, then what changed, at most every [`PUSH_EVERY`]; each
-/// event is `delta` (JSON of [`super::view::Delta`] plus `connected`).
-async fn stream(State(app): AppState) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+/// event is `delta` (JSON of [`super::view::Delta`] plus `connected`). 503 over a stream cap.
+async fn stream(State(app): AppState, peer: Option<Extension<Peer>>) -> Response {
+    let ip = peer.map_or(IpAddr::from([0, 0, 0, 0]), |Extension(p)| p.0.ip());
+    let slot = match stream_slot(&app, ip) {
+        Ok(s) => s,
+        Err(why) => {
+            app.refusals.note(why, || format!("live stream for {ip}"));
+            let mut r = (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response();
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("10"));
+            return r;
+        }
+    };
     let rx = app.shared.changed.subscribe();
-    let s =
-        futures_util::stream::unfold((app, rx, None::<u64>), |(app, mut rx, last)| async move {
-            if let Some(_since) = last {
+    let s = futures_util::stream::unfold(
+        (app, rx, None::<u64>, slot),
+        |(app, mut rx, last, slot)| async move {
+            if last.is_some() {
                 // A closed channel (the follower is gone) ends the stream.
                 rx.changed().await.ok()?;
                 tokio::time::sleep(PUSH_EVERY).await;
@@ -250,9 +408,10 @@ async fn stream(State(app): AppState) -> Sse<impl Stream<Item = Result<Event, In
             let mut body = serde_json::to_value(&delta).expect("serializable");
             body["connected"] = app.shared.connected.load(Ordering::Relaxed).into();
             let ev = Event::default().event("delta").data(body.to_string());
-            Some((Ok(ev), (app, rx, Some(seq))))
-        });
-    Sse::new(s).keep_alive(KeepAlive::default())
+            Some((Ok::<_, Infallible>(ev), (app, rx, Some(seq), slot)))
+        },
+    );
+    Sse::new(s).keep_alive(KeepAlive::default()).into_response()
 }
 
 #[derive(Deserialize)]
@@ -264,9 +423,9 @@ struct ActionRequest {
 }
 
 /// `POST /api/rollouts/NAME/ACTION` (`abort`, `pause` or `resume`; JSON `{"confirm": NAME,
-/// "reason": ...}`): publishes a signed command for the rollout's controller. 403 without
-/// `--allow-actions`; the JSON body (a non-simple request) keeps other sites' pages from posting
-/// it.
+/// "reason": ...}`): publishes a command signed with the operator key for the rollout's
+/// controller. 403 without `--allow-actions`; another site's page is refused by its `Origin`
+/// (and could not send the JSON body without a preflight anyway).
 async fn act(
     State(app): AppState,
     Path((name, action)): Path<(String, Action)>,
@@ -275,7 +434,7 @@ async fn act(
     let Some(key) = app.actions.clone() else {
         return (
             StatusCode::FORBIDDEN,
-            "read-only console: start it with --allow-actions --key KEY\n",
+            "read-only console: start it with --allow-actions --operator-key KEY\n",
         )
             .into_response();
     };

@@ -221,3 +221,27 @@ fn rollouts_show_phases_and_their_transitions_in_the_feed() {
     );
     assert!(m.contains("kestrel_console_broker_connected 1\n"), "{m}");
 }
+
+/// The page builds its elements with the DOM and never parses a string as HTML; it has no inline
+/// script, style or handler for the Content-Security-Policy to forbid.
+#[test]
+fn the_page_never_parses_strings_as_html() {
+    let js = include_str!("assets/app.js");
+    for sink in [
+        "innerHTML",
+        "outerHTML",
+        "insertAdjacentHTML",
+        "document.write",
+        "eval(",
+        "new Function",
+        "setAttribute(\"on",
+    ] {
+        assert!(!js.contains(sink), "app.js uses {sink}");
+    }
+    let html = include_str!("assets/index.html");
+    assert_eq!(html.matches("<script").count(), 1, "only app.js");
+    assert!(html.contains("<script src=\"app.js\"></script>"));
+    for inline in ["<style", " style=", " onclick=", " onload=", "javascript:"] {
+        assert!(!html.contains(inline), "index.html has {inline}");
+    }
+}

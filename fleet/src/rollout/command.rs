@@ -1,13 +1,15 @@
 //! An operator's command to a running rollout controller (`trainer console --allow-actions`):
-//! published on `P/rollouts/<name>/command` (QoS 1, not retained), signed with a key the
-//! controller trusts (the key it signs desired states with). The controller honours it only if
-//! the signature verifies, it names this rollout, it was issued within [`FRESH_MS`] of the
+//! published on `P/rollouts/<name>/command` (QoS 1, not retained), signed as a command
+//! ([`PayloadType::Command`]) with a key the controller trusts: an operator key
+//! (`trainer keygen --operator`, given to `trainer rollout --operator-key`), which can sign
+//! nothing a device accepts, or the controller's own publishing key. The controller honours it
+//! only if the signature verifies, it names this rollout, it was issued within [`FRESH_MS`] of the
 //! controller's clock (a recorded command replayed later is refused) and its nonce is new (a
 //! command replayed within that window is refused too: the controller remembers the nonces of the
 //! commands it honoured until they would be stale anyway).
 
 use ed25519_dalek::{SigningKey, VerifyingKey};
-use kestrel_shared::signing::{SignatureFile, sign, verify};
+use kestrel_shared::signing::{PayloadType, SignatureFile, sign, verify};
 use serde::{Deserialize, Serialize};
 
 /// How far a command's `issued` may be from the controller's clock.
@@ -78,22 +80,23 @@ impl Command {
 
     pub fn sign(&self, key: &SigningKey) -> SignedCommand {
         let body = serde_json::to_string(self).expect("serializable");
-        let signature = sign(key, body.as_bytes());
+        let signature = sign(key, PayloadType::Command, body.as_bytes());
         SignedCommand { body, signature }
     }
 
-    /// The command in `payload`, if `trusted` signed it for rollout `name` within [`FRESH_MS`]
-    /// of `now_ms`.
+    /// The command in `payload`, if one of the `trusted` keys signed it as a command for rollout
+    /// `name` within [`FRESH_MS`] of `now_ms`.
     pub fn open(
         payload: &[u8],
-        trusted: &VerifyingKey,
+        trusted: &[VerifyingKey],
         name: &str,
         now_ms: u64,
     ) -> Result<Self, CommandError> {
         let signed: SignedCommand =
             serde_json::from_slice(payload).map_err(|e| CommandError::Format(e.to_string()))?;
         verify(
-            std::slice::from_ref(trusted),
+            trusted,
+            PayloadType::Command,
             signed.body.as_bytes(),
             &signed.signature,
         )
@@ -165,7 +168,7 @@ mod tests {
         assert!(matches!(
             Command::open(
                 &serde_json::to_vec(&c.sign(&SigningKey::from_bytes(&[3; 32]))).unwrap(),
-                &SigningKey::from_bytes(&[3; 32]).verifying_key(),
+                &[SigningKey::from_bytes(&[3; 32]).verifying_key()],
                 "r1",
                 now + FRESH_MS + 1
             ),
@@ -176,7 +179,7 @@ mod tests {
         let key = SigningKey::from_bytes(&[3; 32]);
         let signed = serde_json::to_vec(&blank.sign(&key)).unwrap();
         assert_eq!(
-            Command::open(&signed, &key.verifying_key(), "r1", now),
+            Command::open(&signed, &[key.verifying_key()], "r1", now),
             Err(CommandError::NoNonce)
         );
     }
@@ -185,7 +188,7 @@ mod tests {
     fn only_a_fresh_command_signed_for_this_rollout_opens() {
         let key = SigningKey::from_bytes(&[3; 32]);
         let rogue = SigningKey::from_bytes(&[4; 32]);
-        let pk = key.verifying_key();
+        let pk = [key.verifying_key()];
         let now = 1_796_022_428_000;
         let good = serde_json::to_vec(&cmd("r1", now - 5_000).sign(&key)).unwrap();
         assert_eq!(
@@ -218,6 +221,17 @@ mod tests {
         assert!(matches!(
             Command::open(b"{}", &pk, "r1", now),
             Err(CommandError::Format(_))
+        ));
+        // A desired state's signature (same key, same bytes) is no command's.
+        let c = cmd("r1", now);
+        let body = serde_json::to_string(&c).unwrap();
+        let as_desired = SignedCommand {
+            signature: sign(&key, PayloadType::Desired, body.as_bytes()),
+            body,
+        };
+        assert!(matches!(
+            Command::open(&serde_json::to_vec(&as_desired).unwrap(), &pk, "r1", now),
+            Err(CommandError::Signature(_))
         ));
     }
 }

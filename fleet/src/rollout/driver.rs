@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use ed25519_dalek::SigningKey;
+use ed25519_dalek::{SigningKey, VerifyingKey};
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{
     DEFAULT_VALIDITY_S, Desired, ModelRef, SignedDesired, Status, Target, check_name, parse,
@@ -41,12 +41,24 @@ pub fn load(conn: &mut Conn, name: &str) -> Result<Option<Controller>, FleetErro
     )
 }
 
+/// What a rollout signs with and whom it obeys.
+struct Keys<'a> {
+    /// Signs the desired states.
+    sign: &'a SigningKey,
+    /// The registry version desired states for the rolled-out version name, if any.
+    source: Option<&'a str>,
+    /// Whose commands are honoured: the operator keys and the rollout's own key.
+    commands: Vec<VerifyingKey>,
+}
+
 /// Publishes what the controller asked for; desired states for the rolled-out version carry its
 /// registry `source`.
 fn execute(
     conn: &mut Conn,
     c: &Controller,
-    (key, source): (&SigningKey, Option<&str>),
+    &Keys {
+        sign: key, source, ..
+    }: &Keys,
     outputs: Vec<Output>,
     log: &mut dyn FnMut(String),
 ) -> Result<(), FleetError> {
@@ -101,11 +113,13 @@ fn execute(
     conn.publish_all(batch, None)
 }
 
-/// Runs (or resumes) the rollout of `bundle` with `plan` until it completes or aborts.
+/// Runs (or resumes) the rollout of `bundle` with `plan` until it completes or aborts, obeying
+/// operators' commands signed by `key` or one of `operators`.
 pub fn run(
     cfg: &BrokerConfig,
     bundle: &Bundle,
     key: &SigningKey,
+    operators: &[VerifyingKey],
     plan: Plan,
     log: &mut dyn FnMut(String),
 ) -> Result<Controller, FleetError> {
@@ -137,7 +151,15 @@ pub fn run(
         }
         None => begin(&mut conn, &name, bundle, plan, log)?,
     };
-    let signer = (key, bundle.manifest.registry.as_deref());
+    let signer = &Keys {
+        sign: key,
+        source: bundle.manifest.registry.as_deref(),
+        commands: operators
+            .iter()
+            .copied()
+            .chain([key.verifying_key()])
+            .collect(),
+    };
     let mut seen = Seen::default();
     // A lost broker (a restart, an outage) is waited for: reconnected, the controller goes on as
     // a restarted one would (its phase's desired states again, all idempotent).
@@ -166,7 +188,7 @@ const RECONNECT_S: u64 = 120;
 fn follow(
     conn: &mut Conn,
     c: &mut Controller,
-    signer: (&SigningKey, Option<&str>),
+    signer: &Keys,
     seen: &mut Seen,
     log: &mut dyn FnMut(String),
 ) -> Result<(), FleetError> {
@@ -186,7 +208,7 @@ fn follow(
         if let Some((t, p)) = conn.recv(Duration::from_millis(250))?
             && !p.is_empty()
         {
-            let outputs = on_message(conn, c, signer.0, seen, (&t, &p), log);
+            let outputs = on_message(conn, c, &signer.commands, seen, (&t, &p), log);
             execute(conn, c, signer, outputs, log)?;
         }
         if last_tick.elapsed() >= Duration::from_secs(1) {
@@ -214,7 +236,7 @@ struct Seen {
 fn on_message(
     conn: &Conn,
     c: &mut Controller,
-    key: &SigningKey,
+    commanders: &[VerifyingKey],
     seen: &mut Seen,
     (topic, payload): (&str, &[u8]),
     log: &mut dyn FnMut(String),
@@ -245,21 +267,23 @@ fn on_message(
                 vec![]
             }
         },
-        Some(Route::RolloutCommand { name }) if name == c.name => command(c, payload, key, log),
+        Some(Route::RolloutCommand { name }) if name == c.name => {
+            command(c, payload, commanders, log)
+        }
         _ => vec![],
     }
 }
 
-/// An operator's command: honoured when signed by the rollout's own key, for this rollout and
-/// fresh; else refused with a log line.
+/// An operator's command: honoured when signed as a command by one of `commanders`, for this
+/// rollout, fresh and not seen before; else refused with a log line.
 fn command(
     c: &mut Controller,
     payload: &[u8],
-    key: &SigningKey,
+    commanders: &[VerifyingKey],
     log: &mut dyn FnMut(String),
 ) -> Vec<Output> {
     let now_ms = kestrel_shared::issued_now();
-    let opened = Command::open(payload, &key.verifying_key(), &c.name, now_ms)
+    let opened = Command::open(payload, commanders, &c.name, now_ms)
         .and_then(|cmd| c.commands.take(&cmd, now_ms).map(|()| cmd));
     match opened {
         Ok(cmd) => {
@@ -340,7 +364,7 @@ fn begin(
 fn wait_rolled_back(
     conn: &mut Conn,
     c: &mut Controller,
-    signer: (&SigningKey, Option<&str>),
+    signer: &Keys,
     seen: &mut Seen,
     log: &mut dyn FnMut(String),
 ) -> Result<(), FleetError> {
@@ -369,7 +393,7 @@ fn wait_rolled_back(
         {
             // A failure reported now (a device that was installing when the abort came) is
             // recorded in the saved controller.
-            let outputs = on_message(conn, c, signer.0, seen, (&t, &p), log);
+            let outputs = on_message(conn, c, &signer.commands, seen, (&t, &p), log);
             execute(conn, c, signer, outputs, log)?;
             if let Some(s) = seen.latest.get(
                 conn.topics

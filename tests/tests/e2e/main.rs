@@ -12,6 +12,7 @@ mod capture;
 mod chaos;
 mod cli;
 mod console;
+mod console_security;
 mod cross;
 mod distributed;
 mod edge;

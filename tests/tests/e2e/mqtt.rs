@@ -160,6 +160,24 @@ fn downgrades_and_unknown_keys_are_rejected(b: &Broker, topics: &Topics) {
         "unsigned desired state",
         "desired state refused: signed by unknown key",
     );
+    // The operator's key (the console's) signs commands only: no device trusts it for a desired
+    // state (or a manifest).
+    let operator = kestrel_shared::signing::public_key(
+        &std::fs::read_to_string(f.keys.join("operator.pub")).unwrap(),
+        "operator.pub",
+    )
+    .unwrap();
+    let v11 = f.variant(&f.v2, 11, |_| {});
+    let o = publish(b, &v11, &f.operator_key(), "device/pi-1", &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    refused_unverified(
+        b,
+        "desired state signed with the operator key",
+        &format!(
+            "desired state refused: signed by unknown key {}",
+            kestrel_shared::signing::key_id(&operator)
+        ),
+    );
 }
 
 /// pi-1 refused a message that does not verify (`text` in its status' `refused`): reported, and
@@ -255,7 +273,11 @@ fn unsafe_name_v7(topics: &Topics) -> Vec<(String, Vec<u8>, bool)> {
     });
     let text = std::fs::read_to_string(v7.join("manifest.json")).unwrap();
     let manifest = serde_json::from_str(&text).unwrap();
-    let sig = kestrel_shared::signing::sign(&f.signing(), text.as_bytes());
+    let sig = kestrel_shared::signing::sign(
+        &f.signing(),
+        kestrel_shared::signing::PayloadType::Manifest,
+        text.as_bytes(),
+    );
     let bundle: Vec<u8> = Bundle::from_dir(&f.v2, &f.signing(), 1 << 30)
         .unwrap()
         .chunks

@@ -10,6 +10,7 @@ use kestrel_fleet::Conn;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::Target;
 use kestrel_tests::fleet::{Proc, fixture, free_port, start_agent_with, wait_status};
+use kestrel_tests::tls::test_ca;
 use kestrel_tests::{run, s, stderr};
 
 /// A Mosquitto with TLS, passwords and the repo's ACL (edge-agent/deploy/kestrel.acl).
@@ -19,64 +20,8 @@ struct SecureBroker {
     dir: std::path::PathBuf,
 }
 
-fn openssl(args: &[&str], dir: &Path) {
-    let o = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "openssl {args:?}: {}", stderr(&o));
-}
-
-fn self_signed_ca(dir: &Path, cn: &str, key: &str, cert: &str) {
-    let subj = format!("/CN={cn}");
-    let args = [
-        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", &subj,
-    ];
-    openssl(&[&args[..], &["-keyout", key, "-out", cert]].concat(), dir);
-}
-
 fn secure_broker(dir: &Path) -> SecureBroker {
-    std::fs::create_dir_all(dir).unwrap();
-    self_signed_ca(dir, "kestrel-test-ca", "ca.key", "ca.pem");
-    openssl(
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-        ],
-        dir,
-    );
-    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
-    openssl(
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            "san.ext",
-            "-out",
-            "server.pem",
-        ],
-        dir,
-    );
-    // A second CA the devices do not trust.
-    self_signed_ca(dir, "other-ca", "other.key", "other.pem");
+    test_ca(dir);
     let passwd = dir.join("passwd");
     for (i, (user, pw)) in [
         ("kestrel-trainer", "t-secret"),

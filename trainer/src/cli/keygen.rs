@@ -10,7 +10,8 @@ use kestrel_shared::{fsutil, signing};
 use kestrel_trainer::distributed::Job;
 
 /// Generate an ed25519 signing key pair: DIR/kestrel.key (secret, mode 0600) and DIR/kestrel.pub,
-/// or with --root the fleet's root key pair DIR/root.key and DIR/root.pub.
+/// or with --root the fleet's root key pair DIR/root.key and DIR/root.pub, or with --operator an
+/// operator's key pair DIR/operator.key and DIR/operator.pub.
 #[derive(clap::Args)]
 pub struct Args {
     /// Directory for the key pair.
@@ -18,12 +19,22 @@ pub struct Args {
     out: PathBuf,
     /// The fleet's root key (root.key, root.pub): it signs only the key lists that name the
     /// publishing keys (`trainer keys`). Keep root.key offline.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "operator")]
     root: bool,
+    /// An operator's key (operator.key, operator.pub) for `trainer console --allow-actions`: it
+    /// signs rollout commands only (pause, resume, abort), which a rollout obeys when started
+    /// with `--operator-key operator.pub`. Devices never trust it: a console that holds it
+    /// cannot release a model.
+    #[arg(long)]
+    operator: bool,
 }
 
 pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
-    let stem = if a.root { "root" } else { "kestrel" };
+    let stem = match (a.root, a.operator) {
+        (true, _) => "root",
+        (_, true) => "operator",
+        _ => "kestrel",
+    };
     let (secret, public) = (
         a.out.join(format!("{stem}.key")),
         a.out.join(format!("{stem}.pub")),

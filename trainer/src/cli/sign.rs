@@ -25,7 +25,7 @@ pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
     let dir = a.artifact.dir()?;
     let mpath = dir.join(manifest::MANIFEST_FILE);
     let bytes = std::fs::read(&mpath).with_context(|| format!("reading {}", mpath.display()))?;
-    let sig = signing::sign(&sk, &bytes);
+    let sig = signing::sign(&sk, signing::PayloadType::Manifest, &bytes);
     let spath = dir.join(signing::SIGNATURE_FILE);
     fsutil::write_atomic(&spath, serde_json::to_string_pretty(&sig)?.as_bytes())
         .with_context(|| format!("writing {}", spath.display()))?;

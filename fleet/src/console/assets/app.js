@@ -12,23 +12,51 @@ let eventsDirty = false;
 let firstRender = true;
 
 const $ = (id) => document.getElementById(id);
-const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) =>
-  ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
 const fmt = (x, d) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
 const version = (d) => (d.model && d.active != null ? `${d.model} v${d.active}` : "none");
 
-// A small inline SVG line of `values` (oldest first), scaled to [lo, hi]; its label says the
-// first and last values, so the trend is there without seeing the line.
+// Every value from the broker reaches the page as text: elements are built with the DOM and
+// strings become text nodes (never HTML), so a device id, an error or a gate's bound that holds
+// markup shows as that markup. The server's Content-Security-Policy forbids inline script too.
+// h("td", { class: "num", data: { col: "state" } }, child, "text", ...): children are nodes,
+// strings, numbers or arrays of them; null, undefined and false are left out.
+function h(tag, attrs, ...kids) {
+  return fill(document.createElement(tag), attrs, kids);
+}
+
+const SVG = "http://www.w3.org/2000/svg";
+function svg(tag, attrs, ...kids) {
+  return fill(document.createElementNS(SVG, tag), attrs, kids);
+}
+
+function fill(el, attrs, kids) {
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "data") for (const [dk, dv] of Object.entries(v)) el.dataset[dk] = String(dv);
+    else el.setAttribute(k, String(v));
+  }
+  for (const kid of kids.flat(Infinity)) {
+    if (kid === null || kid === undefined || kid === false || kid === "") continue;
+    el.append(kid instanceof Node ? kid : String(kid));
+  }
+  return el;
+}
+
+const span = (cls, ...kids) => h("span", { class: cls }, ...kids);
+
+// A small SVG line of `values` (oldest first), scaled to [lo, hi]; its label says the first and
+// last values, so the trend is there without seeing the line.
 function spark(values, lo, hi, what) {
-  if (!values || values.length < 2) return "";
-  const w = 64, h = 18, n = values.length;
-  const span = hi - lo || 1;
+  if (!values || values.length < 2) return null;
+  const w = 64, ht = 18, n = values.length;
+  const span_ = hi - lo || 1;
   const pts = values.map((v, i) => {
-    const y = h - 1 - ((Math.min(Math.max(v, lo), hi) - lo) / span) * (h - 2);
+    const y = ht - 1 - ((Math.min(Math.max(Number(v), lo), hi) - lo) / span_) * (ht - 2);
     return `${((i / (n - 1)) * (w - 2) + 1).toFixed(1)},${y.toFixed(1)}`;
   }).join(" ");
-  const label = `${what}, last ${n} windows: ${values[0].toFixed(2)} to ${values[n - 1].toFixed(2)}`;
-  return `<svg class="spark" width="${w}" height="${h}" viewBox="0 0 ${w} ${h}" role="img" aria-label="${esc(label)}"><title>${esc(label)}</title><polyline points="${pts}"/></svg>`;
+  const label = `${what}, last ${n} windows: ${Number(values[0]).toFixed(2)} to ${Number(values[n - 1]).toFixed(2)}`;
+  return svg("svg", { class: "spark", width: w, height: ht, viewBox: `0 0 ${w} ${ht}`, role: "img", "aria-label": label },
+    svg("title", {}, label), svg("polyline", { points: pts }));
 }
 
 function filters() {
@@ -50,20 +78,22 @@ function accepts(d, f) {
 }
 
 function deviceRow(d) {
-  const online = d.online === true ? '<span class="ok">● online</span>'
-    : d.online === false ? '<span class="bad">○ offline</span>' : '<span class="muted">? unknown</span>';
+  const online = d.online === true ? span("ok", "● online")
+    : d.online === false ? span("bad", "○ offline") : span("muted", "? unknown");
   const state = d.progress ? `${d.state} ${d.progress[0]}/${d.progress[1]}` : (d.state ?? "no status");
-  const active = d.active != null ? `${esc(d.model)} v${d.active}` : "–";
+  const active = d.active != null ? `${d.model} v${d.active}` : "–";
   const conf = d.confidence == null ? "–"
-    : `${fmt(d.confidence, 3)}${d.reference_confidence != null ? ` <span class="muted">(ref ${fmt(d.reference_confidence, 3)})</span>` : ""} ${spark(d.confidence_history, 0, 1, "confidence")}`;
+    : [fmt(d.confidence, 3), d.reference_confidence != null ? [" ", span("muted", `(ref ${fmt(d.reference_confidence, 3)})`)] : null,
+      " ", spark(d.confidence_history, 0, 1, "confidence")];
   const drift = d.drift_z == null ? "–"
-    : `${d.drift_flagged ? '<span class="bad">⚑ flagged</span> ' : ""}${fmt(d.drift_z, 2)} ${spark(d.drift_history, 0, Math.max(4, ...(d.drift_history || [0])), "drift z")}`;
-  const err = d.last_error ? `<span class="bad">⚠ ${esc(d.last_error)}</span>` : "";
-  return `<tr data-device="${esc(d.id)}"${d.last_error ? ' class="has-error"' : ""}>` +
-    `<th scope="row">${esc(d.id)}</th><td>${esc((d.groups || []).join(", "))}</td><td>${online}</td>` +
-    `<td data-col="state">${esc(state)}${d.shadow ? `<br><span class="muted">shadow ${esc(d.shadow)}</span>` : ""}</td>` +
-    `<td data-col="active">${active}</td><td>${d.previous != null ? "v" + d.previous : "–"}</td>` +
-    `<td class="num">${fmt(d.p50_ms, 1)}</td><td>${conf}</td><td>${drift}</td><td data-col="error">${err}</td></tr>`;
+    : [d.drift_flagged ? [span("bad", "⚑ flagged"), " "] : null, fmt(d.drift_z, 2), " ",
+      spark(d.drift_history, 0, Math.max(4, ...(d.drift_history || [0]).map(Number)), "drift z")];
+  return h("tr", { data: { device: d.id }, class: d.last_error ? "has-error" : null },
+    h("th", { scope: "row" }, d.id), h("td", {}, (d.groups || []).join(", ")), h("td", {}, online),
+    h("td", { data: { col: "state" } }, state, d.shadow ? [h("br"), span("muted", `shadow ${d.shadow}`)] : null),
+    h("td", { data: { col: "active" } }, active), h("td", {}, d.previous != null ? `v${d.previous}` : "–"),
+    h("td", { class: "num" }, fmt(d.p50_ms, 1)), h("td", {}, conf), h("td", {}, drift),
+    h("td", { data: { col: "error" } }, d.last_error ? span("bad", `⚠ ${d.last_error}`) : null));
 }
 
 // Keeps a select's options equal to `values` (and its choice, if still offered).
@@ -73,7 +103,7 @@ function options(id, values) {
   const have = [...sel.options].map((o) => o.value);
   if (want.join("\n") === have.join("\n")) return;
   const chosen = sel.value;
-  sel.innerHTML = want.map((v) => `<option value="${esc(v)}">${v ? esc(v) : "all"}</option>`).join("");
+  sel.replaceChildren(...want.map((v) => h("option", { value: v }, v || "all")));
   sel.value = want.includes(chosen) ? chosen : "";
 }
 
@@ -84,7 +114,7 @@ function renderDevices() {
   options("f-version", new Set(all.map(version)));
   const f = filters();
   const shown = all.filter((d) => accepts(d, f));
-  $("device-rows").innerHTML = shown.map(deviceRow).join("");
+  $("device-rows").replaceChildren(...shown.map(deviceRow));
   $("device-count").textContent = `${shown.length} devices shown of ${all.length}`;
   const online = all.filter((d) => d.online).length;
   const errors = all.filter((d) => d.last_error).length;
@@ -94,33 +124,38 @@ function renderDevices() {
 }
 
 function gateRows(r) {
-  if (!r.gates.length) return "";
-  const verdict = (g) => (g.passed === true ? '<span class="ok">✓ ok</span>'
-    : g.passed === false ? '<span class="bad">✗ breached</span>' : '<span class="muted">… waiting</span>');
-  return `<div class="table-wrap"><table class="gates"><caption>Quality gates</caption><thead><tr><th scope="col">Phase</th>` +
-    `<th scope="col">Gate</th><th scope="col">Value</th><th scope="col">Limit</th><th scope="col">Verdict</th></tr></thead><tbody>` +
-    r.gates.map((g) => `<tr data-gate="${esc(g.name)}"><td>${g.phase}</td><td>${esc(g.name)}</td>` +
-      `<td class="num">${fmt(g.value, 3)}</td><td class="num">${g.bound} ${fmt(g.limit, 3)}</td><td>${verdict(g)}</td></tr>`).join("") +
-    "</tbody></table></div>";
+  if (!r.gates.length) return null;
+  const verdict = (g) => (g.passed === true ? span("ok", "✓ ok")
+    : g.passed === false ? span("bad", "✗ breached") : span("muted", "… waiting"));
+  const cols = ["Phase", "Gate", "Value", "Limit", "Verdict"].map((c) => h("th", { scope: "col" }, c));
+  return h("div", { class: "table-wrap" }, h("table", { class: "gates" }, h("caption", {}, "Quality gates"),
+    h("thead", {}, h("tr", {}, cols)),
+    h("tbody", {}, r.gates.map((g) => h("tr", { data: { gate: g.name } },
+      h("td", {}, g.phase), h("td", {}, g.name), h("td", { class: "num" }, fmt(g.value, 3)),
+      h("td", { class: "num" }, `${g.bound} ${fmt(g.limit, 3)}`), h("td", {}, verdict(g)))))));
 }
 
-// A rollout's header (name, model, state, reason) and body (phases, gates), as HTML.
+// A rollout's header (name, model, state, reason) and body (phases, gates), as elements.
 function rolloutParts(r) {
   const badge = r.state === "running" && r.paused ? "⏸ paused"
     : { running: "▶ running", completed: "✓ completed", aborted: "✗ aborted" }[r.state] || r.state;
   const mark = { done: "✓ done", current: r.state === "running" ? "▶ current" : "■ stopped here", pending: "… pending" };
-  const phases = r.phases.map((p) => `<tr data-phase="${p.index}" data-progress="${p.progress}">` +
-    `<th scope="row">${p.index} ${esc(p.name)}${p.mode === "shadow" ? " (shadow)" : ""}</th><td>${mark[p.progress]}</td>` +
-    `<td class="num">${p.devices}</td><td class="num">${p.waiting}</td><td class="num">${p.moved}</td>` +
-    `<td class="num">${p.active}</td><td class="num">${p.failed}</td><td class="num">${p.rolled_back}</td></tr>` +
-    (p.failures.length ? `<tr class="failures"><td colspan="8">${p.failures.map(([d, why]) =>
-      `<span class="bad">⚠ ${esc(d)}: ${esc(why)}</span>`).join("<br>")}</td></tr>` : "")).join("");
-  const head = `<h3>${esc(r.name)} <span class="muted">${esc(r.model)} v${r.version}</span> <span class="badge">${badge}</span></h3>` +
-    (r.reason ? `<p class="bad reason">${esc(r.reason)}</p>` : "");
-  const body = `<div class="table-wrap"><table class="phases"><caption class="sr">Phases of ${esc(r.name)}</caption><thead><tr>` +
-    `<th scope="col">Phase</th><th scope="col">Progress</th><th scope="col">Devices</th><th scope="col">Waiting</th>` +
-    `<th scope="col">Moved</th><th scope="col">Active</th><th scope="col">Failed</th><th scope="col">Rolled back</th>` +
-    `</tr></thead><tbody>${phases}</tbody></table></div>${gateRows(r)}`;
+  const num = (x) => h("td", { class: "num" }, x);
+  const phases = r.phases.map((p) => [
+    h("tr", { data: { phase: p.index, progress: p.progress } },
+      h("th", { scope: "row" }, `${p.index} ${p.name}${p.mode === "shadow" ? " (shadow)" : ""}`),
+      h("td", {}, mark[p.progress] ?? p.progress),
+      num(p.devices), num(p.waiting), num(p.moved), num(p.active), num(p.failed), num(p.rolled_back)),
+    p.failures.length ? h("tr", { class: "failures" }, h("td", { colspan: 8 },
+      p.failures.map(([d, why], i) => [i ? h("br") : null, span("bad", `⚠ ${d}: ${why}`)]))) : null,
+  ]);
+  const head = [h("h3", {}, r.name, " ", span("muted", `${r.model} v${r.version}`), " ", span("badge", badge)),
+    r.reason ? h("p", { class: "bad reason" }, r.reason) : null];
+  const cols = ["Phase", "Progress", "Devices", "Waiting", "Moved", "Active", "Failed", "Rolled back"]
+    .map((c) => h("th", { scope: "col" }, c));
+  const body = [h("div", { class: "table-wrap" }, h("table", { class: "phases" },
+    h("caption", { class: "sr" }, `Phases of ${r.name}`), h("thead", {}, h("tr", {}, cols)), h("tbody", {}, phases))),
+  gateRows(r)];
   return [head, body];
 }
 
@@ -152,7 +187,7 @@ function card(r) {
   }
   const body = document.createElement("div");
   el.append(head, bar, body);
-  return { el, head, bar, buttons, body, html: "" };
+  return { el, head, bar, buttons, body, shown: "" };
 }
 
 function renderRollouts() {
@@ -166,15 +201,17 @@ function renderRollouts() {
   const list = [...rollouts.values()].sort((a, b) => (a.state === "running") - (b.state === "running") || (a.name < b.name ? -1 : 1)).reverse();
   const empty = box.querySelector(".empty");
   if (empty && list.length) empty.remove();
-  if (!list.length && !empty) box.innerHTML = '<p class="empty">No rollout on this broker.</p>';
+  if (!list.length && !empty) box.replaceChildren(h("p", { class: "empty" }, "No rollout on this broker."));
   list.forEach((r, i) => {
     if (!cards.has(r.name)) cards.set(r.name, card(r));
     const c = cards.get(r.name);
-    const [head, body] = rolloutParts(r);
-    if (head + body !== c.html) {
-      c.head.innerHTML = head;
-      c.body.innerHTML = body;
-      c.html = head + body;
+    // Rebuilt only when the rollout changed, so the page does not redo it twice a second.
+    const shown = JSON.stringify(r);
+    if (shown !== c.shown) {
+      const [head, body] = rolloutParts(r);
+      c.head.replaceChildren(...head.filter(Boolean));
+      c.body.replaceChildren(...body.filter(Boolean));
+      c.shown = shown;
     }
     c.el.className = `rollout ${r.state}`;
     c.el.dataset.state = r.state;
@@ -187,9 +224,9 @@ function renderRollouts() {
 }
 
 function renderEvents() {
-  $("event-list").innerHTML = events.slice(-100).reverse().map((e) =>
-    `<li data-kind="${esc(e.kind)}"><time>${esc(e.time)}</time> <strong>${esc(e.subject)}</strong> ` +
-    `<span class="kind">${esc(e.kind)}</span> ${esc(e.text)}</li>`).join("");
+  $("event-list").replaceChildren(...events.slice(-100).reverse().map((e) =>
+    h("li", { data: { kind: e.kind } }, h("time", {}, e.time), " ", h("strong", {}, e.subject), " ",
+      span("kind", e.kind), " ", e.text)));
 }
 
 function render() {
@@ -203,8 +240,8 @@ function render() {
     renderEvents();
   }
   const link = $("link");
-  link.innerHTML = connected ? '<span aria-hidden="true">●</span> broker connected'
-    : '<span aria-hidden="true">○</span> broker not connected';
+  link.replaceChildren(h("span", { "aria-hidden": "true" }, connected ? "●" : "○"),
+    connected ? " broker connected" : " broker not connected");
   link.className = "link " + (connected ? "ok" : "bad");
   if (focused && $(focused)) $(focused).focus();
   // Render times, for scripts/bench_console.py (it sets window.kestrelRenders = []).

@@ -10,7 +10,7 @@ use kestrel_fleet::Bundle;
 use kestrel_fleet::rollout::{Controller, Plan, RolloutState, driver};
 use kestrel_shared::protocol::DEFAULT_CHUNK_BYTES;
 
-use super::{ArtifactArgs, BrokerArgs, secret_key};
+use super::{ArtifactArgs, BrokerArgs, public_key, secret_key};
 
 /// The flags of a rollout (required unless the `status` subcommand is given).
 #[derive(clap::Args)]
@@ -25,6 +25,11 @@ pub struct Args {
     /// commands).
     #[arg(long, required = true)]
     key: Option<PathBuf>,
+    /// Public key file of an operator (`trainer keygen --operator`) whose commands (pause,
+    /// resume, abort, as a console sends them) this rollout obeys; repeatable. The --key's own
+    /// commands are obeyed too.
+    #[arg(long, value_name = "PUB")]
+    operator_key: Vec<PathBuf>,
     /// Rollout plan (TOML): [[phases]] with group or percent, success, failure or
     /// max_failures, timeout_s, soak_s, mode ("active" or "shadow") and quality gates
     /// (min_requests, min_shadow_agreement, max_confidence_drop, max_drift_devices); optional
@@ -71,13 +76,23 @@ pub fn run(args: Args) -> Result<ExitCode> {
         .with_context(|| format!("reading {}", plan_path.display()))?;
     let plan = Plan::parse(&text, &plan_path.display().to_string())?;
     let sk = secret_key(&key)?;
+    let operators = args
+        .operator_key
+        .iter()
+        .map(|p| public_key(p))
+        .collect::<Result<Vec<_>>>()?;
     let artifact = args.artifact.dir()?;
     let bundle = Bundle::from_dir(&artifact, &sk, args.chunk_bytes)
         .with_context(|| format!("artifact {}", artifact.display()))?;
     let start = Instant::now();
-    let c = driver::run(&args.broker.config(), &bundle, &sk, plan, &mut |l| {
-        eprintln!("{l}")
-    })?;
+    let c = driver::run(
+        &args.broker.config(),
+        &bundle,
+        &sk,
+        &operators,
+        plan,
+        &mut |l| eprintln!("{l}"),
+    )?;
     if args.json {
         println!("{}", serde_json::to_string(&c)?);
     } else {
