@@ -9,10 +9,11 @@ source "$here/env.sh" # again: the set-up may have installed Open MPI
 # saying so, without it.)
 cd "$here/.."
 # The ARM agent binaries (with the aarch64 ONNX Runtime variant) and .deb files (dist/) that tests/tests/e2e/arm.rs runs under qemu. Bounded, so a
-# cold cross build cannot hold the test command indefinitely (warm: seconds; cold: ~20-40 min on 2 cores).
+# cold cross build cannot hold the test command indefinitely (unchanged: seconds; after a change to the
+# agent's crates: ~5 min, fat LTO for three targets; cold: ~13 min on 2 cores, measured 2026-12-04).
 # KESTREL_SKIP_EDGE_BUILD=1 skips it (the ARM tests then skip, or test what dist/ already holds).
 # The slow optional steps (the ARM build, fuzzing) share one deadline, KESTREL_SLOW_DEADLINE seconds
-# after this script started (default 2100), so a cold run still leaves the tests (~35 min on 2 cores) their time.
+# after this script started (default 2100), so a cold run still leaves the tests (~16 min on 2 cores) their time.
 slow_budget() { # the smaller of $1 and what is left before the deadline (at least 60 s)
   local left=$(( ${KESTREL_SLOW_DEADLINE:-2100} - SECONDS ))
   [ "$left" -lt 60 ] && left=60

@@ -190,15 +190,17 @@ impl Sessions {
     }
 }
 
-/// The request's query without its `token` parameter (where a browser is sent after logging in).
+/// The request's query without its `token` parameter (where a browser is sent after logging in),
+/// always a path on this site (`//evil.example` or `/\\evil.example` would leave it).
 pub fn without_token(path: &str, query: Option<&str>) -> String {
+    let path = format!("/{}", path.trim_start_matches(['/', '\\']));
     let rest: Vec<&str> = query
         .unwrap_or_default()
         .split('&')
         .filter(|kv| !kv.is_empty() && !kv.starts_with("token=") && *kv != "token")
         .collect();
     if rest.is_empty() {
-        path.to_string()
+        path
     } else {
         format!("{path}?{}", rest.join("&"))
     }
@@ -298,5 +300,7 @@ mod tests {
             "/api/devices?group=a&state=idle"
         );
         assert_eq!(without_token("/", None), "/");
+        assert_eq!(without_token("//evil.example", Some("token=t")), "/evil.example");
+        assert_eq!(without_token("/\\evil.example", None), "/evil.example");
     }
 }
