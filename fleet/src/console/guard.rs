@@ -300,7 +300,10 @@ mod tests {
             "/api/devices?group=a&state=idle"
         );
         assert_eq!(without_token("/", None), "/");
-        assert_eq!(without_token("//evil.example", Some("token=t")), "/evil.example");
+        assert_eq!(
+            without_token("//evil.example", Some("token=t")),
+            "/evil.example"
+        );
         assert_eq!(without_token("/\\evil.example", None), "/evil.example");
     }
 }

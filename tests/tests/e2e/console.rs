@@ -55,6 +55,20 @@ pub(crate) fn start_console(dir: &Path, args: &[&str]) -> (Proc, String) {
     }
 }
 
+/// `trainer console` on a free loopback port with actions allowed, signed with the fixture's
+/// operator key (commands only).
+pub(crate) fn start_console_with_actions(dir: &Path, b: &Broker) -> (Proc, String) {
+    let key = s(&fixture().operator_key());
+    let args = [
+        "--broker",
+        &b.url(),
+        "--listen",
+        "127.0.0.1:0",
+        "--allow-actions",
+    ];
+    start_console(dir, &[&args[..], &["--operator-key", &key]].concat())
+}
+
 fn http() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(20))
@@ -144,19 +158,7 @@ fn console_in_chromium_shows_the_fleet_a_rollout_an_error_and_filters() {
     let mut fleet = start_agent_with(&conf, &[], &[&args[..], &["--feed-rate", "0.1"]].concat());
     wait_fleet(&b.config(), DEVICES);
     // The console holds only the operator key: it can pause and abort, never release a model.
-    let key = s(&f.operator_key());
-    let (_console, url) = start_console(
-        &dir,
-        &[
-            "--broker",
-            &b.url(),
-            "--listen",
-            "127.0.0.1:0",
-            "--allow-actions",
-            "--operator-key",
-            &key,
-        ],
-    );
+    let (_console, url) = start_console_with_actions(&dir, &b);
     let t0 = Instant::now();
     let stage = |what: &str| {
         eprintln!(

@@ -20,7 +20,7 @@ use kestrel_tests::tls::test_ca;
 use kestrel_tests::{run, s, stderr};
 use serde_json::{Value, json};
 
-use super::console::{start_console, workdir_and_broker};
+use super::console::{start_console, start_console_with_actions, workdir_and_broker};
 
 /// Device ids and rollout names come from topics, where only safe names are taken
 /// (`check_name`); a hostile one is skipped before the page ([`HOSTILE_ID`]).
@@ -154,7 +154,6 @@ fn hostile_rollout(name: &str, fleet: &[Status], running: bool) -> (Value, Vec<S
 
 #[test]
 fn hostile_strings_from_the_broker_show_as_text_and_run_nothing() {
-    let f = fixture();
     let (dir, b) = workdir_and_broker("console-xss", BrokerKind::Mosquitto);
     let cfg = b.config();
     let mut conn = Conn::connect(&cfg, "attacker").unwrap();
@@ -193,18 +192,7 @@ fn hostile_strings_from_the_broker_show_as_text_and_run_nothing() {
     }
     // Commands the page might be made to send.
     conn.subscribe(&topics.rollout_command("+")).unwrap();
-    let (_console, url) = start_console(
-        &dir,
-        &[
-            "--broker",
-            &b.url(),
-            "--listen",
-            "127.0.0.1:0",
-            "--allow-actions",
-            "--operator-key",
-            &s(&f.operator_key()),
-        ],
-    );
+    let (_console, url) = start_console_with_actions(&dir, &b);
     let browser = Browser::start(&dir.join("chromium"), 1280, 900);
     browser.goto(&url);
     // Connected (and so subscribed: the events below are not retained).
@@ -286,20 +274,8 @@ fn curl(args: &[&str]) -> (u16, String, String) {
 
 #[test]
 fn only_its_own_host_and_origin_are_answered() {
-    let f = fixture();
     let (dir, b) = workdir_and_broker("console-origin", BrokerKind::Rumqttd);
-    let (_console, url) = start_console(
-        &dir,
-        &[
-            "--broker",
-            &b.url(),
-            "--listen",
-            "127.0.0.1:0",
-            "--allow-actions",
-            "--operator-key",
-            &s(&f.operator_key()),
-        ],
-    );
+    let (_console, url) = start_console_with_actions(&dir, &b);
     let base = url.trim_end_matches('/');
     let own = base.trim_start_matches("http://");
     let (st, head, _) = curl(&[&format!("{base}/")]);
