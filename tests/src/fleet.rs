@@ -536,7 +536,7 @@ pub fn rollout_command(b: &Broker, art: &Path, plan: &str) -> Command {
         .args(b.cli_args())
         .args(["--artifact", &s(art), "--key"])
         .arg(fixture().key())
-        .arg("--operator-key")
+        .arg("--operator-pub")
         .arg(fixture().keys.join("operator.pub"))
         .args(["--fleet", plan]);
     c

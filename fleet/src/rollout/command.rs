@@ -1,7 +1,7 @@
 //! An operator's command to a running rollout controller (`trainer console --allow-actions`):
 //! published on `P/rollouts/<name>/command` (QoS 1, not retained), signed as a command
 //! ([`PayloadType::Command`]) with a key the controller trusts: an operator key
-//! (`trainer keygen --operator`, given to `trainer rollout --operator-key`), which can sign
+//! (`trainer keygen --operator`, given to `trainer rollout --operator-pub`), which can sign
 //! nothing a device accepts, or the controller's own publishing key. The controller honours it
 //! only if the signature verifies, it names this rollout, it was issued within [`FRESH_MS`] of the
 //! controller's clock (a recorded command replayed later is refused) and its nonce is new (a

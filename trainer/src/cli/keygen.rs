@@ -23,7 +23,7 @@ pub struct Args {
     root: bool,
     /// An operator's key (operator.key, operator.pub) for `trainer console --allow-actions`: it
     /// signs rollout commands only (pause, resume, abort), which a rollout obeys when started
-    /// with `--operator-key operator.pub`. Devices never trust it: a console that holds it
+    /// with `--operator-pub operator.pub`. Devices never trust it: a console that holds it
     /// cannot release a model.
     #[arg(long)]
     operator: bool,

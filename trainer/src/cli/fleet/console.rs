@@ -44,7 +44,7 @@ pub struct Args {
     #[arg(long, requires = "operator_key")]
     allow_actions: bool,
     /// An operator's secret key (`trainer keygen --operator`: operator.key). It signs rollout
-    /// commands only; start rollouts with `--operator-key operator.pub` to obey them. Never give
+    /// commands only; start rollouts with `--operator-pub operator.pub` to obey them. Never give
     /// the console the publishing key (kestrel.key): that one can release models.
     #[arg(long, requires = "allow_actions", value_name = "KEY")]
     operator_key: Option<PathBuf>,

@@ -28,7 +28,7 @@ pub struct Args {
     /// Public key file of an operator (`trainer keygen --operator`) whose commands (pause,
     /// resume, abort, as a console sends them) this rollout obeys; repeatable. The --key's own
     /// commands are obeyed too.
-    #[arg(long, value_name = "PUB")]
+    #[arg(long = "operator-pub", value_name = "PUB")]
     operator_key: Vec<PathBuf>,
     /// Rollout plan (TOML): [[phases]] with group or percent, success, failure or
     /// max_failures, timeout_s, soak_s, mode ("active" or "shadow") and quality gates
