@@ -52,15 +52,15 @@ pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, ConsoleError
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
-/// Open connections, in all and per client address.
+/// What is open (connections, live streams), in all and per client address.
 #[derive(Default)]
-struct Counts {
+pub struct Counts {
     total: usize,
     per_client: HashMap<IpAddr, usize>,
 }
 
-/// One counted connection, given back when dropped.
-struct Slot {
+/// One counted connection or stream, given back when dropped.
+pub struct Slot {
     counts: Arc<Mutex<Counts>>,
     ip: IpAddr,
 }
@@ -78,15 +78,27 @@ impl Drop for Slot {
     }
 }
 
-/// A slot for a connection from `ip`, or why there is none.
-fn take(counts: &Arc<Mutex<Counts>>, ip: IpAddr, limits: &Limits) -> Result<Slot, &'static str> {
+/// Which cap refused a slot.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Over {
+    Total,
+    PerClient,
+}
+
+/// A slot for `ip` under `max` in all and `per_client` from one address.
+pub fn take(
+    counts: &Arc<Mutex<Counts>>,
+    ip: IpAddr,
+    max: usize,
+    per_client: usize,
+) -> Result<Slot, Over> {
     let mut c = counts.lock().unwrap_or_else(|e| e.into_inner());
-    if c.total >= limits.max_connections {
-        return Err("connection cap (--max-connections) reached");
+    if c.total >= max {
+        return Err(Over::Total);
     }
     let mine = c.per_client.entry(ip).or_default();
-    if *mine >= limits.max_connections_per_client {
-        return Err("per-client connection cap (--max-connections-per-client) reached");
+    if *mine >= per_client {
+        return Err(Over::PerClient);
     }
     *mine += 1;
     c.total += 1;
@@ -145,9 +157,21 @@ pub async fn serve(
                 continue;
             }
         };
-        let slot = match take(&counts, peer.ip(), &limits) {
+        let taken = take(
+            &counts,
+            peer.ip(),
+            limits.max_connections,
+            limits.max_connections_per_client,
+        );
+        let slot = match taken {
             Ok(s) => s,
-            Err(why) => {
+            Err(over) => {
+                let why = match over {
+                    Over::Total => "connection cap (--max-connections) reached",
+                    Over::PerClient => {
+                        "per-client connection cap (--max-connections-per-client) reached"
+                    }
+                };
                 refusals.note(why, || format!("connection from {peer}"));
                 drop(tcp);
                 continue;
@@ -273,20 +297,15 @@ mod tests {
 
     #[test]
     fn connections_are_capped_in_all_and_per_client() {
-        let limits = Limits {
-            max_connections: 3,
-            max_connections_per_client: 2,
-            ..Limits::default()
-        };
         let counts = Arc::new(Mutex::new(Counts::default()));
         let (a, b): (IpAddr, IpAddr) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
-        let a1 = take(&counts, a, &limits).unwrap();
-        let _a2 = take(&counts, a, &limits).unwrap();
-        assert!(take(&counts, a, &limits).is_err(), "a third from a");
-        let _b1 = take(&counts, b, &limits).unwrap();
-        assert!(take(&counts, b, &limits).is_err(), "over the total");
+        let a1 = take(&counts, a, 3, 2).unwrap();
+        let _a2 = take(&counts, a, 3, 2).unwrap();
+        assert_eq!(take(&counts, a, 3, 2).err(), Some(Over::PerClient));
+        let _b1 = take(&counts, b, 3, 2).unwrap();
+        assert_eq!(take(&counts, b, 3, 2).err(), Some(Over::Total));
         drop(a1);
-        let _b2 = take(&counts, b, &limits).unwrap();
+        let _b2 = take(&counts, b, 3, 2).unwrap();
         assert_eq!(counts.lock().unwrap().total, 3);
     }
 }

@@ -3,7 +3,6 @@
 //! `Origin`, security headers, token and sessions) and the actions (pause, resume, abort a
 //! rollout). Connections, TLS, caps and timeouts are [`super::listen`]'s.
 
-use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,7 +24,7 @@ use tokio::sync::watch;
 
 use super::follow::{self, Shared};
 use super::guard::{Refusal, SECURITY_HEADERS, Sessions, Site, without_token};
-use super::listen::{self, Peer, RefusalLog};
+use super::listen::{self, Counts, Over, Peer, RefusalLog};
 use super::view::{DeviceFilter, FleetView};
 use super::{ConsoleError, Limits, Options, metrics};
 use crate::Conn;
@@ -53,8 +52,8 @@ struct App {
     tls: bool,
     sessions: Mutex<Sessions>,
     limits: Limits,
-    /// Open live streams per client address.
-    streams: Mutex<HashMap<IpAddr, usize>>,
+    /// Open live streams.
+    streams: Arc<Mutex<Counts>>,
     refusals: Arc<RefusalLog>,
 }
 
@@ -97,7 +96,7 @@ pub async fn run(opts: Options, ready: impl FnOnce(&str)) -> Result<(), ConsoleE
         tls: tls.is_some(),
         sessions: Mutex::new(Sessions::new(opts.limits.session_ttl, MAX_SESSIONS)),
         limits: opts.limits.clone(),
-        streams: Mutex::new(HashMap::new()),
+        streams: Arc::default(),
         refusals: refusals.clone(),
     });
     let scheme = if tls.is_some() { "https" } else { "http" };
@@ -342,48 +341,23 @@ async fn prometheus(State(app): AppState) -> Response {
         .into_response()
 }
 
-/// One open live stream of a client, given back when the stream ends.
-struct StreamSlot {
-    app: Arc<App>,
-    ip: IpAddr,
-}
-
-impl Drop for StreamSlot {
-    fn drop(&mut self) {
-        let mut open = self.app.streams.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = open.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                open.remove(&self.ip);
-            }
-        }
-    }
-}
-
-/// A stream slot for `ip`, or which cap refuses it.
-fn stream_slot(app: &Arc<App>, ip: IpAddr) -> Result<StreamSlot, &'static str> {
-    let mut open = app.streams.lock().unwrap_or_else(|e| e.into_inner());
-    if open.values().sum::<usize>() >= app.limits.max_streams {
-        return Err("live-stream cap (--max-streams) reached");
-    }
-    let mine = open.entry(ip).or_default();
-    if *mine >= app.limits.max_streams_per_client {
-        return Err("per-client live-stream cap (--max-streams-per-client) reached");
-    }
-    *mine += 1;
-    Ok(StreamSlot {
-        app: app.clone(),
-        ip,
-    })
-}
-
 /// The live stream: a full delta first, then what changed, at most every [`PUSH_EVERY`]; each
 /// event is `delta` (JSON of [`super::view::Delta`] plus `connected`). 503 over a stream cap.
 async fn stream(State(app): AppState, peer: Option<Extension<Peer>>) -> Response {
     let ip = peer.map_or(IpAddr::from([0, 0, 0, 0]), |Extension(p)| p.0.ip());
-    let slot = match stream_slot(&app, ip) {
+    let taken = listen::take(
+        &app.streams,
+        ip,
+        app.limits.max_streams,
+        app.limits.max_streams_per_client,
+    );
+    let slot = match taken {
         Ok(s) => s,
-        Err(why) => {
+        Err(over) => {
+            let why = match over {
+                Over::Total => "live-stream cap (--max-streams) reached",
+                Over::PerClient => "per-client live-stream cap (--max-streams-per-client) reached",
+            };
             app.refusals.note(why, || format!("live stream for {ip}"));
             let mut r = (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response();
             r.headers_mut()
