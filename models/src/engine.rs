@@ -82,8 +82,8 @@ pub trait Engine: Send + Sync {
     fn kind(&self) -> EngineKind;
     /// Runs a batch `[N, ..input_shape]` and returns `[N, ..output_shape]`.
     fn run(&self, input: &Tensor) -> Result<Tensor, EngineError>;
-    /// Runs one sample (`[1, ..input_shape]`) and returns every graph output in order (an
-    /// exported graph's second output is its pooled features).
+    /// Runs a batch `[N, ..input_shape]` and returns every graph output in order, each
+    /// `[N, ..]` (an exported graph's second output is its pooled features).
     fn run_outputs(&self, input: &Tensor) -> Result<Vec<Tensor>, EngineError> {
         Ok(vec![self.run(input)?])
     }
@@ -162,76 +162,57 @@ impl TractEngine {
         f()
     }
 
-    /// Runs one sample (`[1, ..input_shape]`) and returns every graph output (calibration probes,
-    /// the reference profile's features).
-    pub fn run_all_outputs(&self, input: &Tensor) -> Result<Vec<Tensor>, EngineError> {
-        check_input(&self.input_shape, input)?;
-        let t = tract_onnx::prelude::Tensor::from_shape(&input.shape, &input.data)
-            .map_err(tract_err)?;
-        let ys = self
-            .plan
-            .run(tvec!(TValue::from(t.into_tensor())))
-            .map_err(tract_err)?;
-        ys.iter()
-            .map(|y| {
-                let v = y.to_plain_array_view::<f32>().map_err(tract_err)?;
-                Ok(Tensor::new(v.shape().to_vec(), v.iter().copied().collect()))
-            })
-            .collect()
-    }
-
-    /// Runs consecutive samples one at a time, appending outputs to `out`.
-    fn run_samples(&self, data: &[f32], per: usize) -> Result<(Vec<usize>, Vec<f32>), EngineError> {
-        let mut out = Vec::new();
-        let mut out_shape = Vec::new();
+    /// Runs consecutive samples one at a time (the batch-1 plan): per graph output (the first
+    /// only unless `all`), one sample's shape and the samples' values in order.
+    fn run_samples(&self, data: &[f32], per: usize, all: bool) -> Result<Outputs, EngineError> {
+        let mut outs: Outputs = Vec::new();
         let mut shape = vec![1];
         shape.extend(&self.input_shape);
         for sample in data.chunks(per) {
             let t = tract_onnx::prelude::Tensor::from_shape(&shape, sample).map_err(tract_err)?;
-            let y = self
+            let ys = self
                 .plan
                 .run(tvec!(TValue::from(t.into_tensor())))
                 .map_err(tract_err)?;
-            let view = y[0].to_plain_array_view::<f32>().map_err(tract_err)?;
-            out_shape = view.shape()[1..].to_vec();
-            out.extend(view.iter().copied());
+            let take = if all { ys.len() } else { 1 };
+            outs.resize_with(take, Default::default);
+            for ((out_shape, out), y) in outs.iter_mut().zip(&ys) {
+                let view = y.to_plain_array_view::<f32>().map_err(tract_err)?;
+                *out_shape = view.shape()[1..].to_vec();
+                out.extend(view.iter().copied());
+            }
         }
-        Ok((out_shape, out))
-    }
-}
-
-impl Engine for TractEngine {
-    fn kind(&self) -> EngineKind {
-        EngineKind::Tract
+        Ok(outs)
     }
 
-    fn run_outputs(&self, input: &Tensor) -> Result<Vec<Tensor>, EngineError> {
-        self.on_pool(|| self.run_all_outputs(input))
-    }
-
-    fn run(&self, input: &Tensor) -> Result<Tensor, EngineError> {
+    /// Runs a batch `[N, ..input_shape]`: the first output, or every output with `all`.
+    fn run_batch(&self, input: &Tensor, all: bool) -> Result<Vec<Tensor>, EngineError> {
         check_input(&self.input_shape, input)?;
         let n = input.shape[0];
-        let per = input.numel() / n.max(1);
+        if n == 0 {
+            return Ok(vec![Tensor::new(vec![0], Vec::new())]);
+        }
+        let per = input.numel() / n;
+        let batched = |outs: Outputs| {
+            outs.into_iter()
+                .map(|(s, data)| Tensor::new([vec![n], s].concat(), data))
+                .collect()
+        };
         if n < self.threads && cfg!(feature = "tract-threads") {
             // Fewer images than threads: one image at a time, each using every thread.
-            let (s, data) = self.on_pool(|| self.run_samples(&input.data, per))?;
-            let mut shape = vec![n];
-            shape.extend(s);
-            return Ok(Tensor::new(shape, data));
+            return Ok(batched(self.on_pool(|| self.run_samples(&input.data, per, all))?));
         }
         // One worker per thread, each taking the next image as it finishes one (the decoder
         // threads share these cores: fixed halves would leave the slowed worker's partner idle).
         let next = AtomicUsize::new(0);
-        let worker = || -> Result<Vec<(usize, Vec<usize>, Vec<f32>)>, EngineError> {
+        let worker = || -> Result<Vec<(usize, Outputs)>, EngineError> {
             let mut done = Vec::new();
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 if i >= n {
                     return Ok(done);
                 }
-                let (shape, out) = self.run_samples(&input.data[i * per..(i + 1) * per], per)?;
-                done.push((i, shape, out));
+                done.push((i, self.run_samples(&input.data[i * per..(i + 1) * per], per, all)?));
             }
         };
         let parts: Vec<_> = std::thread::scope(|s| {
@@ -243,17 +224,39 @@ impl Engine for TractEngine {
                 .map(|h| h.join().expect("tract worker panicked"))
                 .collect()
         });
-        let mut outputs = vec![Vec::new(); n];
-        let mut shape = vec![n];
+        let mut by_sample: Vec<Outputs> = vec![Vec::new(); n];
         for part in parts {
-            for (i, s, out) in part? {
-                if shape.len() == 1 {
-                    shape.extend(s);
-                }
-                outputs[i] = out;
+            for (i, outs) in part? {
+                by_sample[i] = outs;
             }
         }
-        Ok(Tensor::new(shape, outputs.concat()))
+        // Per output: the samples' values in input order.
+        let mut outs: Outputs = Vec::new();
+        for sample in by_sample {
+            outs.resize_with(sample.len(), Default::default);
+            for ((shape, data), (s, d)) in outs.iter_mut().zip(sample) {
+                *shape = s;
+                data.extend(d);
+            }
+        }
+        Ok(batched(outs))
+    }
+}
+
+/// Per graph output: one sample's shape (without the batch) and the values of the samples run.
+type Outputs = Vec<(Vec<usize>, Vec<f32>)>;
+
+impl Engine for TractEngine {
+    fn kind(&self) -> EngineKind {
+        EngineKind::Tract
+    }
+
+    fn run_outputs(&self, input: &Tensor) -> Result<Vec<Tensor>, EngineError> {
+        self.run_batch(input, true)
+    }
+
+    fn run(&self, input: &Tensor) -> Result<Tensor, EngineError> {
+        Ok(self.run_batch(input, false)?.swap_remove(0))
     }
 }
 

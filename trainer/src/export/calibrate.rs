@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use kestrel_models::Tensor;
-use kestrel_models::engine::TractEngine;
+use kestrel_models::engine::{Engine, TractEngine};
 use kestrel_models::onnx::{self, Linear, LowerOpts};
 use kestrel_models::quant::{Quant, quantize_per_channel_to};
 use kestrel_models::weights::FoldedConv;
@@ -27,6 +27,7 @@ pub(super) struct Quantized {
 pub(super) fn quantize(
     run: &Trained,
     o: &ExportOpts,
+    threads: usize,
     log: &mut dyn FnMut(String),
 ) -> Result<Quantized, ExportError> {
     let (folded, head) = (&run.folded, &run.head);
@@ -68,7 +69,7 @@ pub(super) fn quantize(
     // the inputs the quantized network sees.
     let quant = match o.quantize {
         QuantForm::Int8 => {
-            let mut ranges = calibrate(&run.pp, folded, head, &Quant::None, &samples)?.ranges;
+            let mut ranges = calibrate(&run.pp, folded, head, &Quant::None, &samples, threads)?.ranges;
             // The layers nearest the input keep float activations (their weights stay int8):
             // they see the widest, least regular ranges, and quantizing them costs the most.
             ranges.retain(|k, _| !float_layer(k, o.float_blocks));
@@ -77,7 +78,7 @@ pub(super) fn quantize(
         _ => Quant::Weights,
     };
     let (mut qf, mut qh) = (folded.clone(), head.clone());
-    let qcal = calibrate(&run.pp, &qf, &qh, &quant, &samples)?;
+    let qcal = calibrate(&run.pp, &qf, &qh, &quant, &samples, threads)?;
     bias_correct(
         run.net(),
         (folded, head),
@@ -110,14 +111,15 @@ struct Calibration {
     pub means: BTreeMap<String, Vec<f64>>,
 }
 
-/// Runs the network (quantized as `quant`) with probes in tract over `samples`, recording each
-/// Conv/Gemm input's range and per-channel mean.
+/// Runs the network (quantized as `quant`) with probes in tract over `samples` (on `threads`
+/// cores), recording each Conv/Gemm input's range and per-channel mean.
 fn calibrate(
     pp: &crate::train::Prepped,
     folded: &[FoldedConv],
     head: &Linear,
     quant: &Quant,
     samples: &[Vec<f32>],
+    threads: usize,
 ) -> Result<Calibration, ExportError> {
     let net = &pp.backbone.net;
     let opts = LowerOpts {
@@ -130,14 +132,17 @@ fn calibrate(
         .iter()
         .map(|o| o.name.trim_start_matches("act:").to_string())
         .collect();
-    let engine = TractEngine::from_onnx(&onnx::to_bytes(&model), opts.input_shape(net), 1)?;
+    let engine = TractEngine::from_onnx(&onnx::to_bytes(&model), opts.input_shape(net), threads)?;
     let mut cal = Calibration {
         ranges: BTreeMap::new(),
         means: BTreeMap::new(),
     };
     let [h, w] = net.preprocess.input_size.map(|v| v as usize);
-    for s in samples {
-        let outs = engine.run_all_outputs(&Tensor::new(vec![1, 3, h, w], s.clone()))?;
+    // A few samples per call, one per thread: every probe's activations of a chunk are held at
+    // once (megabytes per sample).
+    for chunk in samples.chunks(threads.max(1)) {
+        let x = Tensor::new(vec![chunk.len(), 3, h, w], chunk.concat());
+        let outs = engine.run_outputs(&x)?;
         for (name, t) in names.iter().zip(&outs[1..]) {
             let (lo, hi) = t
                 .data
@@ -147,16 +152,16 @@ fn calibrate(
                 });
             let e = cal.ranges.entry(name.clone()).or_insert((lo, hi));
             *e = (e.0.min(lo), e.1.max(hi));
+            // [n, channels, ..]: the mean of each channel over its positions, averaged over samples.
             let channels = t.shape[1];
-            let per = t.numel() / channels;
+            let per = t.numel() / chunk.len() / channels;
             let m = cal
                 .means
                 .entry(name.clone())
                 .or_insert_with(|| vec![0.0; channels]);
-            for (c, chunk) in t.data.chunks(per).enumerate() {
-                m[c] += chunk.iter().map(|v| *v as f64).sum::<f64>()
-                    / per as f64
-                    / samples.len() as f64;
+            for (i, plane) in t.data.chunks(per).enumerate() {
+                m[i % channels] +=
+                    plane.iter().map(|v| *v as f64).sum::<f64>() / per as f64 / samples.len() as f64;
             }
         }
     }

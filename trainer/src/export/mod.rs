@@ -163,11 +163,10 @@ pub fn export(
 ) -> Result<Manifest, ExportError> {
     let log = &mut |line: String| job.log(line);
     let run = trained::Trained::load(run_dir, job)?;
-    let quantized = calibrate::quantize(&run, o, log)?;
+    let quantized = calibrate::quantize(&run, o, job.threads(), log)?;
     let lowered = lower::lower(&run, &quantized, o, artifact_name(run_dir, o))?;
     let engines = verify::engines(&lowered, job.threads(), log)?;
     let mut verification = verify::verify(&run, &engines, o, log)?;
-    verification.reference = Some(reference::profile(&run, &lowered, job.threads(), log)?);
     let golden = golden::golden(&run, &engines, o.golden, &mut verification.checks)?;
     write::write(out, &run, &quantized, &lowered, verification, golden, o)
 }

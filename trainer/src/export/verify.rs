@@ -49,7 +49,8 @@ pub(super) fn engines(
     Ok(engines)
 }
 
-/// Runs the validation split in every runtime, compares with the trainer and applies the gates.
+/// Runs the validation split in every runtime, compares with the trainer and applies the gates;
+/// tract's outputs of the same pass (logits and pooled features) make the quality reference.
 pub(super) fn verify(
     run: &Trained,
     engines: &Engines,
@@ -62,8 +63,9 @@ pub(super) fn verify(
     let f32_accuracy = accuracy(&reference, &truth);
     let inputs = run.inputs(&val);
     let mut checks = Vec::new();
+    let mut profile = None;
     for (rt, engine) in engines {
-        let rows = engine_logits(engine.as_ref(), &inputs, &run.net().preprocess)?;
+        let [rows, features] = engine_outputs(engine.as_ref(), &inputs, &run.net().preprocess)?;
         let max_diff = rows
             .iter()
             .zip(&reference)
@@ -80,6 +82,9 @@ pub(super) fn verify(
             max_abs_logit_diff: max_diff,
             golden_top1_match: true,
         });
+        if profile.is_none() {
+            profile = Some(super::reference::profile(&rows, &features, run.labels().len(), log)?);
+        }
     }
     for c in &checks {
         gate(c, f32_accuracy, o)?;
@@ -87,7 +92,7 @@ pub(super) fn verify(
     Ok(Verification {
         f32_accuracy,
         checks,
-        reference: None,
+        reference: profile,
     })
 }
 
@@ -129,11 +134,25 @@ pub(super) fn engine_logits(
     inputs: &[Vec<f32>],
     spec: &PreprocessSpec,
 ) -> Result<Vec<Vec<f32>>, ExportError> {
+    let [logits, _] = engine_outputs(engine, inputs, spec)?;
+    Ok(logits)
+}
+
+/// [`engine_logits`] and, where the graph has a second output, each sample's pooled features
+/// (else none).
+fn engine_outputs(
+    engine: &dyn Engine,
+    inputs: &[Vec<f32>],
+    spec: &PreprocessSpec,
+) -> Result<[Vec<Vec<f32>>; 2], ExportError> {
     let [h, w] = spec.input_size.map(|v| v as usize);
-    let mut out = Vec::new();
+    let mut out = [Vec::new(), Vec::new()];
     for chunk in inputs.chunks(32) {
-        let y = engine.run(&Tensor::new(vec![chunk.len(), 3, h, w], chunk.concat()))?;
-        out.extend(y.data.chunks(y.shape[1]).map(|r| r.to_vec()));
+        let ys = engine.run_outputs(&Tensor::new(vec![chunk.len(), 3, h, w], chunk.concat()))?;
+        for (rows, y) in out.iter_mut().zip(&ys) {
+            let per = y.numel() / chunk.len();
+            rows.extend(y.data.chunks(per).map(|r| r.to_vec()));
+        }
     }
     Ok(out)
 }
