@@ -34,22 +34,35 @@ log "cargo fuzz build (-s $sanitizer): ${targets[*]}"
 # for the first and fails for the second: a target that does not compile is a broken test); a
 # crash found while fuzzing exits 1.
 cargo "${toolchain[@]}" fuzz build -a -s "$sanitizer" >&2 || { log "cargo fuzz build failed"; exit 3; }
-status=0
-for t in "${targets[@]}"; do
-  work="$KESTREL_HOME/fuzz/corpus/$t" artifacts="$KESTREL_HOME/fuzz/artifacts/$t"
+# One target per core at a time (libFuzzer runs one process per target).
+fuzz_one() {
+  local t="$1" work="$KESTREL_HOME/fuzz/corpus/$1" artifacts="$KESTREL_HOME/fuzz/artifacts/$1" out
   mkdir -p "$work" "$artifacts" "corpus/$t"
-  log "fuzz $t: $secs s"
-  out=$(mktemp)
+  out="$logs/$t.log"
   if cargo "${toolchain[@]}" fuzz run -a -s "$sanitizer" "$t" "$work" "corpus/$t" -- \
       -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=1024 \
       -artifact_prefix="$artifacts/" -print_final_stats=1 >"$out" 2>&1; then
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$out" | tail -1)
     log "fuzz $t: ${execs:-?} executions, no crash"
   else
-    status=1
     tail -40 "$out" >&2
     log "fuzz $t: FAILED (input in $artifacts/)"
+    return 1
   fi
-  rm -f "$out"
+}
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+jobs_max=$(nproc)
+log "fuzz ${targets[*]}: $secs s each, $jobs_max at a time"
+status=0
+pids=()
+for t in "${targets[@]}"; do
+  fuzz_one "$t" &
+  pids+=($!)
+  if [ ${#pids[@]} -ge "$jobs_max" ]; then
+    wait "${pids[0]}" || status=1
+    pids=("${pids[@]:1}")
+  fi
 done
+for p in "${pids[@]}"; do wait "$p" || status=1; done
 exit $status
