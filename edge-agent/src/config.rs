@@ -28,6 +28,9 @@ fn default_queue() -> usize {
 fn default_max_outbox() -> u64 {
     16 << 20
 }
+fn default_download_stall() -> u64 {
+    20
+}
 fn default_threads() -> usize {
     1
 }
@@ -55,6 +58,10 @@ pub struct Limits {
     /// within a device's bounds either way (4096 pixels a side, 48 MiB).
     #[serde(default)]
     pub any_image_format: bool,
+    /// Seconds without a new chunk after which a download asks again for the chunks it misses
+    /// (lost on the way, not yet published, or dropped when the store was full).
+    #[serde(default = "default_download_stall")]
+    pub download_stall_s: u64,
 }
 
 impl Default for Limits {
@@ -65,6 +72,7 @@ impl Default for Limits {
             queue: default_queue(),
             max_outbox_bytes: default_max_outbox(),
             any_image_format: false,
+            download_stall_s: default_download_stall(),
         }
     }
 }

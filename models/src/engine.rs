@@ -200,7 +200,9 @@ impl TractEngine {
         };
         if n < self.threads && cfg!(feature = "tract-threads") {
             // Fewer images than threads: one image at a time, each using every thread.
-            return Ok(batched(self.on_pool(|| self.run_samples(&input.data, per, all))?));
+            return Ok(batched(
+                self.on_pool(|| self.run_samples(&input.data, per, all))?,
+            ));
         }
         // One worker per thread, each taking the next image as it finishes one (the decoder
         // threads share these cores: fixed halves would leave the slowed worker's partner idle).
@@ -212,7 +214,10 @@ impl TractEngine {
                 if i >= n {
                     return Ok(done);
                 }
-                done.push((i, self.run_samples(&input.data[i * per..(i + 1) * per], per, all)?));
+                done.push((
+                    i,
+                    self.run_samples(&input.data[i * per..(i + 1) * per], per, all)?,
+                ));
             }
         };
         let parts: Vec<_> = std::thread::scope(|s| {

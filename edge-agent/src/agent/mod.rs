@@ -624,11 +624,11 @@ impl Agent {
         Ok(())
     }
 
-    /// Re-requests missing chunks when a download has not progressed for a while (chunks lost
-    /// or not yet published).
+    /// Re-requests missing chunks when a download has not progressed for
+    /// `[limits] download_stall_s` (chunks lost or not yet published, or a full store).
     async fn on_tick(&mut self) -> Result<()> {
         if let Phase::Downloading { offer, have, .. } = &self.updater.phase
-            && self.last_progress.elapsed() > Duration::from_secs(20)
+            && self.last_progress.elapsed() > Duration::from_secs(self.cfg.limits.download_stall_s)
             && self.pause.is_none()
         {
             let missing = (0..offer.chunks).filter(|i| !have.contains(i)).collect();

@@ -389,7 +389,14 @@ fn a_store_that_fills_up_during_a_download() {
     }
     let _unmount = Unmount(s(&store));
     let b = Broker::start(BrokerKind::Mosquitto, &w.join("broker"));
-    let cfg = agent_config(&w.join(device), device, &b.url(), &f.keys, "");
+    // A stalled download asks again after 3 s (default 20), so the test does not wait 20 s for it.
+    let cfg = agent_config(
+        &w.join(device),
+        device,
+        &b.url(),
+        &f.keys,
+        "download_stall_s = 3",
+    );
     let agent = start_agent(&cfg, &[]);
     let target = format!("device/{device}");
     let p = publish_in_background(b.url(), &f.v1, &f.key(), target.clone()).join();

@@ -69,7 +69,8 @@ pub(super) fn quantize(
     // the inputs the quantized network sees.
     let quant = match o.quantize {
         QuantForm::Int8 => {
-            let mut ranges = calibrate(&run.pp, folded, head, &Quant::None, &samples, threads)?.ranges;
+            let mut ranges =
+                calibrate(&run.pp, folded, head, &Quant::None, &samples, threads)?.ranges;
             // The layers nearest the input keep float activations (their weights stay int8):
             // they see the widest, least regular ranges, and quantizing them costs the most.
             ranges.retain(|k, _| !float_layer(k, o.float_blocks));
@@ -160,8 +161,9 @@ fn calibrate(
                 .entry(name.clone())
                 .or_insert_with(|| vec![0.0; channels]);
             for (i, plane) in t.data.chunks(per).enumerate() {
-                m[i % channels] +=
-                    plane.iter().map(|v| *v as f64).sum::<f64>() / per as f64 / samples.len() as f64;
+                m[i % channels] += plane.iter().map(|v| *v as f64).sum::<f64>()
+                    / per as f64
+                    / samples.len() as f64;
             }
         }
     }

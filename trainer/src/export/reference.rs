@@ -26,7 +26,10 @@ pub(super) fn profile(
         )));
     }
     let reference = QualityReference::build(
-        logits.iter().zip(features).map(|(l, f)| (l.as_slice(), f.as_slice())),
+        logits
+            .iter()
+            .zip(features)
+            .map(|(l, f)| (l.as_slice(), f.as_slice())),
         classes,
         FEATURES_OUTPUT,
         PROJECTION_SEED,

@@ -83,7 +83,12 @@ pub(super) fn verify(
             golden_top1_match: true,
         });
         if profile.is_none() {
-            profile = Some(super::reference::profile(&rows, &features, run.labels().len(), log)?);
+            profile = Some(super::reference::profile(
+                &rows,
+                &features,
+                run.labels().len(),
+                log,
+            )?);
         }
     }
     for c in &checks {
