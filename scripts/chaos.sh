@@ -6,7 +6,7 @@
 #   - 200 inference requests/s for 60 s at one agent (LOAD_RATE, LOAD_SECONDS): answered, busy,
 #     lost, RSS, p50/p99;
 #   - a store on a tmpfs that fills up during a download; Mosquitto restarted mid-rollout.
-# Prints one line per figure (the README's "Hardening" table); KESTREL_CHAOS_SEED replays a run.
+# Prints one line per figure (the "Hardening" table of docs/fleet.md); KESTREL_CHAOS_SEED replays a run.
 #   scripts/chaos.sh [TEST_FILTER...]   # default: all of them; the whole output in $KESTREL_HOME/chaos.log
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

@@ -3,7 +3,7 @@
 //! topic, or is refused and why. The IO layer persists [`DesiredStates::newest`] in the journal, so
 //! the rules hold across restarts.
 //!
-//! The rules (docs/PROTOCOL.md names the threat each one answers):
+//! The rules (docs/protocol.md names the threat each one answers):
 //! - **replay / rollback**: a state whose `issued` is older than the newest accepted on the same
 //!   topic is refused. The same state delivered again (a retained message after a reconnect) has
 //!   the same `issued` and is accepted as it was.

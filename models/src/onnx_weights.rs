@@ -9,7 +9,7 @@
 //! BN (the conv's own bias moved into its running mean, a different epsilon into its variance);
 //! a Conv without one (BN folded by the exporter) gets an identity BN that carries its bias.
 //! Initializers and Constant nodes are read with the ONNX protobuf types of `tract_onnx::pb`
-//! (see the README for why not `candle-onnx`).
+//! (see docs/training.md for why not `candle-onnx`).
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -1,5 +1,5 @@
 //! The MQTT protocol between the trainer (publisher, rollout controller) and edge agents: topic
-//! layout and message types. `docs/PROTOCOL.md` describes the same thing for people; the two must
+//! layout and message types. `docs/protocol.md` describes the same thing for people; the two must
 //! agree. No IO here: both sides build topics and payloads with these functions and types.
 //!
 //! Topics ([`crate::topics`]), under a configurable prefix (default `kestrel`):
@@ -183,7 +183,7 @@ pub struct Desired {
     pub rollback: bool,
     /// Milliseconds since the Unix epoch when this was issued ([`crate::issued_now`]): the
     /// newest group state wins, and a device refuses one older than the newest it accepted on
-    /// the same topic (replay protection; see docs/PROTOCOL.md).
+    /// the same topic (replay protection; see docs/protocol.md).
     pub issued: u64,
     /// Seconds since the Unix epoch after which a device refuses this state (freeze protection:
     /// a state withheld and delivered late is reported, not followed). None: it never expires.

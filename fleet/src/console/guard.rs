@@ -1,6 +1,6 @@
 //! The console's request rules, without IO: which `Host` and `Origin` it answers, the headers
 //! every response carries, and the browser sessions a token opens. `server` applies them to
-//! each request; docs/CONSOLE.md gives each rule's reason.
+//! each request; docs/console.md gives each rule's reason.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};

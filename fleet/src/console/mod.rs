@@ -13,7 +13,7 @@
 //!
 //! Safe by default: it listens on loopback and answers only requests addressed to it; any other
 //! address needs a token and TLS (or `--insecure-http` behind a TLS proxy); it is read-only
-//! unless started with an operator key for actions. docs/CONSOLE.md gives each rule's reason.
+//! unless started with an operator key for actions. docs/console.md gives each rule's reason.
 
 mod follow;
 mod guard;

@@ -4,7 +4,7 @@
 //! - a **broker-level attacker**: write access to any topic (a stolen trainer password, or the
 //!   broker itself), but none of the fleet's signing keys.
 //!
-//! Each test is one attack of docs/PROTOCOL.md's threat table and asserts its outcome.
+//! Each test is one attack of docs/protocol.md's threat table and asserts its outcome.
 
 use std::path::Path;
 use std::sync::Arc;
