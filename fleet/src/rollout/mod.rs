@@ -299,8 +299,16 @@ impl Controller {
                 }
                 _ => unreachable!("validated plan"),
             };
-            if chosen.is_empty() {
-                return Err(bad(format!("phase `{}` selects no device", ph.name)));
+            // A group no device of the fleet is in is a mistake (a misspelt name); a phase left
+            // empty because earlier ones took its devices (one Pi in the canary group, then
+            // "everyone") has nothing to do and passes.
+            if let Some(g) = &ph.group
+                && !fleet.iter().any(|s| s.groups.contains(g))
+            {
+                return Err(bad(format!(
+                    "phase `{}` selects no device: no device of the fleet is in group `{g}`",
+                    ph.name
+                )));
             }
             for s in chosen {
                 let previous = s.model.clone().zip(s.active);
@@ -553,7 +561,8 @@ impl Controller {
         // Promote once the threshold has held for the soak time (devices still pending keep
         // their desired state and finish on their own) and the quality gates pass.
         let since = *self.phase_succeeded.get_or_insert(now);
-        if gates::any(&spec) {
+        // An empty phase has no devices whose quality could be judged.
+        if gates::any(&spec) && n > 0 {
             let current = gates::evaluate(self.phase, &spec, self.phase_devices(self.phase));
             let phase = self.phase;
             self.gates.retain(|g| g.phase != phase);

@@ -222,8 +222,29 @@ fn plans_are_validated() {
         Controller::new("r", "m", 2, p, &fleet(3))
             .unwrap_err()
             .to_string()
-            .contains("selects no device")
+            .contains("no device of the fleet is in group `nobody`")
     );
+}
+
+/// One Pi in the canary group, then "everyone": the second phase is left with no device and
+/// passes (with its quality gates too: no device, nothing to judge), and the rollout completes.
+#[test]
+fn a_phase_left_empty_by_earlier_ones_passes() {
+    let plan = Plan::parse(
+        "[[phases]]\nname = \"canary\"\ngroup = \"canary\"\n\
+         [[phases]]\nname = \"everyone\"\npercent = 100\nmin_requests = 30\n",
+        "fleet.toml",
+    )
+    .unwrap();
+    let mut c = Controller::new("r", "m", 2, plan, &fleet(3)).unwrap();
+    assert_eq!(c.phase_devices(1).count(), 0);
+    let moved = desired_devices(&c.start(0));
+    assert_eq!(moved.len(), 3);
+    for (t, id) in moved.iter().enumerate() {
+        c.on_status(&status(id, &["canary"], Some(2), None), t as u64 + 1);
+    }
+    c.on_tick(10);
+    assert_eq!(c.state, RolloutState::Completed, "{c:?}");
 }
 
 /// A quality report of device `id` on `m` v`version`: `requests` answered at mean confidence

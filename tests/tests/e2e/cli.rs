@@ -1,9 +1,11 @@
 //! The command lines as a user reads them: every command's `--help`, walked through the binaries.
 //! - No flag name means two things: a flag has one help text wherever it appears (defaults aside),
 //!   except `--out` and `--json`, which by definition name each command's own output.
-//! - The README's CLI sections list exactly the flags each command has.
+//! - docs/cli.md lists exactly the flags each command has, and the README and the guide show no
+//!   other.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 
 use kestrel_tests::{run, stdout};
 
@@ -146,11 +148,20 @@ fn no_flag_means_two_things() {
     }
 }
 
-/// The flags the README's CLI blocks give each command of `bin`: lines `BIN CMD ... --flag ...`
+/// The pages whose command lines are checked against `--help`: the reference (docs/cli.md, which
+/// lists every flag) and the pages that show commands to type.
+const CLI_PAGES: [&str; 3] = ["docs/cli.md", "README.md", "docs/guide.md"];
+
+/// The flags the CLI blocks of [`CLI_PAGES`] give each command of `bin`: lines `BIN CMD ... --flag ...`
 /// (continuation lines indented under them) and `flags of CMD, CMD: --flag ...` lines for groups.
-fn readme_flags(bin: &str) -> BTreeMap<String, BTreeSet<String>> {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md");
+fn documented_flags(bin: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let readme: String = CLI_PAGES
+        .iter()
+        .map(|page| {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(page);
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{page}: {e}")) + "\n"
+        })
+        .collect();
     let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     let mut in_block = false;
     let mut current: Vec<String> = Vec::new();
@@ -206,9 +217,9 @@ fn readme_flags(bin: &str) -> BTreeMap<String, BTreeSet<String>> {
 }
 
 #[test]
-fn readme_cli_sections_match_help() {
+fn documented_commands_match_help() {
     for bin in ["trainer", "edge-agent"] {
-        let documented = readme_flags(bin);
+        let documented = documented_flags(bin);
         for path in commands(bin) {
             let p: Vec<&str> = path.iter().map(String::as_str).collect();
             let name = path.join(" ");
@@ -217,7 +228,7 @@ fn readme_cli_sections_match_help() {
                 // A command with subcommands of its own may be documented only through them.
                 assert!(
                     !subcommands(bin, &p).is_empty(),
-                    "README documents no `{bin} {name}`"
+                    "docs/cli.md documents no `{bin} {name}`"
                 );
                 continue;
             };
@@ -225,7 +236,7 @@ fn readme_cli_sections_match_help() {
             let extra: Vec<_> = doc.difference(&actual).collect();
             assert!(
                 missing.is_empty() && extra.is_empty(),
-                "README's `{bin} {name}` differs from --help: not in README {missing:?}, not in --help {extra:?}"
+                "the docs' `{bin} {name}` differs from --help: not in docs/cli.md {missing:?}, not in --help {extra:?} (docs/cli.md, README.md or docs/guide.md)"
             );
         }
         for name in documented.keys() {
@@ -234,7 +245,7 @@ fn readme_cli_sections_match_help() {
                 run(bin, &[p.as_slice(), &["--help"]].concat())
                     .status
                     .success(),
-                "README documents `{bin} {name}`, which does not exist"
+                "the docs show `{bin} {name}`, which does not exist"
             );
         }
     }
