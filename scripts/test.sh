@@ -58,7 +58,9 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   log "installing cargo-nextest (crates.io)"
   cargo install --locked cargo-nextest >&2
 fi
-log "cargo nextest run (release) ${KESTREL_FEATURES:-without MPI}"
+# One test more than cores (.config/nextest.toml: the CPU-bound ones stay at one per core).
+export NEXTEST_TEST_THREADS="${NEXTEST_TEST_THREADS:-$(( $(nproc) + 1 ))}"
+log "cargo nextest run (release, $NEXTEST_TEST_THREADS at a time) ${KESTREL_FEATURES:-without MPI}"
 rc=0
 # shellcheck disable=SC2086
 cargo nextest run --release --locked --workspace --no-fail-fast $KESTREL_FEATURES || rc=$?
