@@ -8,8 +8,10 @@
 //! - the block marked `guide: on the Pi` runs in a directory standing for the Pi's home, with
 //!   `/etc/kestrel` and `/var/lib/kestrel` under a directory standing for its root, and shell
 //!   functions in place of `scp` (copies into that home), `sudo` (runs the command), `apt install`
-//!   (unpacks the .deb there with dpkg-deb) and `systemctl restart kestrel-agent` (starts the unit's
-//!   `ExecStart`, the packaged aarch64 agent, under qemu-aarch64 as a Raspberry Pi 4's CPU).
+//!   (unpacks the .deb there with dpkg-deb) and `systemctl enable --now kestrel-agent` (starts the
+//!   unit's `ExecStart`, the packaged aarch64 agent, under qemu-aarch64 as a Raspberry Pi 4's CPU);
+//!   its lines that set a variable of the settings block (`LAN_IP=...`: the Pi's shell does not
+//!   have step 1's) get this test's value.
 //!
 //! It needs the aarch64 package in dist/ and qemu (the test command builds and installs both); it
 //! says that it skips, and why, without them.
@@ -92,7 +94,7 @@ apt() {
   for deb in "$@"; do dpkg-deb -x "$deb" "$PI_ROOT"; done
 }
 systemctl() {
-  [ "$*" = "restart kestrel-agent" ] || { echo "systemctl (guide test): only restart kestrel-agent" >&2; return 1; }
+  [ "$*" = "enable --now kestrel-agent" ] || { echo "systemctl (guide test): only enable --now kestrel-agent" >&2; return 1; }
   local cmd
   cmd=$(sed -n 's/^ExecStart=//p' "$PI_ROOT/lib/systemd/system/kestrel-agent.service")
   cmd=${cmd//\/etc\/kestrel/$PI_ROOT/etc/kestrel}
@@ -122,7 +124,16 @@ fn script(blocks: &[Block], settings: &str) -> String {
                 sh += &format!("(\n{text}) >bg-{i}.log 2>&1 &\nguide_wait_port \"${port}\"\n")
             }
             Block::Pi(text) => {
-                let text = text
+                let ours = |line: &str| {
+                    settings.lines().find(|s| {
+                        line.split_once('=')
+                            .is_some_and(|(var, _)| s.starts_with(&format!("{var}=")))
+                    })
+                };
+                let text: String = text
+                    .lines()
+                    .map(|l| format!("{}\n", ours(l).unwrap_or(l)))
+                    .collect::<String>()
                     .replace("/etc/kestrel", "$PI_ROOT/etc/kestrel")
                     .replace("/var/lib/kestrel", "$PI_ROOT/var/lib/kestrel");
                 sh += &format!("cd \"$PI_HOME\"\n{text}cd \"$WORK\"\n");
