@@ -34,6 +34,15 @@ fn main() -> ExitCode {
         "kestrel broker (rumqttd) listening on mqtt://{}, payloads up to {} bytes",
         cli.listen, cli.max_payload_bytes
     );
+    if !cli.listen.ip().is_loopback() {
+        eprintln!(
+            "warning: listening beyond this machine ({}) with plain MQTT, no passwords and no \
+             ACL: anyone who reaches it can read every message and publish to every topic (devices \
+             still install only what a trusted key signed). On a network you do not trust, run \
+             Mosquitto with edge-agent/deploy/mosquitto.conf (TLS, passwords, per-device ACL)",
+            cli.listen
+        );
+    }
     match run(cli.listen, cli.max_payload_bytes) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
