@@ -49,6 +49,15 @@ pub fn s(p: &Path) -> String {
     p.display().to_string()
 }
 
+/// Where scripts/build-edge.sh put the ARM agents and packages: `KESTREL_DIST`, else the
+/// repository's `dist/`.
+pub fn dist() -> PathBuf {
+    match std::env::var_os("KESTREL_DIST") {
+        Some(p) => PathBuf::from(p),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../dist"),
+    }
+}
+
 /// A workspace binary from the same profile directory as the running test.
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");

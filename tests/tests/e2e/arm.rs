@@ -21,18 +21,11 @@ use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, desired, fixture, killed_mid_download, publish_ok,
     publish_raw, wait_status,
 };
-use kestrel_tests::{fetched, run, stderr, stdout};
+use kestrel_tests::{dist, fetched, run, stderr, stdout};
 use serde_json::Value;
 
 fn s(p: &Path) -> String {
     p.display().to_string()
-}
-
-fn dist() -> PathBuf {
-    match std::env::var_os("KESTREL_DIST") {
-        Some(p) => PathBuf::from(p),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../dist"),
-    }
 }
 
 /// An ARM edge-agent binary and how to run it under qemu.

@@ -6,8 +6,19 @@ use std::path::{Path, PathBuf};
 
 /// The top-level entries of the repository a named path may start with.
 const ROOTS: [&str; 13] = [
-    ".ci/", ".config/", "docs/", "edge-agent/", "fleet/", "fuzz/", "models/", "scripts/", "shared/",
-    "tests/", "trainer/", "Cargo.toml", "Cross.toml",
+    ".ci/",
+    ".config/",
+    "docs/",
+    "edge-agent/",
+    "fleet/",
+    "fuzz/",
+    "models/",
+    "scripts/",
+    "shared/",
+    "tests/",
+    "trainer/",
+    "Cargo.toml",
+    "Cross.toml",
 ];
 
 /// What is wrong with the links and named paths of the Markdown `text` of file `file` (a path

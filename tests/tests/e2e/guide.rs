@@ -180,11 +180,12 @@ fn the_guide_has_its_marked_blocks() {
 #[test]
 fn every_block_of_the_guide_runs() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let dist = std::env::var_os("KESTREL_DIST")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("dist"));
+    let dist = kestrel_tests::dist();
     let Some(deb) = arm64_deb(&dist) else {
-        eprintln!("skipped: no kestrel-agent_*_arm64.deb in {} (scripts/build-edge.sh)", dist.display());
+        eprintln!(
+            "skipped: no kestrel-agent_*_arm64.deb in {} (scripts/build-edge.sh)",
+            dist.display()
+        );
         return;
     };
     if Command::new("qemu-aarch64-static")
@@ -223,7 +224,12 @@ fn every_block_of_the_guide_runs() {
     let sh = script(&blocks(&guide), &settings);
     std::fs::write(tmp.path().join("guide.sh"), &sh).unwrap();
     // The binaries under test: scripts/env.sh puts $CARGO_TARGET_DIR/release on the PATH.
-    let target = bin("trainer").parent().unwrap().parent().unwrap().to_path_buf();
+    let target = bin("trainer")
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf();
     let mut child = Command::new("bash")
         .arg(tmp.path().join("guide.sh"))
         .current_dir(tmp.path())
@@ -252,7 +258,10 @@ fn every_block_of_the_guide_runs() {
     let held_out = answers.len() - 1;
     assert!(held_out >= 8, "{held_out} answers: {summary}");
     assert_eq!(summary["errors"], 0, "{summary}");
-    assert_eq!(summary["evaluation"]["samples"], held_out as u64, "{summary}");
+    assert_eq!(
+        summary["evaluation"]["samples"], held_out as u64,
+        "{summary}"
+    );
     assert!(
         summary["evaluation"]["accuracy"].as_f64().unwrap() >= 0.75,
         "{summary}"
@@ -270,7 +279,11 @@ fn every_block_of_the_guide_runs() {
     };
     let pi = &devices[0];
     assert_eq!(
-        (pi["id"].as_str(), pi["active"].as_u64(), pi["previous"].as_u64()),
+        (
+            pi["id"].as_str(),
+            pi["active"].as_u64(),
+            pi["previous"].as_u64()
+        ),
         (Some("pi-01"), Some(2), Some(1)),
         "{devices}"
     );
