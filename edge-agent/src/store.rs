@@ -104,7 +104,9 @@ impl Store {
         self.link_version("previous")
     }
 
-    /// Moves a verified staging directory into `versions/` (atomic rename) and drops its download.
+    /// Moves a verified staging directory into `versions/` (atomic rename). The download stays
+    /// until the version is active: a restart during the health check verifies it again from
+    /// the journaled chunks.
     pub fn stage(&self, version: u64) -> io::Result<PathBuf> {
         let dst = self.version_dir(version);
         if dst.exists() && Some(version) != self.active() && Some(version) != self.previous() {
@@ -117,7 +119,6 @@ impl Store {
             fs::rename(self.staging_dir(version), &dst)?;
             sync_dir(&self.root.join("versions"))?;
         }
-        let _ = fs::remove_dir_all(self.download_dir(version));
         Ok(dst)
     }
 
@@ -128,7 +129,8 @@ impl Store {
         fs::rename(&tmp, self.root.join(name))
     }
 
-    /// Makes `version` (already staged) active; the old active becomes previous. Idempotent.
+    /// Makes `version` (already staged) active; the old active becomes previous; drops its
+    /// download. Idempotent.
     pub fn activate(&self, version: u64) -> io::Result<()> {
         if !self.version_dir(version).is_dir() {
             return Err(io::Error::new(
@@ -144,6 +146,7 @@ impl Store {
             self.swap_link("active", version)?;
             sync_dir(&self.root)?;
         }
+        let _ = fs::remove_dir_all(self.download_dir(version));
         self.prune()
     }
 
@@ -269,5 +272,20 @@ mod tests {
         put(&s, 2);
         s.activate(2).unwrap();
         assert_eq!(s.active(), Some(2));
+    }
+
+    #[test]
+    fn a_download_stays_until_its_version_is_active() {
+        // A restart during the health check verifies the staged version again from its
+        // journaled chunks and offer, so staging must not drop them (a random-kill chaos run
+        // found the agent refusing its own update after a kill at that moment).
+        let tmp = tempfile::tempdir().unwrap();
+        let s = Store::open(tmp.path()).unwrap();
+        s.write_offer(1, b"{}").unwrap();
+        s.write_chunk(1, 0, b"chunk").unwrap();
+        put(&s, 1);
+        assert!(s.offer_path(1).exists() && s.chunk_path(1, 0).exists());
+        s.activate(1).unwrap();
+        assert!(!s.download_dir(1).exists());
     }
 }
