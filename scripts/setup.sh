@@ -43,7 +43,8 @@ fi
 
 # The release binaries, in the background while the rest is fetched. The demo runs no MPI: its
 # first build leaves the feature (and bindgen, libclang's bindings) out even where Open MPI is
-# installed; once binaries are there it builds what the tests build, so nothing is rebuilt twice.
+# installed; once binaries are there it builds what the tests build (with Open MPI, that next build
+# recompiles the trainer once with the feature; after that the demo and the tests share one build).
 features="$KESTREL_FEATURES"
 [ $full = 1 ] || [ -x "$KESTREL_BIN/trainer" ] || features=""
 log "building release binaries (CARGO_TARGET_DIR=$CARGO_TARGET_DIR) ${features:-without MPI}"
