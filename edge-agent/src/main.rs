@@ -17,9 +17,14 @@ use kestrel_shared::PreprocessSpec;
 #[command(
     name = "edge-agent",
     version,
-    about = "Kestrel edge agent: verified models over MQTT, inference with tract"
+    about = "Kestrel edge agent: verified models over MQTT, inference with tract",
+    after_help = "Exit status: 0 done; 1 failed (a check did not pass, a bad image or artifact, \
+                  any other error); 2 usage; 78 configuration (agent.toml), which the systemd \
+                  unit does not restart into."
 )]
 struct Cli {
+    #[command(flatten)]
+    verbosity: kestrel_shared::logging::Verbosity,
     /// Inference threads.
     #[arg(long, global = true, default_value_t = 1)]
     threads: usize,
@@ -142,11 +147,19 @@ fn parse_engine(s: &str) -> Result<EngineKind, String> {
 }
 
 fn main() -> ExitCode {
-    match run(Cli::parse()) {
+    let cli = Cli::parse();
+    cli.verbosity.init();
+    match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            tracing::error!("{e:#}");
+            // 78 (EX_CONFIG): a configuration systemd should not restart into
+            // (RestartPreventExitStatus=78 in deploy/kestrel-agent.service).
+            if e.chain().any(|c| c.is::<edge_agent::config::ConfigError>()) {
+                ExitCode::from(78)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
@@ -202,12 +215,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     }
                     Err(e) => {
                         failed += 1;
-                        eprintln!("error: {e:#}");
+                        tracing::error!("{e:#}");
                     }
                 }
             }
             if failed > 0 {
-                eprintln!(
+                tracing::error!(
                     "{failed} of {} images could not be classified",
                     images.len()
                 );

@@ -105,7 +105,7 @@ pub fn watch_dir(dir: PathBuf, model: Shared<LoadedModel>, top_k: usize) {
                 .open(dir.join("results.jsonl"))
                 .and_then(|mut f| writeln!(f, "{line}"));
             if let Err(e) = out {
-                eprintln!("error: {}: {e}", dir.join("results.jsonl").display());
+                tracing::error!("{}: {e}", dir.join("results.jsonl").display());
             }
             let _ = std::fs::rename(&p, done.join(p.file_name().expect("file")));
         }

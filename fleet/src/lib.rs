@@ -44,6 +44,9 @@ pub enum FleetError {
     /// The operation was refused (versions, names, plans) or its condition was not met.
     #[error("{0}")]
     Refused(String),
+    /// A wait ran out of time (a device's status never met the condition).
+    #[error("{0}")]
+    TimedOut(String),
     #[error(transparent)]
     Artifact(#[from] artifact::ArtifactError),
     #[error(transparent)]

@@ -68,7 +68,7 @@ pub(crate) fn retained<T: FromDevice>(
         .filter(|(_, p)| !p.is_empty())
         .filter_map(|(t, p)| {
             from_device(&topics, kind, t, p)
-                .map_err(|e| eprintln!("warning: skipped: {e}"))
+                .map_err(|e| tracing::warn!("skipped: {e}"))
                 .ok()
         })
         .collect())
@@ -98,7 +98,7 @@ pub fn wait_status(
         first = false;
         let topic = conn.topics.status(device);
         if let Err(e) = conn.subscribe(&topic) {
-            eprintln!("{e}; reconnecting");
+            tracing::warn!("{e}; reconnecting");
             continue;
         }
         loop {
@@ -111,20 +111,20 @@ pub fn wait_status(
                         }
                         Ok(s) => last = Some(s),
                         // Not this device's status: what it said next may be.
-                        Err(e) => eprintln!("warning: skipped: {e}"),
+                        Err(e) => tracing::warn!("skipped: {e}"),
                     }
                 }
                 Ok(Some(_)) => {}
                 Ok(None) => break,
                 Err(FleetError::Broker { reason, .. }) => {
-                    eprintln!("{}: {reason}; reconnecting", cfg.url);
+                    tracing::warn!("{}: {reason}; reconnecting", cfg.url);
                     break;
                 }
                 Err(e) => return Err(e),
             }
         }
     }
-    Err(FleetError::Refused(format!(
+    Err(FleetError::TimedOut(format!(
         "device {device}: condition not met within {timeout:?}; last status: {}",
         last.map_or("none".into(), |s| serde_json::to_string(&s)
             .unwrap_or_default())

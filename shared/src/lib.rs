@@ -9,6 +9,8 @@
 
 pub mod capture;
 pub mod fsutil;
+#[cfg(feature = "logging")]
+pub mod logging;
 pub mod manifest;
 #[cfg(feature = "mqtt")]
 pub mod mqtt;

@@ -51,7 +51,8 @@ pub struct BrokerConfig {
     pub prefix: String,
     #[serde(default)]
     pub username: Option<String>,
-    /// File holding the password (first line).
+    /// File holding the password (first line). Without it, a systemd credential named
+    /// `broker-password` (`LoadCredential=broker-password:…` in the unit) is used when present.
     #[serde(default)]
     pub password_file: Option<PathBuf>,
     /// PEM file with the CA certificate(s) the broker's certificate must chain to.
@@ -63,6 +64,13 @@ pub struct BrokerConfig {
     /// limit (a larger packet from the broker ends the connection).
     #[serde(default = "default_max_packet")]
     pub max_packet_bytes: usize,
+}
+
+/// The systemd credential `broker-password` of this service, if it has one
+/// (`$CREDENTIALS_DIRECTORY/broker-password`, readable only by the service).
+fn credential() -> Option<PathBuf> {
+    let p = Path::new(&std::env::var_os("CREDENTIALS_DIRECTORY")?).join("broker-password");
+    p.is_file().then_some(p)
 }
 
 impl BrokerConfig {
@@ -127,8 +135,8 @@ impl BrokerConfig {
             .set_clean_session(clean_session)
             .set_inflight(64);
         if let Some(user) = &self.username {
-            let password = match &self.password_file {
-                Some(p) => std::fs::read_to_string(p)
+            let password = match self.password_file.clone().or_else(credential) {
+                Some(p) => std::fs::read_to_string(&p)
                     .map_err(|e| BrokerError::File {
                         path: p.display().to_string(),
                         reason: e.to_string(),

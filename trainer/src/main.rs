@@ -11,11 +11,12 @@ mod cli;
 fn main() -> ExitCode {
     keep_freed_memory();
     let cli = cli::Cli::parse();
+    cli.verbosity.init();
     match cli::run(cli.cmd) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            tracing::error!("{e:#}");
+            cli::exit::code(&e)
         }
     }
 }

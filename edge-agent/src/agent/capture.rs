@@ -132,7 +132,7 @@ impl Agent {
             Ok(dropped) => c.capturer.state.stats.evicted += dropped,
             Err(e) => {
                 c.capturer.state.stats.evicted += 1;
-                eprintln!("{}: capture {id} dropped: {e}", self.cfg.device_id);
+                tracing::warn!("{}: capture {id} dropped: {e}", self.cfg.device_id);
             }
         }
         save_or_log(c, &self.cfg.device_id);
@@ -141,7 +141,7 @@ impl Agent {
 
 fn save_or_log(c: &Captures, device: &str) {
     if let Err(e) = c.save() {
-        eprintln!(
+        tracing::error!(
             "{device}: captures: writing {}: {e}",
             c.state_path.display()
         );

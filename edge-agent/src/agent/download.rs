@@ -103,7 +103,7 @@ impl Agent {
             self.status_dirty = true;
             Event::ChunkStored { version, index }
         } else {
-            eprintln!("{}: {topic}: sha256 mismatch", self.cfg.device_id);
+            tracing::warn!("{}: {topic}: sha256 mismatch", self.cfg.device_id);
             Event::ChunkCorrupt { version, index }
         };
         self.feed(ev).await

@@ -475,6 +475,11 @@ impl Agent {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let mut quiet = false;
+        // Under systemd (Type=notify): ready once serving, and a watchdog ping from this loop's
+        // tick, so a loop that stops turning stops pinging and WatchdogSec= restarts the agent.
+        // Without NOTIFY_SOCKET both do nothing.
+        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+        let watchdog = sd_notify::watchdog_enabled(false, &mut 0);
         loop {
             self.flush().await;
             tokio::select! {
@@ -486,7 +491,7 @@ impl Agent {
                     Err(e) => {
                         if !quiet {
                             // The first failure after a success (or at start); retries stay quiet.
-                            eprintln!(
+                            tracing::warn!(
                                 "{}: broker {}: {e}; retrying (up to every 5 s), serving and journaling meanwhile",
                                 self.cfg.device_id, self.cfg.broker.url
                             );
@@ -496,7 +501,12 @@ impl Agent {
                     }
                 },
                 Some(d) = done_rx.recv() => self.on_done(d).await?,
-                _ = tick.tick() => self.on_tick().await?,
+                _ = tick.tick() => {
+                    if watchdog {
+                        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Watchdog]);
+                    }
+                    self.on_tick().await?
+                }
                 _ = tokio::signal::ctrl_c() => break,
                 _ = term.recv() => break,
             }
@@ -506,7 +516,8 @@ impl Agent {
 
     /// Marks the device offline (retained), delivers the outbox for up to 3 s and disconnects.
     async fn stop(&mut self, mqtt_rx: &mut MqttRx) -> Result<()> {
-        eprintln!("{}: stopping", self.cfg.device_id);
+        tracing::info!("{}: stopping", self.cfg.device_id);
+        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
         let deadline = Instant::now() + Duration::from_secs(3);
         self.outbox.push_latest(Message {
             topic: self.topics.online(&self.cfg.device_id),

@@ -181,7 +181,7 @@ impl Agent {
             }
             Err(e) => {
                 let msg = format!("store: writing {}: {e}; retrying", path.display());
-                eprintln!("{}: {msg}", self.cfg.device_id);
+                tracing::error!("{}: {msg}", self.cfg.device_id);
                 self.store_error = Some((dir, msg));
                 self.status_dirty = true;
                 false
@@ -251,7 +251,7 @@ impl Agent {
             retain: false,
             payload,
         }) {
-            eprintln!("error: outbox: {topic}: {e}");
+            tracing::error!("outbox: {topic}: {e}");
         }
     }
 
@@ -264,14 +264,16 @@ impl Agent {
             } => ("rolled-back", version, Some(reason)),
             Report::Active { version, .. } => ("active", version, None),
         };
-        eprintln!(
-            "{}: v{version} {kind}{}",
-            self.cfg.device_id,
-            reason
-                .as_deref()
-                .map(|r| format!(": {r}"))
-                .unwrap_or_default()
-        );
+        let why = reason
+            .as_deref()
+            .map(|r| format!(": {r}"))
+            .unwrap_or_default();
+        match kind {
+            "rejected" | "rolled-back" => {
+                tracing::warn!("{}: v{version} {kind}{why}", self.cfg.device_id)
+            }
+            _ => tracing::info!("{}: v{version} {kind}{why}", self.cfg.device_id),
+        }
         let ev = DeviceEvent {
             device: self.cfg.device_id.clone(),
             kind: kind.into(),
@@ -403,7 +405,7 @@ impl Agent {
             }
             Action::Activate { version } => {
                 if self.pause.as_deref() == Some("activate") {
-                    eprintln!(
+                    tracing::info!(
                         "{}: paused before activating v{version} (KESTREL_AGENT_PAUSE)",
                         self.cfg.device_id
                     );
@@ -451,12 +453,12 @@ impl Agent {
     /// Loads the active model for serving (at start-up, or to finish an activation after a
     /// restart), so no request is answered "no active model" while one is installed.
     fn load_active(&mut self, version: u64) {
-        eprintln!("{}: loading active v{version}", self.cfg.device_id);
+        tracing::info!("{}: loading active v{version}", self.cfg.device_id);
         match self.models.load(&self.store.version_dir(version)) {
             Ok(m) => *self.model.write().expect("lock") = Some(m),
             Err(e) => {
-                eprintln!(
-                    "error: {}: active v{version} does not load: {e}",
+                tracing::error!(
+                    "{}: active v{version} does not load: {e}",
                     self.cfg.device_id
                 );
                 self.updater.last_error = Some(format!("active v{version} does not load: {e}"));
@@ -492,11 +494,11 @@ impl Agent {
                         .push_reply(msg, self.cfg.limits.max_outbox_bytes)
                     {
                         Ok(0) => {}
-                        Ok(n) => eprintln!(
-                            "warning: outbox over its {} bytes: {n} inference replies dropped",
+                        Ok(n) => tracing::warn!(
+                            "outbox over its {} bytes: {n} inference replies dropped",
                             self.cfg.limits.max_outbox_bytes
                         ),
-                        Err(e) => eprintln!("error: outbox: {e}"),
+                        Err(e) => tracing::error!("outbox: {e}"),
                     }
                 }
                 Ok(())
@@ -588,7 +590,7 @@ impl Agent {
     async fn on_mqtt(&mut self, ev: MqttEvent) -> Result<()> {
         match ev {
             MqttEvent::Incoming(Packet::ConnAck(ack)) => {
-                eprintln!(
+                tracing::info!(
                     "{}: connected to {} (session {})",
                     self.cfg.device_id,
                     self.cfg.broker.url,

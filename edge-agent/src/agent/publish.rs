@@ -38,7 +38,7 @@ impl Agent {
             .publish(m.topic, QoS::AtLeastOnce, m.retain, m.payload)
             .await
         {
-            eprintln!("error: publish: {e}");
+            tracing::error!("publish: {e}");
         }
     }
 
@@ -64,7 +64,7 @@ impl Agent {
             && c.outbox.acked(pkid)?
         {
             if let Err(e) = c.sent() {
-                eprintln!("{}: captures: {e}", self.cfg.device_id);
+                tracing::error!("{}: captures: {e}", self.cfg.device_id);
             }
             self.status_dirty = true;
         }

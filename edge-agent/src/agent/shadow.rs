@@ -128,7 +128,7 @@ impl Agent {
             self.client.unsubscribe(f).await?;
         }
         if let Some(old) = self.shadow.want.take() {
-            eprintln!("{}: shadow v{} stopped", self.cfg.device_id, old.version);
+            tracing::info!("{}: shadow v{} stopped", self.cfg.device_id, old.version);
             let _ = self.shadow.store.discard(old.version);
         }
         *self.shadow.shared.write().expect("lock") = None;
@@ -208,7 +208,7 @@ impl Agent {
             return Ok(());
         }
         if sha256_hex(payload) != chunks[index as usize] {
-            eprintln!("{}: {topic}: sha256 mismatch (shadow)", self.cfg.device_id);
+            tracing::warn!("{}: {topic}: sha256 mismatch (shadow)", self.cfg.device_id);
             return Ok(()); // a retained chunk is sent again on the next subscription
         }
         let r = self.shadow.store.write_chunk(w.version, index, payload);
@@ -260,7 +260,7 @@ impl Agent {
         self.status_dirty = true;
         match r {
             Ok(model) => {
-                eprintln!("{}: shadow v{version} running", self.cfg.device_id);
+                tracing::info!("{}: shadow v{version} running", self.cfg.device_id);
                 let classes = model.manifest.labels.len();
                 self.shadow.tally = Some(ShadowTally::new(&model.manifest.name, version, classes));
                 *self.shadow.shared.write().expect("lock") = Some(Arc::new(ShadowModel {
@@ -271,7 +271,7 @@ impl Agent {
                 self.shadow.state = SlotState::Running;
             }
             Err(e) => {
-                eprintln!("{}: shadow v{version} failed: {e}", self.cfg.device_id);
+                tracing::warn!("{}: shadow v{version} failed: {e}", self.cfg.device_id);
                 self.shadow.fail(format!("shadow v{version}: {e}"));
             }
         }

@@ -68,7 +68,7 @@ impl Agent {
                 // Not written (a full disk): in force until a restart, which falls back to the
                 // last list saved; the retained list on the broker is verified again then.
                 self.stored(write_atomic(&path, &saved), &path);
-                eprintln!("{}: key list v{version} in force", self.cfg.device_id);
+                tracing::info!("{}: key list v{version} in force", self.cfg.device_id);
                 self.publish_status();
                 self.subscribe_all().await
             }
@@ -79,7 +79,7 @@ impl Agent {
     /// and pursues whatever is now wanted.
     pub(super) async fn on_verdict(&mut self, verdict: Verdict, version: u64) -> Result<()> {
         if let Verdict::Refused(reason) = verdict {
-            eprintln!("{}: {reason}", self.cfg.device_id);
+            tracing::warn!("{}: {reason}", self.cfg.device_id);
             let ev = DeviceEvent {
                 device: self.cfg.device_id.clone(),
                 kind: "refused".into(),

@@ -19,6 +19,8 @@ use clap::Parser;
     about = "Run an MQTT broker in-process (rumqttd; nothing kept on disk): the one-machine default"
 )]
 struct Cli {
+    #[command(flatten)]
+    verbosity: kestrel_shared::logging::Verbosity,
     /// Address to listen on (MQTT 3.1.1, plain TCP).
     #[arg(long, default_value = "127.0.0.1:1883")]
     listen: SocketAddr,
@@ -30,13 +32,15 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    eprintln!(
+    cli.verbosity.init();
+    tracing::info!(
         "kestrel broker (rumqttd) listening on mqtt://{}, payloads up to {} bytes",
-        cli.listen, cli.max_payload_bytes
+        cli.listen,
+        cli.max_payload_bytes
     );
     if !cli.listen.ip().is_loopback() {
-        eprintln!(
-            "warning: listening beyond this machine ({}) with plain MQTT, no passwords and no \
+        tracing::warn!(
+            "listening beyond this machine ({}) with plain MQTT, no passwords and no \
              ACL: anyone who reaches it can read every message and publish to every topic (devices \
              still install only what a trusted key signed). On a network you do not trust, run \
              Mosquitto with edge-agent/deploy/mosquitto.conf (TLS, passwords, per-device ACL)",
@@ -46,7 +50,7 @@ fn main() -> ExitCode {
     match run(cli.listen, cli.max_payload_bytes) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            tracing::error!("{e}");
             ExitCode::FAILURE
         }
     }

@@ -27,7 +27,7 @@ pub fn start(cfg: BrokerConfig, shared: Arc<Shared>) {
     std::thread::spawn(move || {
         loop {
             if let Err(e) = follow(&cfg, &shared) {
-                eprintln!("console: {e}; reconnecting in 2 s");
+                tracing::warn!("console: {e}; reconnecting in 2 s");
             }
             shared.connected.store(false, Ordering::Relaxed);
             shared.changed.send_modify(|_| {});
@@ -45,7 +45,7 @@ fn follow(cfg: &BrokerConfig, shared: &Shared) -> Result<(), FleetError> {
     shared.connected.store(true, Ordering::Relaxed);
     // The pages learn it now, not with the next message.
     shared.changed.send_modify(|_| {});
-    eprintln!("console: following {}", cfg.url);
+    tracing::info!("console: following {}", cfg.url);
     loop {
         let Some((topic, payload)) = conn.recv(Duration::from_secs(1))? else {
             continue;
@@ -58,7 +58,7 @@ fn follow(cfg: &BrokerConfig, shared: &Shared) -> Result<(), FleetError> {
                 shared.changed.send_replace(seq);
             }
             Ok(false) => {}
-            Err(e) => eprintln!("console: skipped {e}"),
+            Err(e) => tracing::warn!("console: skipped {e}"),
         }
     }
 }

@@ -128,7 +128,7 @@ impl RefusalLog {
         if e.0
             .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
         {
-            eprintln!(
+            tracing::warn!(
                 "console: refused {}: {kind} ({} of this kind since the last such line)",
                 detail(),
                 e.1

@@ -40,7 +40,9 @@ fn flags(bin: &str, path: &[&str]) -> BTreeMap<String, String> {
             if let Some((name, help)) = current.take() {
                 out.insert(name, help.join(" "));
             }
-            let name = format!("--{}", rest.split([' ', '=', '<']).next().unwrap());
+            // `--verbose...`: a flag that repeats.
+            let name = rest.split([' ', '=', '<']).next().unwrap();
+            let name = format!("--{}", name.trim_end_matches("..."));
             let inline = rest.split_once("  ").map(|(_, h)| h.trim().to_string());
             current = Some((name, inline.into_iter().collect()));
         } else if let Some((_, help)) = current.as_mut() {
@@ -188,7 +190,11 @@ fn documented_flags(bin: &str) -> BTreeMap<String, BTreeSet<String>> {
         }
         if let Some(rest) = line.strip_prefix(&format!("{bin} flags of ")) {
             let (cmds, flags) = rest.split_once(':').expect("`flags of A, B: --x ...`");
-            current = cmds.split(',').map(|c| c.trim().to_string()).collect();
+            // `flags of every command:` (global flags) under the key "*".
+            current = match cmds.trim() {
+                "every command" => vec!["*".to_string()],
+                cmds => cmds.split(',').map(|c| c.trim().to_string()).collect(),
+            };
             for c in &current {
                 out.entry(c.clone()).or_default().extend(flag_words(flags));
             }
@@ -219,7 +225,11 @@ fn documented_flags(bin: &str) -> BTreeMap<String, BTreeSet<String>> {
 #[test]
 fn documented_commands_match_help() {
     for bin in ["trainer", "edge-agent"] {
-        let documented = documented_flags(bin);
+        let mut documented = documented_flags(bin);
+        let global = documented.remove("*").unwrap_or_default();
+        for doc in documented.values_mut() {
+            doc.extend(global.iter().cloned());
+        }
         for path in commands(bin) {
             let p: Vec<&str> = path.iter().map(String::as_str).collect();
             let name = path.join(" ");
@@ -249,4 +259,64 @@ fn documented_commands_match_help() {
             );
         }
     }
+}
+
+/// Each documented exit status, from a command typed as a user would: 1 a failed check, 2 usage,
+/// 3 a broker that does not answer and a wait that times out, 78 a configuration error.
+#[test]
+fn exit_codes_say_what_failed() {
+    use kestrel_tests::fleet::{Broker, BrokerKind, free_port};
+    let tmp = tempfile::tempdir().unwrap();
+    let code = |args: &[&str]| {
+        let o = run("trainer", args);
+        (o.status.code(), kestrel_tests::stderr(&o))
+    };
+    let corrupt = tmp.path().join("corrupt.jpg");
+    std::fs::write(&corrupt, b"\xff\xd8 not a JPEG").unwrap();
+    let nowhere = format!("mqtt://127.0.0.1:{}", free_port());
+    let b = Broker::start(BrokerKind::Rumqttd, &tmp.path().join("broker"));
+    let url = b.url();
+    let missing = tmp.path().join("no-password");
+    let cases: [(&[&str], i32); 6] = [
+        (
+            &["classify", "--engine", "tract", corrupt.to_str().unwrap()],
+            1,
+        ),
+        (&["fit", "--no-such-flag"], 2),
+        (&["status", "--broker", &nowhere], 3),
+        (
+            &[
+                "status",
+                "--broker",
+                &url,
+                "--device",
+                "pi-none",
+                "--wait-active",
+                "1",
+                "--timeout",
+                "1",
+            ],
+            3,
+        ),
+        (&["status", "--broker", "http://example.org"], 78),
+        (
+            &[
+                "status",
+                "--broker",
+                &url,
+                "--username",
+                "u",
+                "--password-file",
+                missing.to_str().unwrap(),
+            ],
+            78,
+        ),
+    ];
+    for (args, want) in cases {
+        let (got, err) = code(args);
+        assert_eq!(got, Some(want), "trainer {args:?}: {err}");
+    }
+    // And the list is in --help.
+    let help = stdout(&run("trainer", &["--help"]));
+    assert!(help.contains("Exit status: 0 done; 1 failed"), "{help}");
 }

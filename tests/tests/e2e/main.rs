@@ -23,6 +23,7 @@ mod guide;
 mod hardening;
 mod inputs;
 mod learning_loop;
+
 mod mlflow;
 // Needs the trainer built with `--features kestrel-trainer/mpi` and Open MPI's `mpirun`.
 #[cfg(feature = "mpi")]
@@ -32,6 +33,7 @@ mod own_backbone;
 mod quality;
 mod rollout;
 mod secure_broker;
+mod service;
 mod tables;
 mod training;
 mod tune;

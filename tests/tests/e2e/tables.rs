@@ -1,5 +1,6 @@
 //! Tables written by other tools: Parquet with every codec pyarrow writes, Hive-partitioned
-//! directories (pyarrow's `partition_cols`), and Delta tables written by delta-rs.
+//! directories (pyarrow's `partition_cols`), and Delta tables written by delta-rs (with the Delta
+//! kernel's diagnostics under `RUST_LOG`).
 
 use std::path::Path;
 
@@ -123,6 +124,28 @@ fn delta_tables_read_the_current_snapshot_and_travel_in_time() {
     let now = prepare(&delta, &cache);
     assert_eq!(now["samples"], 138);
     assert_eq!(ids(&now), want_paths);
+    // RUST_LOG surfaces the Delta kernel's own diagnostics, named by their target; by default
+    // a library speaks only from warnings up.
+    for (rust_log, shown) in [("debug", true), ("", false)] {
+        let o = std::process::Command::new(kestrel_tests::bin("trainer"))
+            .args([
+                "prepare",
+                "--engine",
+                "ort",
+                "--data",
+                &s(&delta),
+                "--cache",
+                &s(&cache),
+            ])
+            .env("RUST_LOG", rust_log)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        let kernel = stderr(&o)
+            .lines()
+            .any(|l| l.contains("delta_kernel::snapshot: Created snapshot"));
+        assert_eq!(kernel, shown, "RUST_LOG={rust_log:?}: {}", stderr(&o));
+    }
 
     let at = |flag: &str, value: &str| prepare_with(&delta, &cache, &[flag, value]);
     let v0 = at("--data-version", "0");

@@ -498,7 +498,7 @@ impl TrackArgs {
                     to.uri, to.experiment
                 )
             })?;
-        eprintln!(
+        tracing::info!(
             "MLflow: run {} in experiment {:?} at {}",
             t.run_id(),
             to.experiment,

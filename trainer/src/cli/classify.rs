@@ -46,12 +46,12 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
             }
             Err(e) => {
                 failed += 1;
-                eprintln!("error: {e}");
+                tracing::error!("{e}");
             }
         }
     }
     if failed > 0 {
-        eprintln!(
+        tracing::error!(
             "{failed} of {} images could not be classified",
             a.images.len()
         );

@@ -151,7 +151,7 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         );
     }
     if let Some(line) = pending {
-        eprintln!("{line}");
+        tracing::info!("{line}");
     }
     Ok(ExitCode::SUCCESS)
 }

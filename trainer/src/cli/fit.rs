@@ -87,7 +87,7 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
     };
     print_outcome(&o, a.json)?;
     if let Some(line) = pending {
-        eprintln!("{line}");
+        tracing::info!("{line}");
     }
     Ok(ExitCode::SUCCESS)
 }

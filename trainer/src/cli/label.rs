@@ -46,7 +46,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             let n = apply_labels(&mut rows, csv, a.add_classes)?;
             let v = delta_write::replace(&a.table, &rows)?;
             let left = rows.iter().filter(|r| r.label.is_none()).count();
-            eprintln!(
+            tracing::info!(
                 "labelled {n} rows of {} ({left} still unlabelled), version {v}",
                 a.table.display()
             );
@@ -54,7 +54,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         }
         (None, Some(csv)) => {
             let n = export_todo(&rows, csv)?;
-            eprintln!("{n} unlabelled rows written to {}", csv.display());
+            tracing::info!("{n} unlabelled rows written to {}", csv.display());
             serde_json::json!({"exported": n, "csv": csv})
         }
         (None, None) => unreachable!("clap requires one"),

@@ -12,6 +12,7 @@ pub mod args;
 mod bench;
 mod classify;
 mod evaluate;
+pub mod exit;
 mod export;
 mod fit;
 pub mod fleet;
@@ -31,9 +32,12 @@ mod tune;
 #[command(
     name = "trainer",
     version,
-    about = "Kestrel trainer: pretrained backbones, head training, export and publishing"
+    about = "Kestrel trainer: pretrained backbones, head training, export and publishing",
+    after_help = exit::HELP
 )]
 pub struct Cli {
+    #[command(flatten)]
+    pub verbosity: kestrel_shared::logging::Verbosity,
     #[command(subcommand)]
     pub cmd: Cmd,
 }

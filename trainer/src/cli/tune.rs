@@ -145,7 +145,7 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         None => None,
     };
     for line in &pending {
-        eprintln!("{line}");
+        tracing::info!("{line}");
     }
     if !job.is_lead() {
         return Ok(ExitCode::SUCCESS);

@@ -153,7 +153,7 @@ impl Job {
     /// Logs a line on rank 0 (not when quiet).
     pub fn log(&self, line: impl AsRef<str>) {
         if self.logs() {
-            eprintln!("{}", line.as_ref());
+            tracing::info!("{}", line.as_ref());
         }
     }
 
@@ -221,7 +221,7 @@ impl Job {
     pub fn fail<E: std::fmt::Display>(&self, e: E) -> E {
         if let Some(comm) = self.mpi() {
             comm.abort(&format!("{e:#}"));
-            eprintln!("error: rank {}: {e:#}", comm.rank());
+            tracing::error!("rank {}: {e:#}", comm.rank());
             std::process::exit(1)
         }
         e
@@ -249,7 +249,7 @@ impl Rank<'_> {
     /// Logs a line on rank 0 only.
     pub fn log(&self, line: impl AsRef<str>) {
         if self.is_lead() && self.logs {
-            eprintln!("{}", line.as_ref());
+            tracing::info!("{}", line.as_ref());
         }
     }
 

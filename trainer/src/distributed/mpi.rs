@@ -53,7 +53,7 @@ impl MpiComm {
 
     /// Prints `e` as this rank's error and ends the whole job (`MPI_Abort`).
     pub fn fail(&self, e: &dyn std::fmt::Display) -> ! {
-        eprintln!("error: rank {} of {}: {e}", self.rank, self.size);
+        tracing::error!("rank {} of {}: {e}", self.rank, self.size);
         self.world.abort(1)
     }
 

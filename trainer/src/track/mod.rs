@@ -290,8 +290,8 @@ impl Tracker {
             match with_retries(&self.retries, || op.apply(&self.client)) {
                 Ok(()) => return,
                 Err(e) => {
-                    eprintln!(
-                        "warning: MLflow: {e}; buffering this and later calls to {}",
+                    tracing::warn!(
+                        "MLflow: {e}; buffering this and later calls to {}",
                         self.dir.join(PENDING_FILE).display()
                     );
                     st.failed = Some(e.to_string());
@@ -304,7 +304,7 @@ impl Tracker {
         };
         match append_pending(&self.dir, &line) {
             Ok(()) => st.buffered += 1,
-            Err(e) => eprintln!("warning: MLflow call lost: {e}"),
+            Err(e) => tracing::warn!("MLflow call lost: {e}"),
         }
     }
 
@@ -347,7 +347,7 @@ impl Tracker {
             "confusion": s.validation.confusion,
         });
         if let Err(e) = crate::report::write_json_atomic(&confusion, &matrix) {
-            eprintln!("warning: {e}");
+            tracing::warn!("{e}");
         }
         for f in FIT_ARTIFACTS {
             if dir.join(f).is_file() {
@@ -381,7 +381,7 @@ impl Tracker {
         drop(st);
         match sync(&self.dir, None) {
             Ok(n) => {
-                eprintln!("MLflow: the server is back; replayed {n} buffered calls");
+                tracing::info!("MLflow: the server is back; replayed {n} buffered calls");
                 None
             }
             Err(e) => Some(format!(

@@ -33,6 +33,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         .arg(args.listen.to_string())
         .arg("--max-payload-bytes")
         .arg(args.max_payload_bytes.to_string());
+    if let Some(d) = kestrel_shared::logging::directives() {
+        cmd.env("RUST_LOG", d); // `trainer -v broker` logs as `kestrel-broker -v` would
+    }
     exec(cmd).with_context(|| format!("running {}", exe.display()))
 }
 

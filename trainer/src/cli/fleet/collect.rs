@@ -60,7 +60,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let mut seen: HashSet<String> = delta_write::paths(&rows);
     drop(rows);
     let mut feed = CaptureFeed::connect(&a.broker.config(), &a.client_id)?;
-    eprintln!(
+    tracing::info!(
         "collect: {} rows in {} (version {}); session {}",
         seen.len(),
         a.out.display(),
@@ -97,9 +97,12 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     commit(&a, &feed, &mut p, &mut s)?;
     feed.close();
-    eprintln!(
+    tracing::info!(
         "collect: stored {}, duplicates {}, rejected {} ({} commits)",
-        s.stored, s.duplicates, s.rejected, s.commits
+        s.stored,
+        s.duplicates,
+        s.rejected,
+        s.commits
     );
     if a.json {
         println!("{}", serde_json::to_string(&s)?);
@@ -112,7 +115,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
 fn take(r: Received, seen: &mut HashSet<String>, p: &mut Pending, s: &mut Summary) {
     match &r.capture {
         Err(e) => {
-            eprintln!("collect: {}: refused: {e}", r.topic);
+            tracing::warn!("collect: {}: refused: {e}", r.topic);
             s.rejected += 1;
         }
         Ok((c, _)) if seen.contains(&c.path()) => s.duplicates += 1,
@@ -123,7 +126,7 @@ fn take(r: Received, seen: &mut HashSet<String>, p: &mut Pending, s: &mut Summar
                 p.since.get_or_insert_with(Instant::now);
             }
             Err(e) => {
-                eprintln!("collect: {}: refused: {e}", r.topic);
+                tracing::warn!("collect: {}: refused: {e}", r.topic);
                 s.rejected += 1;
             }
         },

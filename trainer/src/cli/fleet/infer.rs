@@ -192,7 +192,7 @@ fn print_reply(name: &str, r: &InferReply, json: bool) {
             "{}",
             serde_json::json!({"image": name, "request": r.request, "error": e.clone().unwrap_or_default()})
         ),
-        (None, e, false) => eprintln!("error: {name}: {}", e.as_deref().unwrap_or_default()),
+        (None, e, false) => tracing::error!("{name}: {}", e.as_deref().unwrap_or_default()),
     }
 }
 

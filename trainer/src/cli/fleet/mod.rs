@@ -57,7 +57,7 @@ impl ArtifactArgs {
         let cache = kestrel_models::engine::kestrel_home().join("registry");
         let f = registry::fetch(&client, &uri, &cache)
             .with_context(|| format!("fetching {uri} from {server}"))?;
-        eprintln!(
+        tracing::info!(
             "{uri}: version {} ({}){}",
             f.version.version,
             f.dir.display(),

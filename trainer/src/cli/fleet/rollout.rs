@@ -91,14 +91,14 @@ pub fn run(args: Args) -> Result<ExitCode> {
         &sk,
         &operators,
         plan,
-        &mut |l| eprintln!("{l}"),
+        &mut |l| tracing::info!("{l}"),
     )?;
     if args.json {
         println!("{}", serde_json::to_string(&c)?);
     } else {
         print!("{}", driver::table(&c));
     }
-    eprintln!(
+    tracing::info!(
         "rollout {} ended after {:.1} s",
         c.name,
         start.elapsed().as_secs_f64()

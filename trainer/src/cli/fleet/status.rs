@@ -16,11 +16,11 @@ pub struct Args {
     /// Device id (as in its agent.toml) [default: every device].
     #[arg(long)]
     device: Option<String>,
-    /// Wait until --device reports this version active and idle (exit 1 on timeout).
+    /// Wait until --device reports this version active and idle (exit 3 on timeout).
     #[arg(long, requires = "device")]
     wait_active: Option<u64>,
     /// Wait until --device reports this error text in last_error, or in refused (a desired
-    /// state, offer or key list it refused and did not act on) (exit 1 on timeout).
+    /// state, offer or key list it refused and did not act on) (exit 3 on timeout).
     #[arg(long, requires = "device", conflicts_with = "wait_active")]
     wait_error: Option<String>,
     /// Seconds to wait for the device before giving up.
