@@ -18,9 +18,10 @@ SECONDS=0
 
 # Debian packages: the font for the text in training-curve PNGs (plotters + ab_glyph read it at run
 # time; no fontconfig); for the tests, Mosquitto (the production broker; each test starts its own
-# instance), headless Chromium with its WebDriver (the console's browser test), Open MPI with libclang
-# for the mpi crate's bindings (`mpirun -np N trainer fit`; optional: without it the trainer builds
-# without the `mpi` feature and those tests skip) and qemu user mode (the ARM tests).
+# instance), headless Chromium with its WebDriver (the console's browser test), promtool (the
+# /metrics lint), Open MPI with libclang for the mpi crate's bindings (`mpirun -np N trainer fit`;
+# optional: without it the trainer builds without the `mpi` feature and those tests skip) and qemu
+# user mode (the ARM tests).
 apt_install() { # the Debian packages named, in one apt run; a failure only warns
   [ $# -gt 0 ] || return 0
   log "installing $*"
@@ -38,6 +39,8 @@ if [ $full = 1 ]; then
   have_mpi || need+=(libopenmpi-dev openmpi-bin libclang-dev pkg-config)
   command -v qemu-aarch64-static >/dev/null && command -v qemu-arm-static >/dev/null || need+=(qemu-user-static)
   apt_install "${need[@]}"
+  # promtool lints the console's /metrics; its package's recommended node exporter is not needed.
+  command -v promtool >/dev/null || apt_install --no-install-recommends prometheus
   source "$here/env.sh" # Open MPI may be there now
 fi
 

@@ -314,13 +314,86 @@ pub fn parse<T: serde::de::DeserializeOwned>(
     })
 }
 
-/// Inference latency over the device's recent requests.
+/// Inference latency: percentiles over the device's recent requests, and a histogram of every
+/// request since the agent process started.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct LatencyStats {
     pub count: u64,
     pub mean_ms: f64,
     pub p50_ms: f64,
     pub p95_ms: f64,
+    /// Requests by latency, over [`LATENCY_BUCKETS_S`] (empty from agents that predate it).
+    #[serde(default, skip_serializing_if = "LatencyHistogram::is_empty")]
+    pub histogram: LatencyHistogram,
+}
+
+/// Upper bounds (seconds) of the latency histogram's buckets: 1 ms to 10 s, the range of a
+/// model on a Pi; a last bucket holds what is slower.
+pub const LATENCY_BUCKETS_S: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
+
+/// Requests per latency bucket (not cumulative): `counts[i]` took at most
+/// `LATENCY_BUCKETS_S[i]` and more than the bound before it; the last count, more than 10 s.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LatencyHistogram {
+    pub counts: Vec<u64>,
+    /// Total latency of the requests counted, in seconds.
+    pub sum_s: f64,
+}
+
+impl LatencyHistogram {
+    pub fn is_empty(&self) -> bool {
+        self.counts.is_empty()
+    }
+
+    /// Counts one request that took `seconds`.
+    pub fn observe(&mut self, seconds: f64) {
+        if self.counts.len() != LATENCY_BUCKETS_S.len() + 1 {
+            self.counts = vec![0; LATENCY_BUCKETS_S.len() + 1];
+        }
+        let i = LATENCY_BUCKETS_S.partition_point(|b| *b < seconds);
+        self.counts[i] += 1;
+        self.sum_s += seconds;
+    }
+
+    /// Cumulative counts per bound, the `+Inf` bucket last (Prometheus' `_bucket{le}`), when the
+    /// histogram is well formed: one count per bucket and a finite, non-negative sum.
+    pub fn cumulative(&self) -> Option<Vec<u64>> {
+        if self.counts.len() != LATENCY_BUCKETS_S.len() + 1
+            || !self.sum_s.is_finite()
+            || self.sum_s < 0.0
+        {
+            return None;
+        }
+        let mut total = 0u64;
+        Some(
+            self.counts
+                .iter()
+                .map(|c| {
+                    total = total.saturating_add(*c);
+                    total
+                })
+                .collect(),
+        )
+    }
+}
+
+/// What a device has done since its agent process started (they start from 0 again with a new
+/// process, which the status's `started` shows): Prometheus counters on the console.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DeviceCounters {
+    /// Inference requests the active model answered.
+    pub requests_answered: u64,
+    /// Requests that got an error: an image that does not decode, no active model.
+    pub requests_failed: u64,
+    /// Requests refused before inference: over the size limit, or the queue was full.
+    pub requests_refused: u64,
+    /// Updates by outcome: made active, rejected (verification or health check), rolled back.
+    pub updates_active: u64,
+    pub updates_rejected: u64,
+    pub updates_rolled_back: u64,
 }
 
 /// A device's retained status.
@@ -369,6 +442,9 @@ pub struct Status {
     /// Input capture counters (`[capture]` enabled only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub captures: Option<crate::capture::CaptureStats>,
+    /// Requests and updates since the agent process started.
+    #[serde(default)]
+    pub counters: DeviceCounters,
 }
 
 /// A shadow model on a device.

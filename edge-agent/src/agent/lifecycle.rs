@@ -12,7 +12,9 @@ use anyhow::{Context, Result};
 use kestrel_models::EngineKind;
 use kestrel_models::artifact::LoadedModel;
 use kestrel_shared::manifest::Manifest;
-use kestrel_shared::protocol::{ArtifactOffer, Desired, InferReply, Topics, sha256_hex};
+use kestrel_shared::protocol::{
+    ArtifactOffer, Desired, DeviceCounters, InferReply, LatencyHistogram, Topics, sha256_hex,
+};
 use rumqttc::{AsyncClient, Event as MqttEvent, LastWill, QoS};
 use tokio::sync::mpsc;
 
@@ -436,7 +438,8 @@ impl Agent {
             shadow,
             captures,
             latencies: VecDeque::new(),
-            served: 0,
+            histogram: LatencyHistogram::default(),
+            counters: DeviceCounters::default(),
             status_dirty: true,
             status_seq: 0,
             connected: false,

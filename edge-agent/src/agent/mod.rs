@@ -22,7 +22,8 @@ use kestrel_shared::fsutil::write_atomic;
 use kestrel_shared::manifest::Manifest;
 use kestrel_shared::now_rfc3339;
 use kestrel_shared::protocol::{
-    ArtifactOffer, Desired, DeviceEvent, InferReply, LatencyStats, Status, Target, Topics,
+    ArtifactOffer, Desired, DeviceCounters, DeviceEvent, InferReply, LatencyHistogram, LatencyStats,
+    Status, Target, Topics,
 };
 use kestrel_shared::stats::quantile;
 use kestrel_shared::topics::{DeviceTopic, Route};
@@ -128,7 +129,9 @@ pub struct Agent {
     /// Input capture, when `[capture]` is enabled.
     captures: Option<capture::Captures>,
     latencies: VecDeque<f64>,
-    served: u64,
+    /// Every answered request's latency since the process started.
+    histogram: LatencyHistogram,
+    counters: DeviceCounters,
     status_dirty: bool,
     /// Statuses published by this process so far (the next status's `seq`).
     status_seq: u64,
@@ -214,7 +217,7 @@ impl Agent {
                 .or_else(|| self.updater.last_error.clone()),
             failed_version: self.updater.last_failed,
             latency: LatencyStats {
-                count: self.served,
+                count: self.counters.requests_answered,
                 mean_ms: if sorted.is_empty() {
                     0.0
                 } else {
@@ -222,6 +225,7 @@ impl Agent {
                 },
                 p50_ms: pct(0.5),
                 p95_ms: pct(0.95),
+                histogram: self.histogram.clone(),
             },
             updated: now_rfc3339(),
             started: kestrel_shared::time::process_started_ms(),
@@ -231,6 +235,7 @@ impl Agent {
             keys_version: self.trust.version(),
             shadow: self.shadow.status(),
             captures: self.captures.as_ref().map(capture::Captures::stats),
+            counters: self.counters.clone(),
         }
     }
 
@@ -268,6 +273,12 @@ impl Agent {
             .as_deref()
             .map(|r| format!(": {r}"))
             .unwrap_or_default();
+        match kind {
+            "active" => self.counters.updates_active += 1,
+            "rejected" => self.counters.updates_rejected += 1,
+            "rolled-back" => self.counters.updates_rolled_back += 1,
+            _ => {}
+        }
         match kind {
             "rejected" | "rolled-back" => {
                 tracing::warn!("{}: v{version} {kind}{why}", self.cfg.device_id)
@@ -480,26 +491,15 @@ impl Agent {
                 self.feed(Event::HealthFailed { version, reason }).await
             }
             Done::Reply(reply, observed) => {
-                if let Some(o) = observed {
-                    self.on_observed(o);
+                match observed {
+                    Some(o) => self.on_observed(o),
+                    None => {
+                        self.counters.requests_failed += 1;
+                        self.status_dirty = true;
+                    }
                 }
                 if let Some(reply) = reply {
-                    let msg = Message {
-                        topic: self.topics.result(&self.cfg.device_id, &reply.request),
-                        retain: false,
-                        payload: serde_json::to_string(&reply)?,
-                    };
-                    match self
-                        .outbox
-                        .push_reply(msg, self.cfg.limits.max_outbox_bytes)
-                    {
-                        Ok(0) => {}
-                        Ok(n) => tracing::warn!(
-                            "outbox over its {} bytes: {n} inference replies dropped",
-                            self.cfg.limits.max_outbox_bytes
-                        ),
-                        Err(e) => tracing::error!("outbox: {e}"),
-                    }
+                    self.send_reply(&reply)?;
                 }
                 Ok(())
             }
@@ -514,43 +514,56 @@ impl Agent {
         }
     }
 
-    fn on_infer(&mut self, topic: &str, request: String, payload: Vec<u8>) {
-        let error = |e: String| {
-            Done::Reply(
-                Some(InferReply {
-                    request: request.clone(),
-                    device: self.cfg.device_id.clone(),
-                    prediction: None,
-                    error: Some(e),
-                }),
-                None,
-            )
+    /// An inference reply, through the outbox's bounded reply queue.
+    fn send_reply(&mut self, reply: &InferReply) -> Result<()> {
+        let msg = Message {
+            topic: self.topics.result(&self.cfg.device_id, &reply.request),
+            retain: false,
+            payload: serde_json::to_string(reply)?,
         };
+        match self
+            .outbox
+            .push_reply(msg, self.cfg.limits.max_outbox_bytes)
+        {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(
+                "outbox over its {} bytes: {n} inference replies dropped",
+                self.cfg.limits.max_outbox_bytes
+            ),
+            Err(e) => tracing::error!("outbox: {e}"),
+        }
+        Ok(())
+    }
+
+    fn on_infer(&mut self, topic: &str, request: String, payload: Vec<u8>) -> Result<()> {
         let max = self.cfg.limits.max_image_bytes;
-        let reply = if payload.len() > max {
-            Some(error(format!(
+        let refused = if payload.len() > max {
+            format!(
                 "{topic}: image of {} bytes is over the limit of {max}",
                 payload.len()
-            )))
+            )
         } else {
             match self.jobs.try_send(Job {
                 request: request.clone(),
                 bytes: payload,
                 reply: true,
             }) {
-                Ok(()) => None,
-                Err(TrySendError::Full(_)) => Some(error(format!(
+                Ok(()) => return Ok(()),
+                Err(TrySendError::Full(_)) => format!(
                     "busy: {} requests queued, try again later",
                     self.cfg.limits.queue
-                ))),
-                Err(TrySendError::Disconnected(_)) => {
-                    Some(error("inference worker stopped".into()))
-                }
+                ),
+                Err(TrySendError::Disconnected(_)) => "inference worker stopped".into(),
             }
         };
-        if let Some(r) = reply {
-            let _ = self.done_tx.send(r);
-        }
+        self.counters.requests_refused += 1;
+        self.status_dirty = true;
+        self.send_reply(&InferReply {
+            request,
+            device: self.cfg.device_id.clone(),
+            prediction: None,
+            error: Some(refused),
+        })
     }
 
     async fn on_publish(&mut self, topic: &str, payload: Vec<u8>) -> Result<()> {
@@ -579,10 +592,7 @@ impl Agent {
             Some(Route::Device {
                 device,
                 kind: DeviceTopic::Infer { request },
-            }) if device == self.cfg.device_id => {
-                self.on_infer(topic, request.to_string(), payload);
-                Ok(())
-            }
+            }) if device == self.cfg.device_id => self.on_infer(topic, request.to_string(), payload),
             _ => Ok(()),
         }
     }

@@ -29,7 +29,8 @@ impl Agent {
     /// A request the active model answered: latency statistics, and the quality window.
     pub(super) fn on_observed(&mut self, mut o: Observed) {
         self.maybe_capture(&mut o);
-        self.served += 1;
+        self.counters.requests_answered += 1;
+        self.histogram.observe(o.latency_ms / 1000.0);
         self.latencies.push_back(o.latency_ms);
         if self.latencies.len() > LATENCIES {
             self.latencies.pop_front();

@@ -1,6 +1,6 @@
 //! The console's state without a broker: messages in, rows, deltas and metrics out.
 
-use kestrel_shared::protocol::{LatencyStats, Status};
+use kestrel_shared::protocol::{DeviceCounters, LatencyHistogram, LatencyStats, Status};
 use kestrel_shared::quality::{DeviceQuality, Drift, QualityReport};
 
 use super::view::{DeviceFilter, FleetView};
@@ -25,6 +25,13 @@ fn status(id: &str, group: &str, active: Option<u64>, error: Option<&str>) -> Ve
             mean_ms: 30.0,
             p50_ms: 29.5,
             p95_ms: 35.0,
+            histogram: {
+                let mut h = LatencyHistogram::default();
+                for ms in [29.0, 29.5, 35.0] {
+                    h.observe(ms / 1000.0);
+                }
+                h
+            },
         },
         updated: NOW.into(),
         started: 0,
@@ -34,6 +41,11 @@ fn status(id: &str, group: &str, active: Option<u64>, error: Option<&str>) -> Ve
         keys_version: None,
         shadow: None,
         captures: None,
+        counters: DeviceCounters {
+            requests_answered: 3,
+            requests_failed: 1,
+            ..Default::default()
+        },
     })
     .unwrap()
 }
@@ -151,6 +163,47 @@ fn statuses_quality_and_presence_make_device_rows() {
     assert!(e.to_string().starts_with("k/devices/c/status: "), "{e}");
 }
 
+/// `/metrics` by the naming guide: a latency histogram in seconds from the devices' bucket
+/// counts, `_total` counters by outcome, the model as an `_info` gauge; a device whose
+/// histogram is malformed is left out of that family, not of the page.
+#[test]
+fn metrics_are_histograms_counters_and_info() {
+    let mut v = FleetView::new("k");
+    v.apply("k/devices/a/status", &status("a", "east", Some(1), None), NOW)
+        .unwrap();
+    let mut liar: Status = serde_json::from_slice(&status("z", "east", None, None)).unwrap();
+    liar.latency.histogram.counts = vec![5; 3];
+    v.apply("k/devices/z/status", &serde_json::to_vec(&liar).unwrap(), NOW)
+        .unwrap();
+    let m = super::metrics::render(&v, true);
+    let lines = [
+        "# TYPE kestrel_device_inference_duration_seconds histogram",
+        // 29 ms and 29.5 ms are under 50 ms, 35 ms too; none under 25 ms.
+        "kestrel_device_inference_duration_seconds_bucket{device=\"a\",le=\"0.025\"} 0",
+        "kestrel_device_inference_duration_seconds_bucket{device=\"a\",le=\"0.05\"} 3",
+        "kestrel_device_inference_duration_seconds_bucket{device=\"a\",le=\"+Inf\"} 3",
+        "kestrel_device_inference_duration_seconds_count{device=\"a\"} 3",
+        "# TYPE kestrel_device_requests_total counter",
+        "kestrel_device_requests_total{device=\"a\",outcome=\"answered\"} 3",
+        "kestrel_device_requests_total{device=\"a\",outcome=\"failed\"} 1",
+        "kestrel_device_updates_total{device=\"a\",outcome=\"rolled_back\"} 0",
+        "kestrel_device_model_info{device=\"a\",model=\"lfw\",version=\"1\",source=\"\"} 1",
+        "kestrel_devices 2",
+    ];
+    for line in lines {
+        assert!(m.contains(&format!("{line}\n")), "{line} in {m}");
+    }
+    let sum = m
+        .lines()
+        .find_map(|l| l.strip_prefix("kestrel_device_inference_duration_seconds_sum{device=\"a\"} "))
+        .unwrap();
+    assert!((sum.parse::<f64>().unwrap() - 0.0935).abs() < 1e-9, "{sum}");
+    assert!(!m.contains("duration_seconds_bucket{device=\"z\""), "{m}");
+    assert!(m.contains("kestrel_device_requests_total{device=\"z\",outcome=\"answered\"} 3"));
+    assert!(!m.contains("_ms"), "no milliseconds: {m}");
+    assert!(m.starts_with("# HELP kestrel_build_info "), "{m}");
+}
+
 #[test]
 fn deltas_hold_only_what_changed() {
     let mut v = FleetView::new("k");
@@ -209,13 +262,15 @@ fn rollouts_show_phases_and_their_transitions_in_the_feed() {
     let kinds: Vec<&str> = v.events(0).iter().map(|e| e.kind.as_str()).collect();
     assert_eq!(kinds, ["seen", "aborted"]);
     let m = super::metrics::render(&v, true);
-    assert!(
-        m.contains("kestrel_rollout_phase{rollout=\"r1\",state=\"aborted\"} 0"),
-        "{m}"
-    );
+    // A state set: every state a series of its own, so a state change keeps the series.
+    for (state, on) in [("running", 0), ("paused", 0), ("completed", 0), ("aborted", 1)] {
+        let line = format!("kestrel_rollout_state{{rollout=\"r1\",state=\"{state}\"}} {on}\n");
+        assert!(m.contains(&line), "{line} in {m}");
+    }
+    assert!(m.contains("kestrel_rollout_phase{rollout=\"r1\"} 0\n"), "{m}");
     assert!(
         m.contains(
-            "kestrel_rollout_devices{rollout=\"r1\",phase=\"canary\",state=\"rolled-back\"} 1"
+            "kestrel_rollout_devices{rollout=\"r1\",phase=\"canary\",state=\"rolled_back\"} 1"
         ),
         "{m}"
     );

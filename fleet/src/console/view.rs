@@ -5,7 +5,10 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use kestrel_shared::protocol::{DeviceEvent, Status, Topics, parse};
+use kestrel_shared::capture::CaptureStats;
+use kestrel_shared::protocol::{
+    DeviceCounters, DeviceEvent, LatencyHistogram, Status, Topics, parse,
+};
 use kestrel_shared::quality::DeviceQuality;
 use kestrel_shared::topics::{self, DeviceTopic, Route};
 use serde::Serialize;
@@ -56,6 +59,14 @@ pub struct DeviceRow {
     pub confidence_history: VecDeque<f64>,
     pub drift_history: VecDeque<f64>,
     pub updated: Option<String>,
+    /// The registry version of the active model (`models:/NAME/VERSION`).
+    pub source: Option<String>,
+    /// Requests and updates since the device's agent process started.
+    pub counters: DeviceCounters,
+    pub captures: Option<CaptureStats>,
+    /// Latency histogram since the agent process started (for `/metrics` only).
+    #[serde(skip)]
+    pub latency: LatencyHistogram,
     /// Sequence number of the last change.
     pub seq: u64,
 }
@@ -71,6 +82,10 @@ impl DeviceRow {
         self.progress = s.progress;
         self.last_error = s.last_error;
         self.p50_ms = (s.latency.count > 0).then_some(s.latency.p50_ms);
+        self.latency = s.latency.histogram;
+        self.source = s.source;
+        self.counters = s.counters;
+        self.captures = s.captures;
         self.shadow = s
             .shadow
             .map(|sh| format!("{} v{}: {}", sh.name, sh.version, sh.state));

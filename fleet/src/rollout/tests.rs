@@ -22,6 +22,7 @@ fn status(id: &str, groups: &[&str], active: Option<u64>, failed: Option<u64>) -
         keys_version: None,
         shadow: None,
         captures: None,
+        counters: Default::default(),
     }
 }
 

@@ -72,6 +72,7 @@ fn status(device: &str, active: Option<u64>, failed: Option<u64>) -> Vec<u8> {
         keys_version: None,
         shadow: None,
         captures: None,
+        counters: Default::default(),
     })
     .unwrap()
 }

@@ -402,6 +402,54 @@ fn api_reads_the_same(url: &str) {
         "{metrics}"
     );
     assert!(metrics.contains("kestrel_device_online{device=\"cs-000\"} 1"));
+    metrics_follow_the_naming_guide(&metrics);
+}
+
+/// `promtool check metrics` (Prometheus' own linter) finds nothing in the live page, and each
+/// device's latency histogram counts the requests its counter says it answered.
+fn metrics_follow_the_naming_guide(metrics: &str) {
+    use std::io::Write;
+    let mut promtool = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian's prometheus package; scripts/setup.sh installs it)");
+    promtool
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(metrics.as_bytes())
+        .unwrap();
+    let out = promtool.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success() && said.trim().is_empty(), "promtool: {said}");
+    let value = |prefix: &str| -> Option<f64> {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .map(|v| v.trim().parse().unwrap())
+    };
+    let mut answered = 0.0;
+    for i in 0..DEVICES {
+        let d = format!("cs-{i:03}");
+        let count = value(&format!(
+            "kestrel_device_inference_duration_seconds_count{{device=\"{d}\"}} "
+        ));
+        let n = value(&format!(
+            "kestrel_device_requests_total{{device=\"{d}\",outcome=\"answered\"}} "
+        ));
+        if let Some(count) = count {
+            assert_eq!(Some(count), n, "{d}: histogram count against answered requests");
+        }
+        answered += n.unwrap_or(0.0);
+    }
+    assert!(answered > 0.0, "the feeds' requests are counted: {metrics}");
 }
 
 /// A phone's width: nothing but the tables scrolls sideways; the keyboard reaches the page.

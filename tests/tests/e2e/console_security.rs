@@ -119,6 +119,7 @@ fn status(device: &str) -> Status {
         keys_version: None,
         shadow: None,
         captures: None,
+        counters: Default::default(),
     }
 }
 
