@@ -58,6 +58,17 @@ pub struct BrokerConfig {
     /// PEM file with the CA certificate(s) the broker's certificate must chain to.
     #[serde(default)]
     pub ca_file: Option<PathBuf>,
+    /// Also trust the system's root certificates (`/etc/ssl/certs`), for brokers with a public
+    /// certificate (AWS IoT Core, HiveMQ Cloud, EMQX Cloud).
+    #[serde(default)]
+    pub system_roots: bool,
+    /// PEM file with this client's certificate (chain), for brokers that authenticate devices
+    /// by certificate (Mosquitto's `require_certificate`, AWS IoT Core); needs `key_file`.
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    /// PEM file with the private key of `cert_file` (PKCS#8, PKCS#1 or SEC1).
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
     #[serde(default = "default_keep_alive")]
     pub keep_alive_s: u64,
     /// Largest MQTT packet sent or accepted; must exceed the chunk size, and the broker's payload
@@ -81,6 +92,9 @@ impl BrokerConfig {
             username: None,
             password_file: None,
             ca_file: None,
+            system_roots: false,
+            cert_file: None,
+            key_file: None,
             keep_alive_s: default_keep_alive(),
             max_packet_bytes: default_max_packet(),
         }
@@ -88,7 +102,13 @@ impl BrokerConfig {
 
     /// Resolves relative file paths against `base` (the config file's directory).
     pub fn resolve(&mut self, base: &Path) {
-        for p in [&mut self.password_file, &mut self.ca_file]
+        let files = [
+            &mut self.password_file,
+            &mut self.ca_file,
+            &mut self.cert_file,
+            &mut self.key_file,
+        ];
+        for p in files
             .into_iter()
             .flatten()
         {
@@ -156,34 +176,74 @@ impl BrokerConfig {
     }
 
     fn tls_config(&self) -> Result<TlsConfiguration, BrokerError> {
-        use rustls::pki_types::CertificateDer;
-        use rustls::pki_types::pem::PemObject;
-        let ca = self.ca_file.as_ref().ok_or_else(|| {
-            BrokerError::Tls(format!(
-                "{}: mqtts:// needs ca_file (the broker's CA, PEM)",
-                self.url
-            ))
-        })?;
-        let file_err = |reason: String| BrokerError::File {
-            path: ca.display().to_string(),
-            reason,
-        };
         let mut roots = rustls::RootCertStore::empty();
-        for cert in CertificateDer::pem_file_iter(ca).map_err(|e| file_err(e.to_string()))? {
-            let cert = cert.map_err(|e| file_err(e.to_string()))?;
-            roots.add(cert).map_err(|e| file_err(e.to_string()))?;
+        if let Some(ca) = &self.ca_file {
+            for cert in certificates(ca)? {
+                roots.add(cert).map_err(|e| file_error(ca, e))?;
+            }
+        }
+        if self.system_roots {
+            let found = rustls_native_certs::load_native_certs();
+            let (added, _) = roots.add_parsable_certificates(found.certs);
+            if added == 0 {
+                let why = found.errors.first().map(|e| format!(": {e}"));
+                return Err(BrokerError::Tls(format!(
+                    "system_roots: no root certificate found on this system{}",
+                    why.unwrap_or_default()
+                )));
+            }
         }
         if roots.is_empty() {
-            return Err(file_err("no certificate found".into()));
+            return Err(BrokerError::Tls(format!(
+                "{}: mqtts:// needs ca_file (the broker's CA, PEM) or system_roots = true",
+                self.url
+            )));
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = rustls::ClientConfig::builder_with_provider(provider)
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| BrokerError::Tls(e.to_string()))?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+            .with_root_certificates(roots);
+        let config = match (&self.cert_file, &self.key_file) {
+            (None, None) => builder.with_no_client_auth(),
+            (Some(cert), Some(key)) => {
+                use rustls::pki_types::PrivateKeyDer;
+                use rustls::pki_types::pem::PemObject;
+                let chain = certificates(cert)?;
+                let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| file_error(key, e))?;
+                builder
+                    .with_client_auth_cert(chain, key_der)
+                    .map_err(|e| BrokerError::Tls(format!("{}: {e}", key.display())))?
+            }
+            _ => {
+                return Err(BrokerError::Tls(
+                    "a client certificate needs both cert_file and key_file".into(),
+                ));
+            }
+        };
         Ok(TlsConfiguration::Rustls(Arc::new(config)))
     }
+}
+
+fn file_error(path: &Path, e: impl std::fmt::Display) -> BrokerError {
+    BrokerError::File {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    }
+}
+
+/// The certificates of a PEM file (at least one).
+fn certificates(path: &Path) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, BrokerError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| file_error(path, e))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| file_error(path, e))?;
+    if certs.is_empty() {
+        return Err(file_error(path, "no certificate found"));
+    }
+    Ok(certs)
 }
 
 #[cfg(test)]
@@ -212,5 +272,31 @@ mod tests {
             .options("c", true)
             .unwrap_err();
         assert!(err.to_string().contains("ca_file"), "{err}");
+    }
+
+    /// A file without a certificate, or half a client identity, is an error naming what.
+    #[test]
+    fn tls_files_are_checked() {
+        let dir = std::env::temp_dir().join(format!("kestrel-mqtt-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let junk = dir.join("junk.pem");
+        std::fs::write(&junk, "not a certificate\n").unwrap();
+        let mut c = BrokerConfig::new("mqtts://x:8883");
+        c.ca_file = Some(junk.clone());
+        let err = c.options("c", true).unwrap_err().to_string();
+        assert!(err.contains("junk.pem") && err.contains("no certificate"), "{err}");
+        c.ca_file = None;
+        c.system_roots = true;
+        c.cert_file = Some(junk);
+        match c.options("c", true) {
+            // A system with root certificates gets as far as the half identity.
+            Err(e) => assert!(
+                e.to_string().contains("cert_file and key_file")
+                    || e.to_string().contains("no root certificate"),
+                "{e}"
+            ),
+            Ok(_) => panic!("a certificate without its key is refused"),
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

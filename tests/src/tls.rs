@@ -67,3 +67,25 @@ pub fn test_ca(dir: &Path) {
     );
     self_signed_ca(dir, "other-ca", "other.key", "other.pem");
 }
+
+/// In `dir` (after [`test_ca`]): `{cn}.pem` and `{cn}.key`, a client certificate for `cn`
+/// signed by `ca.pem` (what a broker that authenticates clients by certificate checks; with
+/// Mosquitto's `use_identity_as_username`, `cn` is the client's user name).
+pub fn client_cert(dir: &Path, cn: &str) {
+    let (key, csr, pem) = (format!("{cn}.key"), format!("{cn}.csr"), format!("{cn}.pem"));
+    let subj = format!("/CN={cn}");
+    openssl(
+        &[
+            "req", "-newkey", "rsa:2048", "-nodes", "-subj", &subj, "-keyout", &key, "-out", &csr,
+        ],
+        dir,
+    );
+    std::fs::write(dir.join("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
+    openssl(
+        &[
+            "x509", "-req", "-in", &csr, "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "2", "-extfile", "client.ext", "-out", &pem,
+        ],
+        dir,
+    );
+}

@@ -10,7 +10,7 @@ use kestrel_fleet::Conn;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::Target;
 use kestrel_tests::fleet::{Proc, fixture, free_port, start_agent_with, wait_status};
-use kestrel_tests::tls::test_ca;
+use kestrel_tests::tls::{client_cert, test_ca};
 use kestrel_tests::{run, s, stderr};
 
 /// A Mosquitto with TLS, passwords and the repo's ACL (edge-agent/deploy/kestrel.acl).
@@ -46,14 +46,23 @@ fn secure_broker(dir: &Path) -> SecureBroker {
     let acl = std::fs::read_to_string(repo_acl).unwrap()
         + "\nuser pi-a\ntopic read kestrel/groups/lab/desired\n";
     std::fs::write(dir.join("acl"), acl).unwrap();
+    let d = dir.display();
+    let conf = format!(
+        "allow_anonymous false\npassword_file {d}/passwd\nacl_file {d}/acl\n"
+    );
+    mosquitto_tls(dir, &conf)
+}
+
+/// Mosquitto with TLS (`ca.pem`, `server.pem` of `dir`) on a free loopback port, with `conf`'s
+/// authentication settings.
+fn mosquitto_tls(dir: &Path, conf: &str) -> SecureBroker {
     let port = free_port();
     let d = dir.display();
     std::fs::write(
         dir.join("mosquitto.conf"),
         format!(
             "per_listener_settings false\nlistener {port} 127.0.0.1\ncafile {d}/ca.pem\ncertfile {d}/server.pem\n\
-             keyfile {d}/server.key\ntls_version tlsv1.2\nallow_anonymous false\npassword_file {d}/passwd\n\
-             acl_file {d}/acl\nuser root\npersistence false\n"
+             keyfile {d}/server.key\ntls_version tlsv1.2\n{conf}user root\npersistence false\n"
         ),
     )
     .unwrap();
@@ -231,4 +240,107 @@ fn the_acl_keeps_devices_apart(sb: &SecureBroker, trainer: &BrokerConfig) {
         .retained("kestrel/devices/pi-b/status", Duration::from_millis(700))
         .unwrap();
     assert!(st.is_empty(), "pi-a wrote pi-b's status: {st:?}");
+}
+
+/// Devices authenticated by client certificate, as the shipped Mosquitto configuration offers
+/// (`require_certificate` + `use_identity_as_username`: the certificate's CN is the user name
+/// the ACL knows): the trainer and a device with their certificates, and no password, install a
+/// model; without a certificate, or with one from a CA the broker does not trust, the
+/// connection is refused.
+#[test]
+fn client_certificates_on_mosquitto() {
+    let f = fixture();
+    let dir = f.dir.join("client-certs");
+    let bdir = dir.join("broker");
+    test_ca(&bdir);
+    for cn in ["kestrel-trainer", "pi-c"] {
+        client_cert(&bdir, cn);
+    }
+    // A client certificate from a CA the broker does not trust.
+    let rogue = dir.join("rogue");
+    test_ca(&rogue);
+    client_cert(&rogue, "pi-c");
+    let repo_acl = concat!(env!("CARGO_MANIFEST_DIR"), "/../edge-agent/deploy/kestrel.acl");
+    std::fs::copy(repo_acl, bdir.join("acl")).unwrap();
+    let d = bdir.display();
+    let sb = mosquitto_tls(
+        &bdir,
+        &format!(
+            "require_certificate true\nuse_identity_as_username true\nallow_anonymous false\nacl_file {d}/acl\n"
+        ),
+    );
+    let with_cert = |dir: &Path, cn: &str| {
+        let mut c = sb.config(None, "ca.pem");
+        c.cert_file = Some(dir.join(format!("{cn}.pem")));
+        c.key_file = Some(dir.join(format!("{cn}.key")));
+        c
+    };
+    let trainer = with_cert(&bdir, "kestrel-trainer");
+    let conf = dir.join("pi-c/agent.toml");
+    std::fs::create_dir_all(conf.parent().unwrap()).unwrap();
+    std::fs::write(
+        &conf,
+        format!(
+            "device_id = \"pi-c\"\nstore = \"store\"\ntrusted_keys = [\"{}\"]\n[broker]\n\
+             url = \"{}\"\nca_file = \"{d}/ca.pem\"\ncert_file = \"{d}/pi-c.pem\"\nkey_file = \"{d}/pi-c.key\"\n",
+            f.keys.join("kestrel.pub").display(),
+            trainer.url,
+        ),
+    )
+    .unwrap();
+    let agent = start_agent_with(&conf, &[], &[]);
+    let o = run(
+        "trainer",
+        &[
+            "publish",
+            "--broker",
+            &trainer.url,
+            "--ca-file",
+            &s(&bdir.join("ca.pem")),
+            "--cert-file",
+            &s(&bdir.join("kestrel-trainer.pem")),
+            "--key-file",
+            &s(&bdir.join("kestrel-trainer.key")),
+            "--artifact",
+            &s(&f.v1),
+            "--key",
+            &s(&f.key()),
+            "--target",
+            "device/pi-c",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_status(&trainer, "pi-c", 120, "v1 active with a client certificate", |s| {
+        s.active == Some(1) && s.state == "idle"
+    });
+    assert!(agent.output().contains("connected to mqtts://"), "{}", agent.output());
+    drop(agent);
+    // The same device without its certificate: the broker ends the handshake, the agent says so
+    // and retries.
+    let without = dir.join("pi-c/without.toml");
+    let text = std::fs::read_to_string(&conf).unwrap();
+    let text = text.split("cert_file").next().unwrap().replace("\"store\"", "\"store2\"");
+    std::fs::write(&without, text).unwrap();
+    let mut refused = start_agent_with(&without, &[], &[]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !refused.output().contains("retrying") {
+        assert!(
+            refused.is_running() && Instant::now() < deadline,
+            "an agent without its certificate: {}",
+            refused.output()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let said = refused.output();
+    assert!(
+        said.contains(&format!("pi-c: broker {}", trainer.url)) && !said.contains("connected to"),
+        "{said}"
+    );
+    drop(refused);
+    let rogue_cert = with_cert(&rogue, "pi-c");
+    match Conn::connect(&rogue_cert, "probe") {
+        Ok(_) => panic!("a certificate from a CA the broker does not trust: connected"),
+        Err(e) => assert!(e.to_string().contains(&rogue_cert.url), "{e}"),
+    }
+    drop(sb.proc);
 }
