@@ -158,9 +158,18 @@ impl Conn {
         Ok(())
     }
 
+    /// Subscribes at QoS 1 and waits for the broker's SubAck.
     pub fn subscribe(&mut self, filter: &str) -> Result<(), FleetError> {
+        self.subscribe_qos(filter, QoS::AtLeastOnce)
+    }
+
+    /// Subscribes at `qos` and waits for the broker's SubAck. Fleet-wide retained state (statuses,
+    /// quality, presence) is read at QoS 0: rumqttd 0.20 sends a new QoS 1 subscription at most
+    /// 100 retained messages (its fixed in-flight window), a QoS 0 one up to the broker's
+    /// `max_outgoing_packet_count` (`kestrel-broker` sets 20,000).
+    pub fn subscribe_qos(&mut self, filter: &str, qos: QoS) -> Result<(), FleetError> {
         self.client
-            .subscribe(filter, QoS::AtLeastOnce)
+            .subscribe(filter, qos)
             .map_err(|e| self.client_err(e))?;
         // Wait for the SubAck: retained messages follow it.
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -198,8 +207,8 @@ impl Conn {
         }
     }
 
-    /// Retained messages under `filter`: those the broker sends with the retain flag on
-    /// subscribing, until `quiet` passes without one (live traffic on the same topics, which a
+    /// Retained messages under `filter` (subscribed at QoS 0, see [`Conn::subscribe_qos`]): those
+    /// the broker sends with the retain flag on subscribing, until `quiet` passes without one (live traffic on the same topics, which a
     /// chatty or hostile device can keep up forever, neither counts nor keeps the wait going),
     /// and for at most [`RETAINED_MAX_WAIT`].
     pub fn retained(
@@ -207,7 +216,7 @@ impl Conn {
         filter: &str,
         quiet: Duration,
     ) -> Result<BTreeMap<String, Vec<u8>>, FleetError> {
-        self.subscribe(filter)?;
+        self.subscribe_qos(filter, QoS::AtMostOnce)?;
         let mut out = BTreeMap::new();
         let end = Instant::now() + RETAINED_MAX_WAIT;
         let mut last = Instant::now();

@@ -4,6 +4,7 @@
 //!   acknowledgement.
 //! - [`bundle`]: an exported artifact checked, signed and cut into chunks ([`Bundle`]).
 //! - [`publish`]: publishing an artifact and a signed desired state (`trainer publish`).
+//! - [`prune`]: clearing retained artifact versions nothing needs (`trainer prune`, `unpublish`).
 //! - [`keys`]: the root-signed list of publishing keys (`trainer keys`).
 //! - [`status`]: the fleet's retained statuses, or waiting for a device (`trainer status`).
 //! - [`collect`]: captures from devices over a persistent session (`trainer collect`).
@@ -21,6 +22,7 @@ pub mod conn;
 pub mod console;
 pub mod infer;
 pub mod keys;
+pub mod prune;
 pub mod publish;
 pub mod rollout;
 pub mod skipped;

@@ -65,6 +65,12 @@ enum BrokerError {
 }
 
 /// The rumqttd configuration: one MQTT 3.1.1 listener, payloads up to `max_payload` bytes.
+///
+/// `max_outgoing_packet_count` is how many retained messages rumqttd 0.20 sends a new QoS 0
+/// subscription (and how many messages a QoS 0 subscriber is sent per read): 20,000, so a late
+/// console or `trainer status` sees every device of a fleet of thousands. A QoS 1 subscription
+/// gets at most 100 (rumqttd's fixed in-flight window, not configurable); Kestrel's fleet-wide
+/// reads of retained state subscribe at QoS 0 for that reason.
 fn config(listen: SocketAddr, max_payload: usize) -> Result<rumqttd::Config, BrokerError> {
     let toml = format!(
         r#"
@@ -72,7 +78,7 @@ id = 0
 [router]
 id = 0
 max_connections = 10010
-max_outgoing_packet_count = 200
+max_outgoing_packet_count = 20000
 max_segment_size = 104857600
 max_segment_count = 10
 

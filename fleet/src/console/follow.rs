@@ -39,8 +39,10 @@ pub fn start(cfg: BrokerConfig, shared: Arc<Shared>) {
 /// One connection: subscribe, then apply messages until it fails.
 fn follow(cfg: &BrokerConfig, shared: &Shared) -> Result<(), FleetError> {
     let mut conn = Conn::connect(cfg, "console")?;
+    // QoS 0: a late console gets every retained status, not rumqttd's first 100 (see
+    // `Conn::subscribe_qos`); each message is a device's latest state, which the next replaces.
     for f in filters(&conn.topics) {
-        conn.subscribe(&f)?;
+        conn.subscribe_qos(&f, rumqttc::QoS::AtMostOnce)?;
     }
     shared.connected.store(true, Ordering::Relaxed);
     // The pages learn it now, not with the next message.

@@ -163,7 +163,7 @@ pub fn run(
     let mut seen = Seen::default();
     // A lost broker (a restart, an outage) is waited for: reconnected, the controller goes on as
     // a restarted one would (its phase's desired states again, all idempotent).
-    while let Err(e) = follow(&mut conn, &mut c, signer, &mut seen, log) {
+    while let Err(e) = follow(cfg, &mut conn, &mut c, signer, &mut seen, log) {
         let FleetError::Broker { .. } = e else {
             return Err(e);
         };
@@ -186,6 +186,7 @@ const RECONNECT_S: u64 = 120;
 /// The controller's current phase published again, then the devices' statuses and the clock
 /// fed to it until the rollout ends.
 fn follow(
+    cfg: &BrokerConfig,
     conn: &mut Conn,
     c: &mut Controller,
     signer: &Keys,
@@ -194,9 +195,24 @@ fn follow(
 ) -> Result<(), FleetError> {
     let outputs = c.start(now_unix());
     execute(conn, c, signer, outputs, log)?;
-    conn.subscribe(&conn.topics.status_filter())?;
-    conn.subscribe(&conn.topics.quality_filter())?;
+    let live = [conn.topics.status_filter(), conn.topics.quality_filter()];
+    for f in &live {
+        conn.subscribe(f)?;
+    }
     conn.subscribe(&conn.topics.rollout_command(&c.name))?;
+    // The subscriptions above bring live changes; every device's retained state comes from a
+    // snapshot of its own (a QoS 1 subscription may bring only some of it: see
+    // `Conn::subscribe_qos`). A status older than one already seen is ignored (`on_message`).
+    let mut snapshot = Conn::connect(cfg, "rollout-snapshot")?;
+    for f in &live {
+        for (t, p) in snapshot.retained(f, Duration::from_millis(400))? {
+            if !p.is_empty() {
+                let outputs = on_message(conn, c, &signer.commands, seen, (&t, &p), log);
+                execute(conn, c, signer, outputs, log)?;
+            }
+        }
+    }
+    snapshot.disconnect();
     let (mut last_tick, mut renewed) = (Instant::now(), Instant::now());
     while c.state == RolloutState::Running {
         // Desired states expire (DEFAULT_VALIDITY_S): a long rollout signs its own again.
@@ -247,6 +263,14 @@ fn on_message(
             kind: DeviceTopic::Status,
             ..
         }) => match from_device::<Status>(topics, DeviceTopic::Status, topic, payload) {
+            Ok(s)
+                if seen
+                    .latest
+                    .get(&s.device)
+                    .is_some_and(|l| (s.started, s.seq) < (l.started, l.seq)) =>
+            {
+                vec![] // older than what this controller already saw
+            }
             Ok(s) => {
                 let outputs = c.on_status(&s, now_unix());
                 seen.latest.insert(s.device.clone(), s);

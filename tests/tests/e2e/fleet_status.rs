@@ -1,5 +1,6 @@
 //! `trainer status` run as a user types it, against a simulated fleet (`edge-agent run
-//! --simulate N`): with no `--device` it lists every device that has a retained status. (It once
+//! --simulate N`, a thousand devices on the embedded broker): with no `--device` it lists every
+//! device that has a retained status. (It once
 //! listed none: the global ONNX Runtime `--device` flag, default `cpu`, filled the status
 //! command's device filter.) Also how `trainer broker` runs the `kestrel-broker` binary.
 
@@ -13,7 +14,6 @@ use kestrel_tests::fleet::{Broker, BrokerKind, agent_config, start_agent_with, t
 use kestrel_tests::{bin, stderr};
 use serde_json::Value;
 
-const DEVICES: usize = 5;
 
 /// `target/tmp/fleet-status-<name>`, emptied (kept after the test for its logs).
 fn workdir(name: &str) -> PathBuf {
@@ -69,15 +69,15 @@ fn json_ids(json: &str) -> BTreeSet<String> {
         .collect()
 }
 
-/// A broker of `kind` and `DEVICES` simulated devices; `trainer status` must list them all.
-fn status_lists_every_device(kind: BrokerKind) -> Broker {
+/// A broker of `kind` and `devices` simulated devices; `trainer status` must list them all.
+fn status_lists_every_device(kind: BrokerKind, devices: usize) -> Broker {
     let dir = workdir(&format!("{kind:?}").to_lowercase());
     let keys = dir.join("keys");
     trainer_ok(&["keygen", "--out", keys.to_str().unwrap()]);
     let b = Broker::start(kind, &dir.join("broker"));
     let conf = agent_config(&dir.join("sim"), "st", &b.url(), &keys, "");
-    let mut fleet = start_agent_with(&conf, &[], &["--simulate", &DEVICES.to_string()]);
-    let ids: BTreeSet<String> = (0..DEVICES).map(|i| format!("st-{i:03}")).collect();
+    let mut fleet = start_agent_with(&conf, &[], &["--simulate", &devices.to_string()]);
+    let ids: BTreeSet<String> = (0..devices).map(|i| format!("st-{i:03}")).collect();
     wait_reported(&b.config(), &ids);
 
     let url = b.url();
@@ -96,9 +96,11 @@ fn status_lists_every_device(kind: BrokerKind) -> Broker {
     b
 }
 
+/// A thousand devices: rumqttd sends a late QoS 1 subscriber only 100 retained messages, so
+/// fleet-wide reads subscribe at QoS 0, of which `kestrel-broker` sends up to 20,000.
 #[test]
 fn status_without_device_lists_the_fleet_on_the_embedded_broker() {
-    let mut b = status_lists_every_device(BrokerKind::Rumqttd);
+    let mut b = status_lists_every_device(BrokerKind::Rumqttd, 1000);
     // `trainer broker` replaced itself with kestrel-broker: the PID the test holds is the broker's.
     let p = b.proc.as_mut().unwrap();
     let exe = std::fs::read_link(format!("/proc/{}/exe", p.child.id())).unwrap();
@@ -113,7 +115,7 @@ fn status_without_device_lists_the_fleet_on_the_embedded_broker() {
 
 #[test]
 fn status_without_device_lists_the_fleet_on_mosquitto() {
-    status_lists_every_device(BrokerKind::Mosquitto);
+    status_lists_every_device(BrokerKind::Mosquitto, 5);
 }
 
 /// Without `kestrel-broker` beside it, `trainer broker` fails naming the path it looked for.

@@ -30,6 +30,7 @@ mod mlflow;
 mod mpi;
 mod mqtt;
 mod own_backbone;
+mod prune;
 mod quality;
 mod rollout;
 mod secure_broker;

@@ -7,6 +7,7 @@ pub mod collect;
 pub mod console;
 pub mod infer;
 pub mod keys;
+pub mod prune;
 pub mod publish;
 pub mod rollout;
 pub mod status;
@@ -85,6 +86,15 @@ pub struct BrokerArgs {
     /// CA certificate(s) (PEM) the broker's TLS certificate must chain to.
     #[arg(long)]
     ca_file: Option<PathBuf>,
+    /// Also trust the system's root certificates (a broker with a public certificate).
+    #[arg(long)]
+    system_roots: bool,
+    /// Client certificate (PEM) for brokers that authenticate clients by certificate.
+    #[arg(long, requires = "key_file")]
+    cert_file: Option<PathBuf>,
+    /// Private key (PEM) of --cert-file.
+    #[arg(long, requires = "cert_file")]
+    key_file: Option<PathBuf>,
 }
 
 impl BrokerArgs {
@@ -94,6 +104,9 @@ impl BrokerArgs {
         c.username = self.username.clone();
         c.password_file = self.password_file.clone();
         c.ca_file = self.ca_file.clone();
+        c.system_roots = self.system_roots;
+        c.cert_file = self.cert_file.clone();
+        c.key_file = self.key_file.clone();
         c
     }
 }
@@ -110,6 +123,12 @@ pub enum FleetCmd {
     Keys(keys::Args),
     /// Show devices' retained status, or wait for a device to reach a state.
     Status(status::Args),
+    /// Clear the retained chunks and offers of all but the newest versions of each model,
+    /// keeping every version a desired state or a running rollout still needs.
+    Prune(prune::PruneArgs),
+    /// Clear one published version's retained chunks and offer (refused while a desired state
+    /// or a running rollout needs it).
+    Unpublish(prune::UnpublishArgs),
     /// Staged rollout of a signed artifact across the fleet (phases, thresholds, abort and roll
     /// back); `trainer rollout status` shows one. A restarted rollout resumes from the broker.
     #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
@@ -131,6 +150,8 @@ pub fn run(cmd: FleetCmd) -> Result<ExitCode> {
         FleetCmd::Publish(args) => publish::run(args),
         FleetCmd::Keys(args) => keys::run(args),
         FleetCmd::Status(args) => status::run(args),
+        FleetCmd::Prune(args) => prune::prune(args),
+        FleetCmd::Unpublish(args) => prune::unpublish(args),
         FleetCmd::Rollout(args) => rollout::run(args),
         FleetCmd::Infer(args) => infer::run(args),
         FleetCmd::Collect(args) => collect::run(args),
