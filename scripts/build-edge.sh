@@ -2,7 +2,7 @@
 # Builds the edge agent for the Raspberry Pi and packages it:
 #   dist/edge-agent-aarch64   aarch64-unknown-linux-gnu      (Pi 3/4/5, 64-bit OS)
 #   dist/edge-agent-armv7     armv7-unknown-linux-gnueabihf  (Pi 2/3/4, 32-bit OS)
-#   dist/kestrel-agent_<version>_{arm64,armhf}.deb, dist/SHA256SUMS
+#   dist/kestrel-agent_<version>-1_{arm64,armhf}.deb (and kestrel-agent-ort_..._arm64.deb with --ort), dist/SHA256SUMS
 #   with --ort also: dist/edge-agent-aarch64-ort (cargo features `ort`: `[inference] engine = "ort"` loads
 #   ONNX Runtime at run time, and `multicore`: tract runs one image on `threads` cores) and
 #   dist/onnxruntime-aarch64/libonnxruntime.so.* from the PyPI wheel
@@ -195,27 +195,22 @@ install_stripped() {
 # Builds variant $3 (extra cargo arguments after it) of target $1 with toolchain $2 into
 # dist/edge-agent-<short><suffix> and, for the plain variant, its .deb.
 target_job() {
-  local t="$1" how="$2" suffix="$3" short bin out bytes version
+  local t="$1" how="$2" suffix="$3" short bin out bytes
   shift 3
   short=$(short_of "$t")
   bin=$(build "$t" "$how" "$suffix" "$@") || return 1
   out="dist/edge-agent-$short$suffix"
   install_stripped "$t" "$bin" "$out"
-  [ -n "$suffix" ] && return 0
   bytes=$(stat -c %s "$out")
-  if [ "$short" = aarch64 ] && [ "$bytes" -gt "$max_bytes" ]; then
+  if [ -z "$suffix" ] && [ "$short" = aarch64 ] && [ "$bytes" -gt "$max_bytes" ]; then
     # A warning, or a failure with KESTREL_EDGE_STRICT_SIZE=1 (tests/tests/e2e/arm.rs holds the same budget).
     echo "WARNING: $out is $bytes bytes, over the budget of $max_bytes (KESTREL_EDGE_MAX_BYTES)" >&2
     [ "${KESTREL_EDGE_STRICT_SIZE:-0}" = 1 ] && return 1
   fi
   if [ $deb -eq 1 ]; then
-    version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
-    if command -v dpkg-deb >/dev/null 2>&1; then
-      edge-agent/deploy/build-deb.sh "$out" "$(debarch_of "$t")" "$version" dist >&2 || return 1
-    else
-      log "dpkg-deb is not installed: no .deb for $t"
-      return 1
-    fi
+    # cargo-deb ([package.metadata.deb] in edge-agent/Cargo.toml): kestrel-agent, or with the
+    # ONNX Runtime build its `ort` variant, kestrel-agent-ort.
+    edge-agent/deploy/build-deb.sh "$t" "$out" ${suffix:+ort} dist >&2 || return 1
   fi
 }
 
@@ -273,7 +268,7 @@ for j in "${jobs[@]}"; do
 done
 
 # Checksums of everything in dist/ (binaries and packages).
-(cd dist && find . -maxdepth 2 -type f \( -name 'edge-agent-*' -o -name 'kestrel-agent_*.deb' -o -path './onnxruntime-aarch64/*' \) \
+(cd dist && find . -maxdepth 2 -type f \( -name 'edge-agent-*' -o -name 'kestrel-agent*.deb' -o -path './onnxruntime-aarch64/*' \) \
   ! -name '*.tmp' | sed 's|^\./||' | sort | xargs -r sha256sum > SHA256SUMS)
 log "dist/:"
 (cd dist && for f in $(awk '{print $2}' SHA256SUMS); do printf '  %-40s %10s bytes  sha256 %s\n' "$f" "$(stat -c %s "$f")" "$(grep " $f\$" SHA256SUMS | cut -c1-16)…"; done) >&2

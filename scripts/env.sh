@@ -11,10 +11,11 @@ have_mpi() {
   command -v mpirun >/dev/null 2>&1 && pkg-config --exists ompi-c 2>/dev/null \
     && ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1
 }
+# edge-agent/docs: the host tool that writes the agent's man pages and completions for its .deb.
 if have_mpi; then
-  KESTREL_FEATURES="--features kestrel-trainer/mpi,kestrel-tests/mpi"
+  KESTREL_FEATURES="--features kestrel-trainer/mpi,kestrel-tests/mpi,edge-agent/docs"
 else
-  KESTREL_FEATURES=""
+  KESTREL_FEATURES="--features edge-agent/docs"
 fi
 KESTREL_PY="$KESTREL_HOME/venv/bin/python"
 # Pinned versions of what comes from PyPI.

@@ -41,6 +41,8 @@ if [ $full = 1 ]; then
   apt_install "${need[@]}"
   # promtool lints the console's /metrics; its package's recommended node exporter is not needed.
   command -v promtool >/dev/null || apt_install --no-install-recommends prometheus
+  # lintian checks the agent's .deb files (tests/tests/e2e/arm.rs).
+  command -v lintian >/dev/null || apt_install --no-install-recommends lintian
   source "$here/env.sh" # Open MPI may be there now
 fi
 

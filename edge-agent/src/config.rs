@@ -1,5 +1,6 @@
 //! `agent.toml`: who the device is, how it reaches the broker, whom it trusts, where it keeps
-//! models and what it accepts. Relative paths are resolved against the file's directory.
+//! models and what it accepts; then the drop-ins of `agent.d/` beside it, each over the one
+//! before ([`drop_ins`]). Relative paths are resolved against the directory of `agent.toml`.
 
 use std::path::{Path, PathBuf};
 
@@ -224,9 +225,73 @@ impl Default for Capture {
     }
 }
 
+/// The drop-in files of configuration file `path` (`agent.toml` -> `agent.d/*.toml`), in name
+/// order: the device's own settings (its broker, its id) over the shipped defaults, so that the
+/// shipped file is never edited and a package upgrade never asks about it.
+pub fn drop_ins(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
+    let dir = path.with_extension("d");
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+        Err(e) => {
+            return Err(ConfigError::Read {
+                path: dir.display().to_string(),
+                reason: e.to_string(),
+            });
+        }
+    };
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "toml") && p.is_file())
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// `path` with its drop-ins merged over it (tables key by key, any other value replaced), and
+/// the files read.
+fn merged(path: &Path) -> Result<(toml::Table, Vec<String>), ConfigError> {
+    let mut table = toml::Table::new();
+    let mut sources = Vec::new();
+    for file in std::iter::once(path.to_path_buf()).chain(drop_ins(path)?) {
+        let p = file.display().to_string();
+        let text = std::fs::read_to_string(&file).map_err(|e| ConfigError::Read {
+            path: p.clone(),
+            reason: e.to_string(),
+        })?;
+        let t: toml::Table = toml::from_str(&text).map_err(|e| ConfigError::Invalid {
+            path: p.clone(),
+            reason: e.to_string(),
+        })?;
+        merge(&mut table, t);
+        sources.push(p);
+    }
+    Ok((table, sources))
+}
+
+fn merge(into: &mut toml::Table, from: toml::Table) {
+    for (k, v) in from {
+        match (into.get_mut(&k), v) {
+            (Some(toml::Value::Table(a)), toml::Value::Table(b)) => merge(a, b),
+            (_, v) => {
+                into.insert(k, v);
+            }
+        }
+    }
+}
+
+/// This machine's host name (the default `device_id`).
+fn host_name() -> std::io::Result<String> {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))?;
+    Ok(name.trim().to_string())
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// Default: the host name (so one SD-card image serves a fleet).
+    #[serde(default)]
     pub device_id: String,
     #[serde(default)]
     pub groups: Vec<String>,
@@ -251,17 +316,20 @@ pub struct Config {
 }
 
 impl Config {
+    /// Reads `path` and then its drop-ins ([`drop_ins`]), each over the one before.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let p = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
-            path: p.clone(),
-            reason: e.to_string(),
-        })?;
+        let (table, sources) = merged(path)?;
+        let p = sources.join(" + ");
         let invalid = |reason: String| ConfigError::Invalid {
             path: p.clone(),
             reason,
         };
-        let mut c: Config = toml::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        let mut c: Config = table.try_into().map_err(|e| invalid(e.to_string()))?;
+        if c.device_id.is_empty() {
+            c.device_id = host_name().map_err(|e| {
+                invalid(format!("device_id is not set and the host name is unreadable: {e}"))
+            })?;
+        }
         let base = path.parent().unwrap_or(Path::new("."));
         let paths = std::iter::once(&mut c.store)
             .chain(c.trusted_keys.iter_mut())
@@ -401,5 +469,45 @@ mod tests {
                 assert!(e.to_string().contains("without ONNX Runtime"), "{e}");
             }
         }
+    }
+
+    /// Shipped defaults in `agent.toml`, the device's own settings in `agent.d/*.toml` (in name
+    /// order, tables merged key by key); without `device_id`, the host name.
+    #[test]
+    fn drop_ins_override_the_shipped_file_and_the_id_defaults_to_the_host_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("agent.toml");
+        std::fs::write(
+            &p,
+            "store = \"s\"\ntrusted_keys = [\"k.pub\"]\n[broker]\nurl = \"mqtt://127.0.0.1:1883\"\n\
+             keep_alive_s = 30\n[limits]\nqueue = 16\n",
+        )
+        .unwrap();
+        let c = Config::load(&p).unwrap();
+        assert_eq!(c.device_id, host_name().unwrap());
+        let d = dir.path().join("agent.d");
+        std::fs::create_dir(&d).unwrap();
+        std::fs::write(
+            d.join("10-fleet.toml"),
+            "groups = [\"kitchen\"]\n[broker]\nurl = \"mqtts://broker.lan\"\nca_file = \"ca.pem\"\n",
+        )
+        .unwrap();
+        std::fs::write(d.join("20-device.toml"), "device_id = \"pi-7\"\n[limits]\nqueue = 4\n")
+            .unwrap();
+        std::fs::write(d.join("README"), "not a drop-in").unwrap();
+        let c = Config::load(&p).unwrap();
+        assert_eq!(c.device_id, "pi-7");
+        assert_eq!(c.groups, ["kitchen"]);
+        assert_eq!(c.broker.url, "mqtts://broker.lan");
+        assert_eq!(c.broker.keep_alive_s, 30, "kept from the shipped file");
+        assert_eq!(c.broker.ca_file, Some(dir.path().join("ca.pem")));
+        assert_eq!(c.limits.queue, 4);
+        // A bad drop-in is named.
+        std::fs::write(d.join("30-bad.toml"), "[broker\n").unwrap();
+        let e = Config::load(&p).unwrap_err().to_string();
+        assert!(e.contains("30-bad.toml"), "{e}");
+        std::fs::write(d.join("30-bad.toml"), "bogus = 1\n").unwrap();
+        let e = Config::load(&p).unwrap_err().to_string();
+        assert!(e.contains("bogus") && e.contains("30-bad.toml"), "{e}");
     }
 }

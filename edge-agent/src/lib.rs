@@ -2,10 +2,11 @@
 //! rules (replay, expiry, signed clears: [`desired`]), the trusted keys (root-signed key lists:
 //! [`trust`]), the model
 //! store with atomic activation ([`store`]), the durable outbox ([`outbox`]), the configuration
-//! ([`config`]) and the MQTT event loop that drives them ([`agent`]).
+//! ([`config`]), the MQTT event loop that drives them ([`agent`]) and the command line ([`cli`]).
 
 pub mod agent;
 pub mod capture;
+pub mod cli;
 pub mod config;
 pub mod desired;
 pub mod outbox;

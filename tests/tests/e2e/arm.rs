@@ -267,9 +267,25 @@ fn dist_binaries_and_debian_packages() {
         else {
             panic!("no kestrel-agent_*_{arch}.deb beside {}", bin.display());
         };
-        check_package_metadata(&deb, arch);
+        check_package_metadata(&deb, arch, "kestrel-agent");
         check_package_payload(&deb, &bin);
+        lintian(&deb);
         checked += 1;
+    }
+    // The ONNX Runtime build's package, the `ort` variant.
+    let ort_bin = dist.join("edge-agent-aarch64-ort");
+    if ort_bin.exists() {
+        let deb = std::fs::read_dir(&dist)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| {
+                let n = p.file_name().unwrap().to_string_lossy().into_owned();
+                n.starts_with("kestrel-agent-ort_") && n.ends_with("_arm64.deb")
+            })
+            .unwrap_or_else(|| panic!("no kestrel-agent-ort_*_arm64.deb in {}", dist.display()));
+        check_package_metadata(&deb, "arm64", "kestrel-agent-ort");
+        check_package_payload(&deb, &ort_bin);
+        lintian(&deb);
     }
     if checked == 0 {
         eprintln!("skipped: no ARM binaries in {}", dist.display());
@@ -297,8 +313,24 @@ fn check_binary(dist: &Path, short: &str, machine: u16, bin: &Path) {
     );
 }
 
+/// `lintian` (Debian's package checker) finds no error in the package.
+fn lintian(deb: &Path) {
+    let o = Command::new("lintian")
+        .args(["--fail-on", "error"])
+        .arg(deb)
+        .output()
+        .expect("lintian (Debian's package; scripts/setup.sh installs it)");
+    assert!(
+        o.status.success(),
+        "lintian {}: {}{}",
+        deb.display(),
+        stdout(&o),
+        stderr(&o)
+    );
+}
+
 /// `dpkg-deb --field/--info/--contents`: package, architecture, dependencies, scripts, files and modes.
-fn check_package_metadata(deb: &Path, arch: &str) {
+fn check_package_metadata(deb: &Path, arch: &str, package: &str) {
     let dpkg = |args: &[&str]| {
         let o = Command::new("dpkg-deb").args(args).arg(&deb).output();
         match o {
@@ -312,20 +344,24 @@ fn check_package_metadata(deb: &Path, arch: &str) {
             .lines()
             .find_map(|l| l.strip_prefix(&format!("{f}: ")).map(str::to_string))
     };
-    assert_eq!(field("Package").as_deref(), Some("kestrel-agent"));
+    assert_eq!(field("Package").as_deref(), Some(package));
     assert_eq!(
         field("Architecture").as_deref(),
         Some(arch),
         "{}",
         deb.display()
     );
+    let depends = field("Depends").unwrap_or_default();
     assert!(
-        field("Depends")
-            .unwrap_or_default()
-            .contains("libc6 (>= 2.")
+        depends.contains("libc6 (>= 2.") && depends.contains("systemd"),
+        "{depends}"
     );
+    if package != "kestrel-agent" {
+        assert_eq!(field("Provides").as_deref(), Some("kestrel-agent"));
+        assert_eq!(field("Conflicts").as_deref(), Some("kestrel-agent"));
+    }
     let info = dpkg(&["--info"]);
-    for script in ["postinst", "prerm", "postrm", "conffiles"] {
+    for script in ["postinst", "prerm", "postrm", "conffiles", "md5sums"] {
         assert!(
             info.contains(script),
             "{}: no {script}:\n{info}",
@@ -341,22 +377,28 @@ fn check_package_metadata(deb: &Path, arch: &str) {
             .unwrap_or_else(|| panic!("{}: no {path}:\n{contents}", deb.display()))
             .to_string()
     };
+    let doc = format!("/usr/share/doc/{package}");
+    let sysusers = format!("/usr/lib/sysusers.d/{package}.conf");
     for (path, mode) in [
         ("/usr/bin/edge-agent", "-rwxr-xr-x root/root"),
         ("/etc/kestrel/agent.toml", "-rw-r--r-- root/root"),
-        (
-            "/lib/systemd/system/kestrel-agent.service",
-            "-rw-r--r-- root/root",
-        ),
-        (
-            "/usr/share/doc/kestrel-agent/copyright",
-            "-rw-r--r-- root/root",
-        ),
+        (UNIT, "-rw-r--r-- root/root"),
+        (&sysusers, "-rw-r--r-- root/root"),
+        (&format!("{doc}/copyright"), "-rw-r--r-- root/root"),
+        (&format!("{doc}/changelog.Debian.gz"), "-rw-r--r-- root/root"),
+        ("/usr/share/man/man1/edge-agent.1.gz", "-rw-r--r-- root/root"),
+        ("/usr/share/man/man1/edge-agent-run.1.gz", "-rw-r--r-- root/root"),
+        ("/usr/share/bash-completion/completions/edge-agent", "-rw-r--r-- root/root"),
+        ("/usr/share/zsh/vendor-completions/_edge-agent", "-rw-r--r-- root/root"),
+        ("/usr/share/fish/vendor_completions.d/edge-agent.fish", "-rw-r--r-- root/root"),
     ] {
         let e = entry(path);
         assert!(e.starts_with(mode), "{path}: {e}");
     }
 }
+
+/// Where the package installs the unit.
+const UNIT: &str = "/usr/lib/systemd/system/kestrel-agent.service";
 
 /// The unpacked package: the dist/ binary, agent.toml as a conffile, the hardened unit, postinst.
 fn check_package_payload(deb: &Path, bin: &Path) {
@@ -384,7 +426,7 @@ fn check_package_payload(deb: &Path, bin: &Path) {
             .trim(),
         "/etc/kestrel/agent.toml"
     );
-    let unit = std::fs::read_to_string(x.join("lib/systemd/system/kestrel-agent.service")).unwrap();
+    let unit = std::fs::read_to_string(x.join(&UNIT[1..])).unwrap();
     for line in [
         "ExecStart=/usr/bin/edge-agent run --config /etc/kestrel/agent.toml",
         "User=kestrel",
@@ -406,7 +448,7 @@ fn check_package_payload(deb: &Path, bin: &Path) {
     }
     // systemd's own review of the sandbox: "1.4 OK" (3.2 before the system call filter,
     // ProtectProc and PrivateUsers); --threshold fails the command above 2.0.
-    let unit_path = x.join("lib/systemd/system/kestrel-agent.service");
+    let unit_path = x.join(&UNIT[1..]);
     match std::process::Command::new("systemd-analyze")
         .args(["security", "--offline=true", "--threshold=20"])
         .arg(&unit_path)
@@ -420,10 +462,43 @@ fn check_package_payload(deb: &Path, bin: &Path) {
         ),
         Err(e) => eprintln!("SKIPPED the unit's security review: systemd-analyze: {e}"),
     }
+    // The user from systemd-sysusers, the unit through deb-systemd-helper (debhelper's snippets).
     let postinst = std::fs::read_to_string(x.join("DEBIAN/postinst")).unwrap();
-    assert!(postinst.contains("adduser --system") && postinst.contains("/var/lib/kestrel"));
+    for s in ["systemd-sysusers", "deb-systemd-helper", "/etc/kestrel/agent.d"] {
+        assert!(postinst.contains(s), "postinst lacks {s}:\n{postinst}");
+    }
+    let sysusers = std::fs::read_dir(x.join("usr/lib/sysusers.d"))
+        .unwrap()
+        .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
+        .collect::<String>();
+    assert!(sysusers.contains("u kestrel - "), "{sysusers}");
     let toml = std::fs::read_to_string(x.join("etc/kestrel/agent.toml")).unwrap();
     assert!(toml.contains("store = \"/var/lib/kestrel\""), "{toml}");
+    // md5sums name every installed file, with its sum.
+    let sums = std::fs::read_to_string(x.join("DEBIAN/md5sums")).unwrap();
+    let line = format!("{}  usr/bin/edge-agent", md5(&std::fs::read(bin).unwrap()));
+    assert!(sums.lines().any(|l| l == line), "{line} not in md5sums:\n{sums}");
+    assert!(sums.contains("  etc/kestrel/agent.toml") && sums.contains("  usr/share/man/man1/"));
+    // The copyright names the linked crates (DEP-5 paragraphs) and their licences' texts.
+    let doc = std::fs::read_dir(x.join("usr/share/doc")).unwrap().next().unwrap().unwrap().path();
+    let copyright = std::fs::read_to_string(doc.join("copyright")).unwrap();
+    for s in ["Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/",
+              "Files: crates.io/tract-core-", "Files: crates.io/rustls-", "License: MIT\n"] {
+        assert!(copyright.contains(s), "copyright lacks {s}");
+    }
+}
+
+/// MD5 of `bytes` through `md5sum` (what dpkg checks the md5sums with).
+fn md5(bytes: &[u8]) -> String {
+    use std::io::Write;
+    let mut c = Command::new("md5sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    c.stdin.take().unwrap().write_all(bytes).unwrap();
+    let o = c.wait_with_output().unwrap();
+    stdout(&o).split_whitespace().next().unwrap().to_string()
 }
 
 #[test]

@@ -96,7 +96,11 @@ apt() {
 systemctl() {
   [ "$*" = "enable --now kestrel-agent" ] || { echo "systemctl (guide test): only enable --now kestrel-agent" >&2; return 1; }
   local cmd
-  cmd=$(sed -n 's/^ExecStart=//p' "$PI_ROOT/lib/systemd/system/kestrel-agent.service")
+  cmd=$(sed -n 's/^ExecStart=//p' "$PI_ROOT/usr/lib/systemd/system/kestrel-agent.service")
+  # The shipped defaults name the real /var/lib/kestrel and /etc/kestrel: the stand-in Pi's own
+  # under $PI_ROOT, in a last drop-in.
+  printf 'store = "%s"\ntrusted_keys = ["%s"]\n' "$PI_ROOT/var/lib/kestrel" \
+    "$PI_ROOT/etc/kestrel/kestrel.pub" > "$PI_ROOT/etc/kestrel/agent.d/99-test-root.toml"
   cmd=${cmd//\/etc\/kestrel/$PI_ROOT/etc/kestrel}
   cmd=${cmd//\/usr\/bin\//$PI_ROOT/usr/bin/}
   # shellcheck disable=SC2086
@@ -152,12 +156,15 @@ impl Drop for Group {
     }
 }
 
-/// The one aarch64 package in `dist`, if built.
+/// The aarch64 kestrel-agent package in `dist` (not its `ort` variant), if built.
 fn arm64_deb(dist: &Path) -> Option<PathBuf> {
     std::fs::read_dir(dist)
         .ok()?
         .map(|e| e.unwrap().path())
-        .find(|p| s(p).ends_with("_arm64.deb"))
+        .find(|p| {
+            let name = p.file_name().unwrap().to_string_lossy();
+            name.starts_with("kestrel-agent_") && name.ends_with("_arm64.deb")
+        })
 }
 
 #[test]
