@@ -39,10 +39,15 @@ if [ $full = 1 ]; then
   have_mpi || need+=(libopenmpi-dev openmpi-bin libclang-dev pkg-config)
   command -v qemu-aarch64-static >/dev/null && command -v qemu-arm-static >/dev/null || need+=(qemu-user-static)
   apt_install "${need[@]}"
-  # promtool lints the console's /metrics; its package's recommended node exporter is not needed.
-  command -v promtool >/dev/null || apt_install --no-install-recommends prometheus
-  # lintian checks the agent's .deb files (tests/tests/e2e/arm.rs).
-  command -v lintian >/dev/null || apt_install --no-install-recommends lintian
+  # Without their recommends: promtool lints the console's /metrics (prometheus); lintian checks
+  # the agent's .deb files and mmdebstrap with arch-test makes the Debian arm64 system they are
+  # installed into (tests/tests/e2e/arm.rs).
+  tools=()
+  command -v promtool >/dev/null || tools+=(prometheus)
+  command -v lintian >/dev/null || tools+=(lintian)
+  command -v mmdebstrap >/dev/null || tools+=(mmdebstrap)
+  command -v arch-test >/dev/null || tools+=(arch-test)
+  [ ${#tools[@]} -eq 0 ] || apt_install --no-install-recommends "${tools[@]}"
   source "$here/env.sh" # Open MPI may be there now
 fi
 

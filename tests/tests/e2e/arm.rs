@@ -501,6 +501,65 @@ fn md5(bytes: &[u8]) -> String {
     stdout(&o).split_whitespace().next().unwrap().to_string()
 }
 
+/// The aarch64 package installed as on a Pi: into a Debian bookworm arm64 system
+/// (scripts/debian-chroot.sh: mmdebstrap, programs run by qemu through binfmt_misc) with dpkg, its
+/// maintainer scripts run there; then systemd's own check of the unit, dpkg's of the files, the
+/// agent itself, and a purge.
+#[test]
+fn aarch64_deb_installs_into_a_debian_arm64_chroot() {
+    let dist = dist();
+    let Some(deb) = std::fs::read_dir(&dist).ok().and_then(|d| {
+        d.map(|e| e.unwrap().path()).find(|p| {
+            let n = p.file_name().unwrap().to_string_lossy().into_owned();
+            n.starts_with("kestrel-agent_") && n.ends_with("_arm64.deb")
+        })
+    }) else {
+        eprintln!("skipped: no kestrel-agent_*_arm64.deb in {}", dist.display());
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("pi");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/debian-chroot.sh");
+    let o = Command::new(script).arg("arm64").arg(&root).output().unwrap();
+    if o.status.code() == Some(3) {
+        eprintln!("skipped: {}", stderr(&o).trim());
+        return;
+    }
+    assert!(o.status.success(), "debian-chroot.sh: {}", stderr(&o));
+    std::fs::copy(&deb, root.join("tmp/agent.deb")).unwrap();
+    let chroot = |args: &[&str]| -> Output {
+        Command::new("chroot").arg(&root).args(args).output().unwrap()
+    };
+    let ok = |args: &[&str]| -> String {
+        let o = chroot(args);
+        assert!(o.status.success(), "{args:?}: {}{}", stdout(&o), stderr(&o));
+        format!("{}{}", stdout(&o), stderr(&o))
+    };
+    let said = ok(&["dpkg", "-i", "/tmp/agent.deb"]);
+    assert!(said.contains("Setting up kestrel-agent"), "{said}");
+    // The user from sysusers.d, the drop-in directory and the credential file from postinst.
+    let user = ok(&["getent", "passwd", "kestrel"]);
+    assert!(user.contains(":/var/lib/kestrel:/usr/sbin/nologin"), "{user}");
+    for (path, mode) in [
+        ("/etc/kestrel/agent.toml", "640 root:kestrel"),
+        ("/etc/kestrel/agent.d", "755 root:root"),
+        ("/etc/kestrel/broker-password", "600 root:root"),
+    ] {
+        assert_eq!(ok(&["stat", "-c", "%a %U:%G", path]).trim(), mode, "{path}");
+    }
+    // systemd's check of the unit finds nothing to say; dpkg's of the files (md5sums) neither.
+    let verify = ok(&["systemd-analyze", "verify", UNIT]);
+    assert!(verify.trim().is_empty(), "systemd-analyze verify: {verify}");
+    let files = ok(&["dpkg", "--verify", "kestrel-agent"]);
+    assert!(files.trim().is_empty(), "dpkg --verify: {files}");
+    let version = ok(&["/usr/bin/edge-agent", "--version"]);
+    assert!(version.starts_with("edge-agent "), "{version}");
+    assert!(root.join("usr/share/man/man1/edge-agent.1.gz").is_file());
+    ok(&["dpkg", "--purge", "kestrel-agent"]);
+    assert!(!root.join("usr/bin/edge-agent").exists());
+    assert!(!root.join("etc/kestrel/broker-password").exists());
+}
+
 #[test]
 fn aarch64_agent_under_qemu_installs_serves_rejects_rolls_back_and_resumes() {
     let Some(arm) = Arm::find("aarch64") else {
