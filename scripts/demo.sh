@@ -21,7 +21,7 @@ rm -rf "$run"
 log "prepare the LFW subset: decode once, backbone once (feature cache)"
 "$trainer" prepare --data "$data" --engine ort
 log "fit a new head on the cached features (20% held out for testing)"
-"$trainer" fit --data "$data" --engine ort --epochs 10 --test-fraction 0.2 --out "$run"
+"$trainer" fit --data "$data" --engine ort --optimizer sgd --epochs 10 --test-fraction 0.2 --out "$run"
 
 art="$KESTREL_HOME/artifacts/demo-lfw-int8-weights"
 log "export an int8-weights artifact, verified in tract and ONNX Runtime"

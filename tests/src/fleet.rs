@@ -285,6 +285,8 @@ fn build_fixture(dir: &Path) {
         &lfw(),
         "--engine",
         "ort",
+        "--optimizer",
+        "sgd",
         "--epochs",
         "10",
         "--test-fraction",

@@ -220,6 +220,8 @@ fn fit_killed_at_random_moments_ends_with_identical_weights() {
         &data,
         "--cache",
         &cache,
+        "--optimizer",
+        "sgd",
         "--epochs",
         &epochs_arg,
         "--batch-size",

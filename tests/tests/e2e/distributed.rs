@@ -35,6 +35,8 @@ fn workers_train_what_one_worker_trains() {
     let base = [
         "--data",
         &data,
+        "--optimizer",
+        "sgd",
         "--epochs",
         "10",
         "--seed",
@@ -84,6 +86,8 @@ fn augmented_training_splits_the_same_views_over_workers() {
     let base = [
         "--data",
         &data,
+        "--optimizer",
+        "sgd",
         "--epochs",
         "2",
         "--augment",
@@ -210,7 +214,7 @@ fn batch_prediction_over_workers_matches_evaluate_and_names_bad_rows() {
     let w = Scratch::new();
     let tmp = &w.tmp;
     let data = lfw();
-    let (run_dir, _) = fit(&w, &["--data", &data, "--epochs", "5"], "run");
+    let (run_dir, _) = fit(&w, &["--data", &data, "--optimizer", "sgd", "--epochs", "5"], "run");
     let art = tmp.path().join("art");
     export_ok(&run_dir, &art, &["--cache", w.cache.to_str().unwrap()]);
     // The table, with one image replaced by garbage.

@@ -47,6 +47,8 @@ fn fit_and_export(dir: &Path, data: &Path) -> PathBuf {
             "fit",
             "--data",
             data.to_str().unwrap(),
+            "--optimizer",
+            "sgd",
             "--epochs",
             "5",
             "--out",

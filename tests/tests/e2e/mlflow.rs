@@ -212,7 +212,15 @@ fn fit_tune_export_are_tracked_and_the_registry_deploys() {
 /// `fit`: the run's params, every epoch's metrics, tags and artifacts.
 fn tracked_fit(w: &Scratch, uri: &str, flags: &[&str]) -> (PathBuf, String) {
     let run_dir = w.join("run");
-    let mut args = vec!["fit", "--epochs", "6", "--out", run_dir.to_str().unwrap()];
+    let mut args = vec![
+        "fit",
+        "--optimizer",
+        "sgd",
+        "--epochs",
+        "6",
+        "--out",
+        run_dir.to_str().unwrap(),
+    ];
     args.extend(flags);
     run_ok("trainer", &args);
     let fit_id = run_id(&run_dir);

@@ -255,6 +255,8 @@ fn candidates() -> (PathBuf, PathBuf) {
                 data,
                 "--engine",
                 "ort",
+                "--optimizer",
+                "sgd",
                 "--epochs",
                 "10",
                 "--test-fraction",

@@ -314,8 +314,8 @@ pub struct FitArgs {
     #[arg(long, default_value_t = 0.0)]
     pub weight_decay: f64,
     /// Optimizer: lbfgs (the head solved to convergence) | adamw | sgd (with momentum). Default:
-    /// lbfgs for a head-only run, adamw when blocks train; sgd (as before lbfgs) when an
-    /// epoch-based flag is given (--epochs, --lr, --schedule, --early-stopping).
+    /// lbfgs for a head-only run, adamw when blocks train (--unfreeze-last, the second stage of
+    /// --fine-tune). --epochs, --lr, --schedule and --early-stopping apply to sgd and adamw.
     #[arg(long, value_enum)]
     pub optimizer: Option<Optimizer>,
     /// L2 strength of the lbfgs head (mean loss + l2/2 |W|^2); default: chosen by 5-fold
@@ -361,17 +361,37 @@ pub struct FitArgs {
 }
 
 impl FitArgs {
+    /// The epoch flags given that a run of `p` does not use (lbfgs solves a head without epochs),
+    /// for a warning; `None` when every flag given is used.
+    pub fn unused_epoch_flags(&self, p: &FitParams) -> Option<String> {
+        if p.optimizer != Optimizer::Lbfgs || p.head_first {
+            return None;
+        }
+        let given: Vec<&str> = [
+            ("--epochs", self.epochs.is_some()),
+            ("--lr", self.lr.is_some()),
+            ("--schedule", self.schedule != Schedule::None),
+            ("--early-stopping", self.early_stopping.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect();
+        (!given.is_empty()).then(|| {
+            format!(
+                "{} train sgd or adamw; this head is solved by lbfgs (the default, to convergence), \
+                 which does not use them: add --optimizer sgd or adamw to train epochs",
+                given.join(", ")
+            )
+        })
+    }
+
     /// The run's parameters (`params.json`), for `workers` data-parallel workers.
     pub fn params(&self, data: &DataArgs, engine: EngineKind, workers: usize) -> Result<FitParams> {
         let fine_tune = self.fine_tune.unwrap_or(0);
         let unfreeze_last = fine_tune.max(self.unfreeze_last);
-        let epoch_flags = self.epochs.is_some()
-            || self.lr.is_some()
-            || self.early_stopping.is_some()
-            || self.schedule != Schedule::None;
-        let optimizer = self.optimizer.unwrap_or(if epoch_flags && fine_tune == 0 {
-            Optimizer::Sgd
-        } else if unfreeze_last == 0 {
+        // Chosen by what trains, never by which other flags were given: a flag that asks for more
+        // training must not switch a head from its solver to a worse first-order fit.
+        let optimizer = self.optimizer.unwrap_or(if unfreeze_last == 0 {
             Optimizer::Lbfgs
         } else {
             Optimizer::Adamw

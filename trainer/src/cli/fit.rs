@@ -72,14 +72,19 @@ pub fn job_opts(a: &Args) -> Result<JobOpts> {
 pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
     let (params, dir, resuming) = match a.resume {
         Some(dir) => (saved_params(&dir)?, dir, true),
-        None => (
-            FitParams {
+        None => {
+            let p = a.fit.params(&a.data, a.engine.engine, a.workers.workers)?;
+            if let Some(w) = a.fit.unused_epoch_flags(&p)
+                && job.rank() == 0
+            {
+                tracing::warn!("{w}");
+            }
+            let p = FitParams {
                 init_from: a.init_from,
-                ..a.fit.params(&a.data, a.engine.engine, a.workers.workers)?
-            },
-            a.out.expect("clap requires --out"),
-            false,
-        ),
+                ..p
+            };
+            (p, a.out.expect("clap requires --out"), false)
+        }
     };
     let (fitted, pending) = tracked_fit(&params, &dir, resuming, job, &a.track, Vec::new())?;
     let Some(o) = fitted else {
