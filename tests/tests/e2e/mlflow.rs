@@ -159,7 +159,7 @@ fn mlflow_run(uri: &str, run_id: &str) -> Value {
          \x20   'status': r.info.status, 'params': r.data.params, 'tags': r.data.tags,\n\
          \x20   'metrics': {k: [[m.step, m.value] for m in c.get_metric_history(rid, k)] for k in r.data.metrics},\n\
          \x20   'artifacts': files(),\n\
-         \x20   'children': [{'params': k.data.params, 'status': k.info.status, 'metrics': k.data.metrics} for k in kids],\n\
+         \x20   'children': [{'params': k.data.params, 'status': k.info.status, 'metrics': k.data.metrics, 'ms': k.info.end_time - k.info.start_time} for k in kids],\n\
          }))\n",
         &[uri, run_id],
     );
@@ -289,12 +289,14 @@ fn tracked_tune(w: &Scratch, uri: &str, flags: &[&str]) {
     let trials = read_jsonl(&tune_dir.join("trials.jsonl"));
     for tr in &trials {
         let lr = tr["params"]["lr"].to_string();
-        assert!(
-            kids.iter()
-                .any(|k| k["params"]["lr"] == lr.as_str() && k["status"] == "FINISHED"),
-            "trial {} (lr {lr}) has no child run",
-            tr["trial"]
-        );
+        let kid = kids
+            .iter()
+            .find(|k| k["params"]["lr"] == lr.as_str() && k["status"] == "FINISHED")
+            .unwrap_or_else(|| panic!("trial {} (lr {lr}) has no child run", tr["trial"]));
+        // The child run lasts as long as the trial did (it was once logged with zero duration).
+        let ms = kid["ms"].as_f64().unwrap();
+        let want = tr["seconds"].as_f64().unwrap() * 1000.0;
+        assert!(want > 0.0 && (ms - want).abs() <= 1.0, "trial {}: {ms} ms in MLflow, {want} ms", tr["trial"]);
     }
     let best = read_json(&tune_dir.join("best.json"));
     assert_eq!(t["params"]["best.lr"], best["params"]["lr"].to_string());

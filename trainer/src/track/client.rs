@@ -222,19 +222,20 @@ impl Client {
         }
     }
 
-    /// Starts a run (status RUNNING).
+    /// Starts a run (status RUNNING) that started at `start_ms` (milliseconds since the epoch).
     pub fn create_run(
         &self,
         experiment_id: &str,
         name: &str,
         tags: &[KeyValue],
+        start_ms: i64,
     ) -> Result<RunRef, TrackError> {
         let v = self.post(
             "mlflow/runs/create",
             &json!({
                 "experiment_id": experiment_id,
                 "run_name": name,
-                "start_time": now_ms(),
+                "start_time": start_ms,
                 "tags": tags,
             }),
         )?;

@@ -139,7 +139,8 @@ pub enum Op {
         status: String,
         end_ms: i64,
     },
-    /// A whole (child) run at once: created, logged and ended (a tuning trial).
+    /// A whole (child) run at once: created, logged and ended (a tuning trial), with the times it
+    /// really started and ended (milliseconds since the Unix epoch; absent: when it is logged).
     Run {
         experiment_id: String,
         name: String,
@@ -147,6 +148,8 @@ pub enum Op {
         params: Vec<KeyValue>,
         metrics: Vec<Metric>,
         status: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        span_ms: Option<(i64, i64)>,
     },
     SetAlias {
         name: String,
@@ -181,10 +184,12 @@ impl Op {
                 params,
                 metrics,
                 status,
+                span_ms,
             } => {
-                let r = c.create_run(experiment_id, name, tags)?;
+                let (start, end) = span_ms.unwrap_or_else(|| (now_ms(), now_ms()));
+                let r = c.create_run(experiment_id, name, tags, start)?;
                 c.log_batch(&r.run_id, metrics, params, &[])?;
-                c.end_run(&r.run_id, status, now_ms())
+                c.end_run(&r.run_id, status, end)
             }
             Op::SetAlias {
                 name,
@@ -256,7 +261,7 @@ impl Tracker {
             return Ok(Tracker::new(client, link, dir));
         }
         let experiment_id = client.experiment_id(&to.experiment)?;
-        let run = client.create_run(&experiment_id, name, tags)?;
+        let run = client.create_run(&experiment_id, name, tags, now_ms())?;
         let link = RunLink {
             uri: client.uri().to_string(),
             experiment: to.experiment.clone(),

@@ -144,6 +144,10 @@ pub fn trial_run(parent: &RunLink, t: &TrialResult) -> Op {
             "FINISHED"
         }
         .into(),
+        span_ms: (t.ended_ms > 0).then(|| {
+            let end = t.ended_ms as i64;
+            (end - (t.seconds * 1000.0).round() as i64, end)
+        }),
     }
 }
 

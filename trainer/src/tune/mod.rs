@@ -63,6 +63,10 @@ pub struct TrialResult {
     pub val_accuracy: f64,
     pub best_epoch: usize,
     pub seconds: f64,
+    /// When the trial ended (milliseconds since the Unix epoch; 0 in files that predate it): it
+    /// started `seconds` before.
+    #[serde(default)]
+    pub ended_ms: u64,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub error: Option<String>,
 }
@@ -77,6 +81,7 @@ impl TrialResult {
         seconds: f64,
     ) -> Self {
         let source = if by_tpe { "tpe" } else { "random" }.to_string();
+        let ended_ms = kestrel_shared::time::now_ms();
         match r {
             Ok(sm) => TrialResult {
                 trial,
@@ -86,6 +91,7 @@ impl TrialResult {
                 val_accuracy: sm.val_accuracy,
                 best_epoch: sm.best_epoch,
                 seconds,
+                ended_ms,
                 error: None,
             },
             Err(e) => TrialResult {
@@ -96,6 +102,7 @@ impl TrialResult {
                 val_accuracy: 0.0,
                 best_epoch: 0,
                 seconds,
+                ended_ms,
                 error: Some(e.to_string()),
             },
         }
