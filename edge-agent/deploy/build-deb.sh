@@ -21,11 +21,6 @@ else sed -n '2,5p' "$0" >&2; exit 2; fi
 target="$1" bin="$2"
 [ -x "$bin" ] || { echo "$bin: not an executable (scripts/build-edge.sh builds it)" >&2; exit 1; }
 source "$repo/scripts/env.sh"
-CARGO_DEB_VERSION=3.8.0 # sysusers support (kestrel-agent.sysusers) came with 3.8
-if [ "$(cargo deb --version 2>/dev/null | awk '{print $NF}')" != "$CARGO_DEB_VERSION" ]; then
-  echo "installing cargo-deb $CARGO_DEB_VERSION (crates.io)" >&2
-  cargo install --locked cargo-deb --version "$CARGO_DEB_VERSION" >&2
-fi
 
 # The package says libc6 (>= 2.36): the binary must not ask for more.
 glibc=$(LC_ALL=C grep -aoE 'GLIBC_2\.[0-9]+' "$bin" | sort -t. -k2,2n -u | tail -1 | cut -d_ -f2)
@@ -40,6 +35,12 @@ mkdir -p "$docs"
 # [package.metadata.deb] names) holds one package's inputs.
 exec 9>"$docs.lock"
 flock 9
+CARGO_DEB_VERSION=3.8.0 # sysusers support (kestrel-agent.sysusers) came with 3.8 (installed under the lock: the
+# targets' jobs may reach here together)
+if [ "$(cargo deb --version 2>/dev/null | awk '{print $NF}')" != "$CARGO_DEB_VERSION" ]; then
+  echo "installing cargo-deb $CARGO_DEB_VERSION (crates.io)" >&2
+  cargo install --locked cargo-deb --version "$CARGO_DEB_VERSION" >&2
+fi
 tool="$KESTREL_BIN/edge-agent-docs"
 if [ ! -x "$tool" ]; then
   # shellcheck disable=SC2086
