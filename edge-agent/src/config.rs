@@ -327,7 +327,9 @@ impl Config {
         let mut c: Config = table.try_into().map_err(|e| invalid(e.to_string()))?;
         if c.device_id.is_empty() {
             c.device_id = host_name().map_err(|e| {
-                invalid(format!("device_id is not set and the host name is unreadable: {e}"))
+                invalid(format!(
+                    "device_id is not set and the host name is unreadable: {e}"
+                ))
             })?;
         }
         let base = path.parent().unwrap_or(Path::new("."));
@@ -492,8 +494,11 @@ mod tests {
             "groups = [\"kitchen\"]\n[broker]\nurl = \"mqtts://broker.lan\"\nca_file = \"ca.pem\"\n",
         )
         .unwrap();
-        std::fs::write(d.join("20-device.toml"), "device_id = \"pi-7\"\n[limits]\nqueue = 4\n")
-            .unwrap();
+        std::fs::write(
+            d.join("20-device.toml"),
+            "device_id = \"pi-7\"\n[limits]\nqueue = 4\n",
+        )
+        .unwrap();
         std::fs::write(d.join("README"), "not a drop-in").unwrap();
         let c = Config::load(&p).unwrap();
         assert_eq!(c.device_id, "pi-7");

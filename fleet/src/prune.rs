@@ -90,9 +90,15 @@ pub fn needs(
         match d {
             Ok(d) if d.clear => {}
             Ok(d) => {
-                add((d.name.clone(), d.version), format!("{} desires it", d.target));
+                add(
+                    (d.name.clone(), d.version),
+                    format!("{} desires it", d.target),
+                );
                 if let Some(s) = d.shadow {
-                    add((s.name, s.version), format!("{} runs it in shadow", d.target));
+                    add(
+                        (s.name, s.version),
+                        format!("{} runs it in shadow", d.target),
+                    );
                 }
             }
             Err(e) => log(format!("skipped: {e}")),
@@ -273,9 +279,18 @@ mod tests {
             serde_json::to_vec(&SignedDesired::new(&key, &desired)).unwrap()
         };
         let desired = BTreeMap::from([
-            ("k/devices/a/desired".to_string(), d("device/a", 3, false, Some(4))),
-            ("k/groups/g/desired".to_string(), d("group/g", 2, false, None)),
-            ("k/devices/b/desired".to_string(), d("device/b", 9, true, None)),
+            (
+                "k/devices/a/desired".to_string(),
+                d("device/a", 3, false, Some(4)),
+            ),
+            (
+                "k/groups/g/desired".to_string(),
+                d("group/g", 2, false, None),
+            ),
+            (
+                "k/devices/b/desired".to_string(),
+                d("device/b", 9, true, None),
+            ),
             ("k/devices/c/desired".to_string(), b"{garbage".to_vec()),
             ("k/devices/e/desired".to_string(), vec![]),
         ]);

@@ -108,10 +108,7 @@ impl BrokerConfig {
             &mut self.cert_file,
             &mut self.key_file,
         ];
-        for p in files
-            .into_iter()
-            .flatten()
-        {
+        for p in files.into_iter().flatten() {
             if p.is_relative() {
                 *p = base.join(&*p);
             }
@@ -233,7 +230,9 @@ fn file_error(path: &Path, e: impl std::fmt::Display) -> BrokerError {
 }
 
 /// The certificates of a PEM file (at least one).
-fn certificates(path: &Path) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, BrokerError> {
+fn certificates(
+    path: &Path,
+) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, BrokerError> {
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
     let certs = CertificateDer::pem_file_iter(path)
@@ -284,7 +283,10 @@ mod tests {
         let mut c = BrokerConfig::new("mqtts://x:8883");
         c.ca_file = Some(junk.clone());
         let err = c.options("c", true).unwrap_err().to_string();
-        assert!(err.contains("junk.pem") && err.contains("no certificate"), "{err}");
+        assert!(
+            err.contains("junk.pem") && err.contains("no certificate"),
+            "{err}"
+        );
         c.ca_file = None;
         c.system_roots = true;
         c.cert_file = Some(junk);

@@ -72,7 +72,11 @@ pub fn test_ca(dir: &Path) {
 /// signed by `ca.pem` (what a broker that authenticates clients by certificate checks; with
 /// Mosquitto's `use_identity_as_username`, `cn` is the client's user name).
 pub fn client_cert(dir: &Path, cn: &str) {
-    let (key, csr, pem) = (format!("{cn}.key"), format!("{cn}.csr"), format!("{cn}.pem"));
+    let (key, csr, pem) = (
+        format!("{cn}.key"),
+        format!("{cn}.csr"),
+        format!("{cn}.pem"),
+    );
     let subj = format!("/CN={cn}");
     openssl(
         &[
@@ -83,8 +87,21 @@ pub fn client_cert(dir: &Path, cn: &str) {
     std::fs::write(dir.join("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
     openssl(
         &[
-            "x509", "-req", "-in", &csr, "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-days", "2", "-extfile", "client.ext", "-out", &pem,
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "client.ext",
+            "-out",
+            &pem,
         ],
         dir,
     );

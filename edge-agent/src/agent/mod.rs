@@ -22,8 +22,8 @@ use kestrel_shared::fsutil::write_atomic;
 use kestrel_shared::manifest::Manifest;
 use kestrel_shared::now_rfc3339;
 use kestrel_shared::protocol::{
-    ArtifactOffer, Desired, DeviceCounters, DeviceEvent, InferReply, LatencyHistogram, LatencyStats,
-    Status, Target, Topics,
+    ArtifactOffer, Desired, DeviceCounters, DeviceEvent, InferReply, LatencyHistogram,
+    LatencyStats, Status, Target, Topics,
 };
 use kestrel_shared::stats::quantile;
 use kestrel_shared::topics::{DeviceTopic, Route};
@@ -592,7 +592,9 @@ impl Agent {
             Some(Route::Device {
                 device,
                 kind: DeviceTopic::Infer { request },
-            }) if device == self.cfg.device_id => self.on_infer(topic, request.to_string(), payload),
+            }) if device == self.cfg.device_id => {
+                self.on_infer(topic, request.to_string(), payload)
+            }
             _ => Ok(()),
         }
     }

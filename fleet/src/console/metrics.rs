@@ -326,7 +326,11 @@ fn rollouts(out: &mut Exposition, view: &FleetView) {
         };
         for state in ROLLOUT_STATES {
             let l = labels(&[("rollout", &r.name), ("state", state)]);
-            out.sample("kestrel_rollout_state", &l, f64::from(u8::from(now == state)));
+            out.sample(
+                "kestrel_rollout_state",
+                &l,
+                f64::from(u8::from(now == state)),
+            );
         }
     }
     out.family(

@@ -169,12 +169,20 @@ fn statuses_quality_and_presence_make_device_rows() {
 #[test]
 fn metrics_are_histograms_counters_and_info() {
     let mut v = FleetView::new("k");
-    v.apply("k/devices/a/status", &status("a", "east", Some(1), None), NOW)
-        .unwrap();
+    v.apply(
+        "k/devices/a/status",
+        &status("a", "east", Some(1), None),
+        NOW,
+    )
+    .unwrap();
     let mut liar: Status = serde_json::from_slice(&status("z", "east", None, None)).unwrap();
     liar.latency.histogram.counts = vec![5; 3];
-    v.apply("k/devices/z/status", &serde_json::to_vec(&liar).unwrap(), NOW)
-        .unwrap();
+    v.apply(
+        "k/devices/z/status",
+        &serde_json::to_vec(&liar).unwrap(),
+        NOW,
+    )
+    .unwrap();
     let m = super::metrics::render(&v, true);
     let lines = [
         "# TYPE kestrel_device_inference_duration_seconds histogram",
@@ -195,7 +203,9 @@ fn metrics_are_histograms_counters_and_info() {
     }
     let sum = m
         .lines()
-        .find_map(|l| l.strip_prefix("kestrel_device_inference_duration_seconds_sum{device=\"a\"} "))
+        .find_map(|l| {
+            l.strip_prefix("kestrel_device_inference_duration_seconds_sum{device=\"a\"} ")
+        })
         .unwrap();
     assert!((sum.parse::<f64>().unwrap() - 0.0935).abs() < 1e-9, "{sum}");
     assert!(!m.contains("duration_seconds_bucket{device=\"z\""), "{m}");
@@ -263,11 +273,19 @@ fn rollouts_show_phases_and_their_transitions_in_the_feed() {
     assert_eq!(kinds, ["seen", "aborted"]);
     let m = super::metrics::render(&v, true);
     // A state set: every state a series of its own, so a state change keeps the series.
-    for (state, on) in [("running", 0), ("paused", 0), ("completed", 0), ("aborted", 1)] {
+    for (state, on) in [
+        ("running", 0),
+        ("paused", 0),
+        ("completed", 0),
+        ("aborted", 1),
+    ] {
         let line = format!("kestrel_rollout_state{{rollout=\"r1\",state=\"{state}\"}} {on}\n");
         assert!(m.contains(&line), "{line} in {m}");
     }
-    assert!(m.contains("kestrel_rollout_phase{rollout=\"r1\"} 0\n"), "{m}");
+    assert!(
+        m.contains("kestrel_rollout_phase{rollout=\"r1\"} 0\n"),
+        "{m}"
+    );
     assert!(
         m.contains(
             "kestrel_rollout_devices{rollout=\"r1\",phase=\"canary\",state=\"rolled_back\"} 1"

@@ -385,12 +385,30 @@ fn check_package_metadata(deb: &Path, arch: &str, package: &str) {
         (UNIT, "-rw-r--r-- root/root"),
         (&sysusers, "-rw-r--r-- root/root"),
         (&format!("{doc}/copyright"), "-rw-r--r-- root/root"),
-        (&format!("{doc}/changelog.Debian.gz"), "-rw-r--r-- root/root"),
-        ("/usr/share/man/man1/edge-agent.1.gz", "-rw-r--r-- root/root"),
-        ("/usr/share/man/man1/edge-agent-run.1.gz", "-rw-r--r-- root/root"),
-        ("/usr/share/bash-completion/completions/edge-agent", "-rw-r--r-- root/root"),
-        ("/usr/share/zsh/vendor-completions/_edge-agent", "-rw-r--r-- root/root"),
-        ("/usr/share/fish/vendor_completions.d/edge-agent.fish", "-rw-r--r-- root/root"),
+        (
+            &format!("{doc}/changelog.Debian.gz"),
+            "-rw-r--r-- root/root",
+        ),
+        (
+            "/usr/share/man/man1/edge-agent.1.gz",
+            "-rw-r--r-- root/root",
+        ),
+        (
+            "/usr/share/man/man1/edge-agent-run.1.gz",
+            "-rw-r--r-- root/root",
+        ),
+        (
+            "/usr/share/bash-completion/completions/edge-agent",
+            "-rw-r--r-- root/root",
+        ),
+        (
+            "/usr/share/zsh/vendor-completions/_edge-agent",
+            "-rw-r--r-- root/root",
+        ),
+        (
+            "/usr/share/fish/vendor_completions.d/edge-agent.fish",
+            "-rw-r--r-- root/root",
+        ),
     ] {
         let e = entry(path);
         assert!(e.starts_with(mode), "{path}: {e}");
@@ -464,7 +482,11 @@ fn check_package_payload(deb: &Path, bin: &Path) {
     }
     // The user from systemd-sysusers, the unit through deb-systemd-helper (debhelper's snippets).
     let postinst = std::fs::read_to_string(x.join("DEBIAN/postinst")).unwrap();
-    for s in ["systemd-sysusers", "deb-systemd-helper", "/etc/kestrel/agent.d"] {
+    for s in [
+        "systemd-sysusers",
+        "deb-systemd-helper",
+        "/etc/kestrel/agent.d",
+    ] {
         assert!(postinst.contains(s), "postinst lacks {s}:\n{postinst}");
     }
     let sysusers = std::fs::read_dir(x.join("usr/lib/sysusers.d"))
@@ -477,13 +499,25 @@ fn check_package_payload(deb: &Path, bin: &Path) {
     // md5sums name every installed file, with its sum.
     let sums = std::fs::read_to_string(x.join("DEBIAN/md5sums")).unwrap();
     let line = format!("{}  usr/bin/edge-agent", md5(&std::fs::read(bin).unwrap()));
-    assert!(sums.lines().any(|l| l == line), "{line} not in md5sums:\n{sums}");
+    assert!(
+        sums.lines().any(|l| l == line),
+        "{line} not in md5sums:\n{sums}"
+    );
     assert!(sums.contains("  etc/kestrel/agent.toml") && sums.contains("  usr/share/man/man1/"));
     // The copyright names the linked crates (DEP-5 paragraphs) and their licences' texts.
-    let doc = std::fs::read_dir(x.join("usr/share/doc")).unwrap().next().unwrap().unwrap().path();
+    let doc = std::fs::read_dir(x.join("usr/share/doc"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
     let copyright = std::fs::read_to_string(doc.join("copyright")).unwrap();
-    for s in ["Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/",
-              "Files: crates.io/tract-core-", "Files: crates.io/rustls-", "License: MIT\n"] {
+    for s in [
+        "Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/",
+        "Files: crates.io/tract-core-",
+        "Files: crates.io/rustls-",
+        "License: MIT\n",
+    ] {
         assert!(copyright.contains(s), "copyright lacks {s}");
     }
 }
@@ -514,13 +548,20 @@ fn aarch64_deb_installs_into_a_debian_arm64_chroot() {
             n.starts_with("kestrel-agent_") && n.ends_with("_arm64.deb")
         })
     }) else {
-        eprintln!("skipped: no kestrel-agent_*_arm64.deb in {}", dist.display());
+        eprintln!(
+            "skipped: no kestrel-agent_*_arm64.deb in {}",
+            dist.display()
+        );
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("pi");
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/debian-chroot.sh");
-    let o = Command::new(script).arg("arm64").arg(&root).output().unwrap();
+    let o = Command::new(script)
+        .arg("arm64")
+        .arg(&root)
+        .output()
+        .unwrap();
     if o.status.code() == Some(3) {
         eprintln!("skipped: {}", stderr(&o).trim());
         return;
@@ -528,7 +569,11 @@ fn aarch64_deb_installs_into_a_debian_arm64_chroot() {
     assert!(o.status.success(), "debian-chroot.sh: {}", stderr(&o));
     std::fs::copy(&deb, root.join("tmp/agent.deb")).unwrap();
     let chroot = |args: &[&str]| -> Output {
-        Command::new("chroot").arg(&root).args(args).output().unwrap()
+        Command::new("chroot")
+            .arg(&root)
+            .args(args)
+            .output()
+            .unwrap()
     };
     let ok = |args: &[&str]| -> String {
         let o = chroot(args);
@@ -539,7 +584,10 @@ fn aarch64_deb_installs_into_a_debian_arm64_chroot() {
     assert!(said.contains("Setting up kestrel-agent"), "{said}");
     // The user from sysusers.d, the drop-in directory and the credential file from postinst.
     let user = ok(&["getent", "passwd", "kestrel"]);
-    assert!(user.contains(":/var/lib/kestrel:/usr/sbin/nologin"), "{user}");
+    assert!(
+        user.contains(":/var/lib/kestrel:/usr/sbin/nologin"),
+        "{user}"
+    );
     for (path, mode) in [
         ("/etc/kestrel/agent.toml", "640 root:kestrel"),
         ("/etc/kestrel/agent.d", "755 root:root"),

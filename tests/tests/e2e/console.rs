@@ -428,7 +428,10 @@ fn metrics_follow_the_naming_guide(metrics: &str) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success() && said.trim().is_empty(), "promtool: {said}");
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "promtool: {said}"
+    );
     let value = |prefix: &str| -> Option<f64> {
         metrics
             .lines()
@@ -445,7 +448,11 @@ fn metrics_follow_the_naming_guide(metrics: &str) {
             "kestrel_device_requests_total{{device=\"{d}\",outcome=\"answered\"}} "
         ));
         if let Some(count) = count {
-            assert_eq!(Some(count), n, "{d}: histogram count against answered requests");
+            assert_eq!(
+                Some(count),
+                n,
+                "{d}: histogram count against answered requests"
+            );
         }
         answered += n.unwrap_or(0.0);
     }

@@ -214,7 +214,11 @@ fn batch_prediction_over_workers_matches_evaluate_and_names_bad_rows() {
     let w = Scratch::new();
     let tmp = &w.tmp;
     let data = lfw();
-    let (run_dir, _) = fit(&w, &["--data", &data, "--optimizer", "sgd", "--epochs", "5"], "run");
+    let (run_dir, _) = fit(
+        &w,
+        &["--data", &data, "--optimizer", "sgd", "--epochs", "5"],
+        "run",
+    );
     let art = tmp.path().join("art");
     export_ok(&run_dir, &art, &["--cache", w.cache.to_str().unwrap()]);
     // The table, with one image replaced by garbage.

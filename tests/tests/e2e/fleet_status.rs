@@ -14,7 +14,6 @@ use kestrel_tests::fleet::{Broker, BrokerKind, agent_config, start_agent_with, t
 use kestrel_tests::{bin, stderr};
 use serde_json::Value;
 
-
 /// `target/tmp/fleet-status-<name>`, emptied (kept after the test for its logs).
 fn workdir(name: &str) -> PathBuf {
     let target = bin("trainer")

@@ -296,7 +296,11 @@ fn tracked_tune(w: &Scratch, uri: &str, flags: &[&str]) {
         // The child run lasts as long as the trial did (it was once logged with zero duration).
         let ms = kid["ms"].as_f64().unwrap();
         let want = tr["seconds"].as_f64().unwrap() * 1000.0;
-        assert!(want > 0.0 && (ms - want).abs() <= 1.0, "trial {}: {ms} ms in MLflow, {want} ms", tr["trial"]);
+        assert!(
+            want > 0.0 && (ms - want).abs() <= 1.0,
+            "trial {}: {ms} ms in MLflow, {want} ms",
+            tr["trial"]
+        );
     }
     let best = read_json(&tune_dir.join("best.json"));
     assert_eq!(t["params"]["best.lr"], best["params"]["lr"].to_string());

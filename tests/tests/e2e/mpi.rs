@@ -58,13 +58,20 @@ fn mpi_ranks_train_what_one_worker_trains() {
     let tmp = tempfile::tempdir().unwrap();
     let cache = tmp.path().join("cache");
     let one = tmp.path().join("one");
-    run_ok("trainer", &fit_args(&one, &cache, &["--optimizer", "sgd", "--epochs", "10"]));
+    run_ok(
+        "trainer",
+        &fit_args(&one, &cache, &["--optimizer", "sgd", "--epochs", "10"]),
+    );
     for n in [2usize, 3] {
         let dir = tmp.path().join(format!("mpi{n}"));
         let o = output(mpirun(&[(
             n,
             bin("trainer"),
-            fit_args(&dir, &cache, &["--optimizer", "sgd", "--epochs", "10", "--json"]),
+            fit_args(
+                &dir,
+                &cache,
+                &["--optimizer", "sgd", "--epochs", "10", "--json"],
+            ),
         )]));
         assert!(o.status.success(), "mpirun -np {n}: {}", stderr(&o));
         // Only rank 0 prints and writes.
@@ -194,8 +201,16 @@ fn mismatched_configs_and_binaries_fail_clearly() {
     let cache = tmp.path().join("cache");
     let dir = tmp.path().join("run");
     let o = output(mpirun(&[
-        (1, bin("trainer"), fit_args(&dir, &cache, &["--optimizer", "sgd", "--lr", "0.01"])),
-        (1, bin("trainer"), fit_args(&dir, &cache, &["--optimizer", "sgd", "--lr", "0.02"])),
+        (
+            1,
+            bin("trainer"),
+            fit_args(&dir, &cache, &["--optimizer", "sgd", "--lr", "0.01"]),
+        ),
+        (
+            1,
+            bin("trainer"),
+            fit_args(&dir, &cache, &["--optimizer", "sgd", "--lr", "0.02"]),
+        ),
     ]));
     assert!(!o.status.success());
     assert!(

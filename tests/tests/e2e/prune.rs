@@ -55,7 +55,11 @@ fn prune_keeps_what_the_fleet_needs(kind: BrokerKind) {
     assert_eq!(p["removed"].as_array().unwrap().len(), 1, "{p}");
     let needed: Vec<&Value> = p["kept"].as_array().unwrap().iter().collect();
     assert_eq!(needed[0]["version"], 3, "{p}");
-    assert_eq!(needed[0]["needed_by"][0], format!("{target} desires it"), "{p}");
+    assert_eq!(
+        needed[0]["needed_by"][0],
+        format!("{target} desires it"),
+        "{p}"
+    );
     assert_eq!(retained(&b, &name, 1), (0, 0), "v1 cleared");
     assert_eq!(retained(&b, &name, 2), (1, chunks[1]), "v2 kept");
     assert_eq!(retained(&b, &name, 3), (1, chunks[2]), "v3 kept");
@@ -76,12 +80,23 @@ fn prune_keeps_what_the_fleet_needs(kind: BrokerKind) {
 fn unpublish(b: &Broker, name: &str, target: &str, chunks: &[usize]) {
     let o = trainer(b, &["unpublish", name, "3"]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    assert!(stderr(&o).contains(&format!("{target} desires it")), "{}", stderr(&o));
-    assert_eq!(retained(b, name, 3), (1, chunks[2]), "a refused unpublish clears nothing");
+    assert!(
+        stderr(&o).contains(&format!("{target} desires it")),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        retained(b, name, 3),
+        (1, chunks[2]),
+        "a refused unpublish clears nothing"
+    );
     let o = trainer(b, &["unpublish", name, "2", "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let r: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
-    assert_eq!((r["version"].as_u64(), r["chunks"].as_u64()), (Some(2), Some(chunks[1] as u64)));
+    assert_eq!(
+        (r["version"].as_u64(), r["chunks"].as_u64()),
+        (Some(2), Some(chunks[1] as u64))
+    );
     assert_eq!(retained(b, name, 2), (0, 0), "v2 cleared");
     let o = trainer(b, &["unpublish", name, "2"]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));

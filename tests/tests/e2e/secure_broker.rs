@@ -47,9 +47,7 @@ fn secure_broker(dir: &Path) -> SecureBroker {
         + "\nuser pi-a\ntopic read kestrel/groups/lab/desired\n";
     std::fs::write(dir.join("acl"), acl).unwrap();
     let d = dir.display();
-    let conf = format!(
-        "allow_anonymous false\npassword_file {d}/passwd\nacl_file {d}/acl\n"
-    );
+    let conf = format!("allow_anonymous false\npassword_file {d}/passwd\nacl_file {d}/acl\n");
     mosquitto_tls(dir, &conf)
 }
 
@@ -260,7 +258,10 @@ fn client_certificates_on_mosquitto() {
     let rogue = dir.join("rogue");
     test_ca(&rogue);
     client_cert(&rogue, "pi-c");
-    let repo_acl = concat!(env!("CARGO_MANIFEST_DIR"), "/../edge-agent/deploy/kestrel.acl");
+    let repo_acl = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../edge-agent/deploy/kestrel.acl"
+    );
     std::fs::copy(repo_acl, bdir.join("acl")).unwrap();
     let d = bdir.display();
     let sb = mosquitto_tls(
@@ -310,16 +311,28 @@ fn client_certificates_on_mosquitto() {
         ],
     );
     assert!(o.status.success(), "{}", stderr(&o));
-    wait_status(&trainer, "pi-c", 120, "v1 active with a client certificate", |s| {
-        s.active == Some(1) && s.state == "idle"
-    });
-    assert!(agent.output().contains("connected to mqtts://"), "{}", agent.output());
+    wait_status(
+        &trainer,
+        "pi-c",
+        120,
+        "v1 active with a client certificate",
+        |s| s.active == Some(1) && s.state == "idle",
+    );
+    assert!(
+        agent.output().contains("connected to mqtts://"),
+        "{}",
+        agent.output()
+    );
     drop(agent);
     // The same device without its certificate: the broker ends the handshake, the agent says so
     // and retries.
     let without = dir.join("pi-c/without.toml");
     let text = std::fs::read_to_string(&conf).unwrap();
-    let text = text.split("cert_file").next().unwrap().replace("\"store\"", "\"store2\"");
+    let text = text
+        .split("cert_file")
+        .next()
+        .unwrap()
+        .replace("\"store\"", "\"store2\"");
     std::fs::write(&without, text).unwrap();
     let mut refused = start_agent_with(&without, &[], &[]);
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -84,7 +84,11 @@ fn default_head_reaches_the_optimum_through_every_source() {
             let data = dataset(name, forms[0]);
             let (s, log) = fit(&["--data", &data, "--seed", seed, "--epochs", "15"], &out);
             assert_eq!(s["val_accuracy"].as_f64(), ours.last().copied(), "{s}");
-            assert_eq!(sha(&out.join("best.safetensors")), weights[0], "{name}: --epochs 15");
+            assert_eq!(
+                sha(&out.join("best.safetensors")),
+                weights[0],
+                "{name}: --epochs 15"
+            );
             assert!(log.contains("--epochs train sgd or adamw"), "{log}");
         }
         let optimum = head_optimum(&cache, &runs);
@@ -110,7 +114,16 @@ fn second_fit_does_no_backbone_work_and_run_dir_is_complete() {
     let cache = tmp.path().join("cache");
     let cache = cache.to_str().unwrap();
     let (first, _) = fit(
-        &["--data", &data, "--cache", cache, "--optimizer", "sgd", "--epochs", "3"],
+        &[
+            "--data",
+            &data,
+            "--cache",
+            cache,
+            "--optimizer",
+            "sgd",
+            "--epochs",
+            "3",
+        ],
         &tmp.path().join("a"),
     );
     assert_eq!(first["backbone_runs"], 200);
@@ -363,7 +376,16 @@ fn unfrozen_blocks_and_augmentation_train() {
     assert!(before.max_abs_diff(head).unwrap() > 1e-6);
 
     let (s, log) = fit(
-        &["--data", &data, "--optimizer", "sgd", "--epochs", "2", "--augment", "flip,crop"],
+        &[
+            "--data",
+            &data,
+            "--optimizer",
+            "sgd",
+            "--epochs",
+            "2",
+            "--augment",
+            "flip,crop",
+        ],
         &tmp.path().join("augment"),
     );
     assert!(s["val_accuracy"].as_f64().unwrap() >= 0.95);
