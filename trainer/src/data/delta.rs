@@ -8,18 +8,16 @@
 //! `--data-version N`, or `--data-timestamp T` for the last version committed at or before T (as
 //! Spark's `timestampAsOf`).
 
-use std::path::Path;
 use std::sync::Arc;
 
 use delta_kernel::arrow::array::RecordBatch;
 use delta_kernel::engine::arrow_data::ArrowEngineData;
 use delta_kernel::history_manager;
-use delta_kernel::object_store::local::LocalFileSystem;
 use delta_kernel::snapshot::Snapshot;
-use delta_kernel_default_engine::DefaultEngineBuilder;
 
+use super::store::Location;
 use super::table::Roles;
-use super::{DataError, Row, SourceOpts, io_err};
+use super::{DataError, Row, SourceOpts};
 
 /// A read Delta table: its rows and the snapshot's version.
 pub(super) struct DeltaRows {
@@ -55,20 +53,93 @@ pub fn parse_timestamp(s: &str) -> Result<i64, String> {
     ))
 }
 
-/// Reads the rows of the Delta table at `dir`: the current snapshot, or the one `opts` names.
-pub(super) fn read(dir: &Path, opts: &SourceOpts) -> Result<DeltaRows, DataError> {
+/// Reads the rows of the Delta table at `loc`: the current snapshot, or the one `opts` names.
+pub(super) fn read(loc: &Location, opts: &SourceOpts) -> Result<DeltaRows, DataError> {
+    let dir = loc.origin.as_path();
+    let columns = [&opts.content_column, &opts.label_column, &opts.path_column];
+    let columns: Vec<&str> = columns.into_iter().map(String::as_str).collect();
+    let mut rows = Vec::new();
+    let (mut row, mut unlabelled) = (0, 0);
+    let mut roles: Option<Roles> = None;
+    let mut table_columns = Vec::new();
+    let version = scan(loc, opts, &columns, &mut table_columns, |batch| {
+        if roles.is_none() {
+            roles = Some(Roles::resolve(&batch.schema(), &[], opts, dir)?);
+        }
+        let r = roles.as_ref().expect("resolved");
+        r.batch_rows(&batch, opts, dir, &mut row, &mut rows, &mut unlabelled)
+    })
+    .map_err(|e| match e {
+        // The batches hold the wanted columns only: name every column of the table instead.
+        DataError::MissingColumn {
+            file, role, column, ..
+        } => DataError::MissingColumn {
+            file,
+            role,
+            column,
+            found: table_columns.clone(),
+        },
+        DataError::MissingContentColumn { file, column, .. } => DataError::MissingContentColumn {
+            file,
+            column,
+            found: table_columns.clone(),
+        },
+        e => e,
+    })?;
+    Ok(DeltaRows {
+        rows,
+        unlabelled,
+        version,
+    })
+}
+
+/// Calls `f` with each record batch of the table's rows (those of `columns` the table has, by
+/// their logical names), after deletion vectors; returns the snapshot's version. `table_columns`
+/// receives the names of all the table's columns first.
+pub(super) fn scan(
+    loc: &Location,
+    opts: &SourceOpts,
+    columns: &[&str],
+    table_columns: &mut Vec<String>,
+    mut f: impl FnMut(RecordBatch) -> Result<(), DataError>,
+) -> Result<u64, DataError> {
     let err = |message: String| DataError::Delta {
-        path: dir.to_path_buf(),
+        path: loc.origin.clone(),
         message,
     };
     let kernel = |e: delta_kernel::KernelError| err(e.to_string());
-    let abs = dir.canonicalize().map_err(io_err(dir))?;
-    let url = url::Url::from_directory_path(&abs)
-        .map_err(|()| err("not an absolute directory path".into()))?;
-    let engine = Arc::new(DefaultEngineBuilder::new(Arc::new(LocalFileSystem::new())).build());
+    let snapshot = snapshot(loc, opts)?;
+    let schema = snapshot.schema();
+    *table_columns = schema.fields().map(|f| f.name().clone()).collect();
+    let wanted: Vec<&str> = columns
+        .iter()
+        .copied()
+        .filter(|c| schema.contains(c))
+        .collect();
+    let projected = schema.project(&wanted).map_err(kernel)?;
+    let scan = snapshot
+        .clone()
+        .scan_builder()
+        .with_schema(projected)
+        .build()
+        .map_err(kernel)?;
+    for data in scan.execute(loc.engine.clone()).map_err(kernel)? {
+        let batch = ArrowEngineData::try_from_engine_data(data.map_err(kernel)?).map_err(kernel)?;
+        f(RecordBatch::from(*batch))?;
+    }
+    Ok(snapshot.version())
+}
+
+/// The snapshot `opts` names (`--data-version`, `--data-timestamp`), else the latest.
+fn snapshot(loc: &Location, opts: &SourceOpts) -> Result<Arc<Snapshot>, DataError> {
+    let err = |message: String| DataError::Delta {
+        path: loc.origin.clone(),
+        message,
+    };
+    let (url, engine) = (&loc.url, &loc.engine);
     let latest = Snapshot::builder_for(url.as_str())
         .build(engine.as_ref())
-        .map_err(kernel)?;
+        .map_err(|e| err(e.to_string()))?;
     let version = match (opts.data_version, &opts.data_timestamp) {
         (Some(v), _) => Some(v),
         (None, Some(t)) => {
@@ -84,42 +155,11 @@ pub(super) fn read(dir: &Path, opts: &SourceOpts) -> Result<DeltaRows, DataError
         }
         (None, None) => None,
     };
-    let snapshot = match version {
+    Ok(match version {
         Some(v) if v != latest.version() => Snapshot::builder_for(url.as_str())
             .at_version(v)
             .build(engine.as_ref())
             .map_err(|e| err(format!("version {v}: {e}")))?,
         _ => latest,
-    };
-    let schema = snapshot.schema();
-    let wanted: Vec<&str> = [&opts.content_column, &opts.label_column, &opts.path_column]
-        .into_iter()
-        .map(String::as_str)
-        .filter(|c| schema.contains(c))
-        .collect();
-    let projected = schema.project(&wanted).map_err(kernel)?;
-    let scan = snapshot
-        .clone()
-        .scan_builder()
-        .with_schema(projected)
-        .build()
-        .map_err(kernel)?;
-    let mut rows = Vec::new();
-    let (mut row, mut unlabelled) = (0, 0);
-    let mut roles: Option<Roles> = None;
-    for data in scan.execute(engine.clone()).map_err(kernel)? {
-        let batch: RecordBatch = ArrowEngineData::try_from_engine_data(data.map_err(kernel)?)
-            .map_err(kernel)?
-            .into();
-        if roles.is_none() {
-            roles = Some(Roles::resolve(&batch.schema(), &[], opts, dir)?);
-        }
-        let r = roles.as_ref().expect("resolved");
-        r.batch_rows(&batch, opts, dir, &mut row, &mut rows, &mut unlabelled)?;
-    }
-    Ok(DeltaRows {
-        rows,
-        unlabelled,
-        version: snapshot.version(),
     })
 }

@@ -23,16 +23,19 @@ pub mod cache;
 pub mod delta;
 pub mod delta_write;
 pub mod features;
+mod manifest;
 pub mod samples;
 pub mod split;
+pub mod store;
 mod table;
 
 pub use features::Features;
 pub use samples::{Prepared, SamplePlan};
 pub use split::Split;
+use store::Location;
 #[cfg(test)]
 use table::HIVE_NULL;
-use table::{PartFile, UNLABELLED_HINT, read_parquet};
+use table::{PartFile, hive_part, read_parquet, read_parquet_rows};
 
 const IMAGE_EXTENSIONS: [&str; 4] = ["png", "jpg", "jpeg", "bmp"];
 
@@ -55,6 +58,19 @@ pub struct Dataset {
     /// Rows left out for having no label (`--skip-unlabelled`): (source, count) for every source
     /// that had some.
     pub unlabelled: Vec<(String, usize)>,
+    /// The tables read, in order (what tracking records as the run's dataset inputs).
+    pub tables: Vec<TableRef>,
+}
+
+/// One table a dataset was read from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TableRef {
+    /// The `--data` path or URL as given.
+    pub location: String,
+    /// `delta`, `parquet`, `csv` or `imagefolder`.
+    pub format: &'static str,
+    /// The Delta table version read.
+    pub version: Option<u64>,
 }
 
 impl Dataset {
@@ -157,6 +173,16 @@ pub enum DataError {
     NoSource,
     #[error("Delta table {}: {message}", path.display())]
     Delta { path: PathBuf, message: String },
+    #[error(
+        "{url}: no Delta table (_delta_log/) and no Parquet part files there (an ImageFolder is read from local disk only)"
+    )]
+    NoTableAt { url: String },
+    #[error("{url}: object store request failed")]
+    ObjectStore {
+        url: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("{}: --data-version and --data-timestamp apply to Delta tables (a directory with _delta_log/) only", path.display())]
     NotDelta { path: PathBuf },
 }
@@ -216,6 +242,7 @@ pub fn load_all(paths: &[PathBuf], opts: &SourceOpts) -> Result<Dataset, DataErr
             .collect::<Vec<_>>()
             .join(" + "),
         unlabelled: Vec::new(),
+        tables: parts.iter().flat_map(|d| d.tables.clone()).collect(),
     };
     for d in parts {
         out.samples.extend(d.samples.into_iter().map(|s| Sample {
@@ -233,60 +260,34 @@ pub fn load_all(paths: &[PathBuf], opts: &SourceOpts) -> Result<Dataset, DataErr
     Ok(out)
 }
 
+/// Rows read from one table, before their labels are indexed.
+struct Read {
+    rows: Vec<Row>,
+    /// Rows left out for having no label.
+    unlabelled: usize,
+    /// What was read, for the log (`delta s3://b/t (version 3)`).
+    source: String,
+    format: &'static str,
+    version: Option<u64>,
+}
+
 /// [`load`] without its check for labelled rows: a source of only unlabelled rows (left out with
 /// `--skip-unlabelled`) loads with no samples.
 fn load_source(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
-    let meta = fs::metadata(path).map_err(io_err(path))?;
-    let ext = |p: &Path| {
-        p.extension()
-            .and_then(|e| e.to_str())
-            .map(str::to_ascii_lowercase)
+    let read = match store::object_url(path) {
+        Some(url) => read_object(&Location::object(&url)?, opts)?,
+        None => match read_local(path, opts)? {
+            Some(read) => read,
+            None => return image_folder(path),
+        },
     };
-    let delta = meta.is_dir() && path.join("_delta_log").is_dir();
-    if !delta && (opts.data_version.is_some() || opts.data_timestamp.is_some()) {
-        return Err(DataError::NotDelta {
-            path: path.to_path_buf(),
-        });
-    }
-    let ((rows, unlabelled), source) = if delta {
-        let t = delta::read(path, opts)?;
-        let source = format!("delta {} (version {})", path.display(), t.version);
-        ((t.rows, t.unlabelled), source)
-    } else if meta.is_dir() {
-        let parts = parquet_parts(path)?;
-        if parts.is_empty() {
-            return image_folder(path);
-        }
-        let mut columns: Vec<&str> = parts
-            .iter()
-            .flat_map(|p| p.partition.iter().map(|(c, _)| c.as_str()))
-            .collect();
-        columns.sort_unstable();
-        columns.dedup();
-        let by = match columns.is_empty() {
-            true => String::new(),
-            false => format!(", partitioned by {}", columns.join(", ")),
-        };
-        (
-            read_parquet(&parts, opts)?,
-            format!("parquet {} ({} files{by})", path.display(), parts.len()),
-        )
-    } else if ext(path).as_deref() == Some("csv") {
-        (read_csv(path, opts)?, format!("csv {}", path.display()))
-    } else if ext(path).as_deref() == Some("parquet") {
-        let file = PartFile {
-            path: path.to_path_buf(),
-            partition: Vec::new(),
-        };
-        (
-            read_parquet(&[file], opts)?,
-            format!("parquet {}", path.display()),
-        )
-    } else {
-        return Err(DataError::UnsupportedSource {
-            path: path.to_path_buf(),
-        });
-    };
+    let Read {
+        rows,
+        unlabelled,
+        source,
+        format,
+        version,
+    } = read;
     if rows.is_empty() && unlabelled == 0 {
         return Err(DataError::EmptyDataset {
             path: path.to_path_buf(),
@@ -309,6 +310,162 @@ fn load_source(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
             n => vec![(source.clone(), n)],
         },
         source,
+        tables: vec![TableRef {
+            location: path.display().to_string(),
+            format,
+            version,
+        }],
+    })
+}
+
+/// Time travel applies to Delta tables only.
+fn check_time_travel(delta: bool, origin: &Path, opts: &SourceOpts) -> Result<(), DataError> {
+    match !delta && (opts.data_version.is_some() || opts.data_timestamp.is_some()) {
+        true => Err(DataError::NotDelta {
+            path: origin.to_path_buf(),
+        }),
+        false => Ok(()),
+    }
+}
+
+fn read_delta(loc: &Location, opts: &SourceOpts) -> Result<Read, DataError> {
+    let t = delta::read(loc, opts)?;
+    Ok(Read {
+        rows: t.rows,
+        unlabelled: t.unlabelled,
+        source: format!("delta {} (version {})", loc.origin.display(), t.version),
+        format: "delta",
+        version: Some(t.version),
+    })
+}
+
+/// `, partitioned by a, b` for part files with partition columns, else empty.
+fn partitioned_by<'a>(partitions: impl Iterator<Item = &'a [(String, String)]>) -> String {
+    let mut columns: Vec<&str> = partitions
+        .flat_map(|p| p.iter().map(|(c, _)| c.as_str()))
+        .collect();
+    columns.sort_unstable();
+    columns.dedup();
+    match columns.is_empty() {
+        true => String::new(),
+        false => format!(", partitioned by {}", columns.join(", ")),
+    }
+}
+
+/// A local table; `None` for a directory that is no table (an ImageFolder, read by the caller).
+fn read_local(path: &Path, opts: &SourceOpts) -> Result<Option<Read>, DataError> {
+    let meta = fs::metadata(path).map_err(io_err(path))?;
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    let delta = meta.is_dir() && path.join("_delta_log").is_dir();
+    check_time_travel(delta, path, opts)?;
+    let read = |(rows, unlabelled), source, format| {
+        Ok(Some(Read {
+            rows,
+            unlabelled,
+            source,
+            format,
+            version: None,
+        }))
+    };
+    if delta {
+        return read_delta(&Location::local(path)?, opts).map(Some);
+    }
+    if meta.is_dir() {
+        let parts = parquet_parts(path)?;
+        if parts.is_empty() {
+            return Ok(None);
+        }
+        let by = partitioned_by(parts.iter().map(|p| p.partition.as_slice()));
+        let source = format!("parquet {} ({} files{by})", path.display(), parts.len());
+        return read(read_parquet(&parts, opts)?, source, "parquet");
+    }
+    match ext.as_deref() {
+        Some("csv") => {
+            let text = fs::read(path).map_err(io_err(path))?;
+            let base = manifest::Base::Local(path.parent().unwrap_or(Path::new("")));
+            let rows = manifest::read_csv(&text, path, &base, opts)?;
+            read(rows, format!("csv {}", path.display()), "csv")
+        }
+        Some("parquet") => {
+            let file = PartFile {
+                path: path.to_path_buf(),
+                partition: Vec::new(),
+            };
+            let source = format!("parquet {}", path.display());
+            read(read_parquet(&[file], opts)?, source, "parquet")
+        }
+        _ => Err(DataError::UnsupportedSource {
+            path: path.to_path_buf(),
+        }),
+    }
+}
+
+/// A table on an object store: a Delta table, a Parquet file or directory (Hive-partitioned or
+/// not), or a CSV manifest.
+fn read_object(loc: &Location, opts: &SourceOpts) -> Result<Read, DataError> {
+    let delta = loc.is_delta()?;
+    check_time_travel(delta, &loc.origin, opts)?;
+    if delta {
+        return read_delta(loc, opts);
+    }
+    let (mut rows, mut unlabelled) = (Vec::new(), 0);
+    let shown = loc.url.as_str();
+    if loc.extension().as_deref() == Some("csv") {
+        let mut text = Vec::new();
+        loc.fetch(std::slice::from_ref(&loc.url), |_, b| {
+            text = b.into();
+            Ok(())
+        })?;
+        let (rows, unlabelled) =
+            manifest::read_csv(&text, &loc.origin, &manifest::Base::Object(loc), opts)?;
+        let source = format!("csv {shown}");
+        return Ok(Read {
+            rows,
+            unlabelled,
+            source,
+            format: "csv",
+            version: None,
+        });
+    }
+    let parts: Vec<(String, Vec<(String, String)>)> = match loc.is_dir() {
+        true => loc
+            .list()?
+            .into_iter()
+            .filter_map(|rel| hive_part(&rel).map(|p| (rel, p)))
+            .collect(),
+        false => vec![(String::new(), Vec::new())],
+    };
+    if parts.is_empty() {
+        return Err(DataError::NoTableAt {
+            url: loc.url.to_string(),
+        });
+    }
+    let urls = parts
+        .iter()
+        .map(|(rel, _)| loc.join(rel))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut partitions = parts.iter().map(|p| p.1.as_slice());
+    loc.fetch(&urls, |url, bytes| {
+        let partition = partitions.next().expect("one per url");
+        let origin = Path::new(url.as_str());
+        read_parquet_rows(bytes, origin, partition, opts, &mut rows, &mut unlabelled)
+    })?;
+    let source = match loc.is_dir() {
+        true => {
+            let by = partitioned_by(parts.iter().map(|p| p.1.as_slice()));
+            format!("parquet {shown} ({} files{by})", parts.len())
+        }
+        false => format!("parquet {shown}"),
+    };
+    Ok(Read {
+        rows,
+        unlabelled,
+        source,
+        format: "parquet",
+        version: None,
     })
 }
 
@@ -344,44 +501,33 @@ fn hidden(p: &Path) -> bool {
         .is_some_and(|n| n.starts_with('.') || n.starts_with('_'))
 }
 
-/// The Parquet files of a table directory: `*.parquet` part files, directly in `dir` (Spark
-/// `write.parquet`) or under Hive partition directories `column=value/` at any depth (Spark
-/// `partitionBy`, pyarrow `partition_cols`), in path order. Entries starting with `_` or `.` are
-/// skipped as Spark does (`_SUCCESS`, `_delta_log`, `.crc` files); a directory without `=` is not
-/// part of a table (so an ImageFolder yields nothing). Partition values are unescaped (`%3A` is
-/// `:`); Hive's `__HIVE_DEFAULT_PARTITION__` is a null value.
+/// The Parquet part files of a local table directory ([`table::hive_part`]), in path order; only
+/// `column=value/` directories are descended into.
 fn parquet_parts(dir: &Path) -> Result<Vec<PartFile>, DataError> {
-    let mut out = Vec::new();
-    collect_parts(dir, &mut Vec::new(), &mut out)?;
-    Ok(out)
+    let mut rels = Vec::new();
+    collect_files(dir, "", &mut rels)?;
+    Ok(rels
+        .into_iter()
+        .filter_map(|rel| {
+            let partition = hive_part(&rel)?;
+            Some(PartFile {
+                path: dir.join(&rel),
+                partition,
+            })
+        })
+        .collect())
 }
 
-fn collect_parts(
-    dir: &Path,
-    partition: &mut Vec<(String, String)>,
-    out: &mut Vec<PartFile>,
-) -> Result<(), DataError> {
+fn collect_files(dir: &Path, rel: &str, out: &mut Vec<String>) -> Result<(), DataError> {
     for p in sorted_entries(dir)?.into_iter().filter(|p| !hidden(p)) {
         let name = p.file_name().unwrap_or_default().to_string_lossy();
+        let rel = format!("{rel}{name}");
         if p.is_dir() {
-            let Some((column, value)) = name.split_once('=') else {
-                continue;
-            };
-            let value = percent_encoding::percent_decode_str(value)
-                .decode_utf8_lossy()
-                .into_owned();
-            partition.push((column.to_string(), value));
-            collect_parts(&p, partition, out)?;
-            partition.pop();
-        } else if p
-            .extension()
-            .and_then(|e| e.to_str())
-            .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
-        {
-            out.push(PartFile {
-                path: p.clone(),
-                partition: partition.clone(),
-            });
+            if name.contains('=') {
+                collect_files(&p, &format!("{rel}/"), out)?;
+            }
+        } else {
+            out.push(rel);
         }
     }
     Ok(())
@@ -434,69 +580,15 @@ fn image_folder(root: &Path) -> Result<Dataset, DataError> {
         labels,
         source: format!("imagefolder {}", root.display()),
         unlabelled: Vec::new(),
+        tables: vec![TableRef {
+            location: root.display().to_string(),
+            format: "imagefolder",
+            version: None,
+        }],
     })
 }
 
 type Row = (String, Vec<u8>, String);
-
-/// The rows of a CSV manifest and the count of unlabelled rows left out (an empty label fails
-/// unless `opts.skip_unlabelled`).
-fn read_csv(csv_path: &Path, opts: &SourceOpts) -> Result<(Vec<Row>, usize), DataError> {
-    let csv_err = |e: csv::Error| DataError::Csv {
-        path: csv_path.to_path_buf(),
-        message: e.to_string(),
-    };
-    let file = fs::File::open(csv_path).map_err(io_err(csv_path))?;
-    let mut reader = csv::ReaderBuilder::new()
-        .trim(csv::Trim::All)
-        .from_reader(file);
-    let headers = reader.headers().map_err(csv_err)?.clone();
-    let found: Vec<String> = headers.iter().map(String::from).collect();
-    let column = |role: &'static str, name: &str| {
-        headers
-            .iter()
-            .position(|h| h == name)
-            .ok_or_else(|| DataError::MissingColumn {
-                file: csv_path.to_path_buf(),
-                role,
-                column: name.to_string(),
-                found: found.clone(),
-            })
-    };
-    let path_i = column("path", &opts.path_column)?;
-    let label_i = column("label", &opts.label_column)?;
-    let base = csv_path.parent().unwrap_or(Path::new(""));
-    let (mut rows, mut unlabelled) = (Vec::new(), 0);
-    for record in reader.records() {
-        let record = record.map_err(csv_err)?;
-        let line = record.position().map_or(0, |p| p.line());
-        let rel = record.get(path_i).unwrap_or("");
-        let label = record.get(label_i).unwrap_or("");
-        if label.is_empty() {
-            if !opts.skip_unlabelled {
-                return Err(DataError::NullValue {
-                    file: csv_path.to_path_buf(),
-                    column: opts.label_column.clone(),
-                    row: rows.len() + unlabelled,
-                    hint: UNLABELLED_HINT,
-                });
-            }
-            unlabelled += 1;
-            continue;
-        }
-        let full = base.join(rel);
-        if rel.is_empty() || !full.exists() {
-            return Err(DataError::MissingFile {
-                csv: csv_path.to_path_buf(),
-                line,
-                path: full,
-            });
-        }
-        let bytes = fs::read(&full).map_err(io_err(&full))?;
-        rows.push((full.display().to_string(), bytes, label.to_string()));
-    }
-    Ok((rows, unlabelled))
-}
 
 #[cfg(test)]
 mod tests;

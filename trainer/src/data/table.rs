@@ -9,6 +9,7 @@ use arrow::compute::cast;
 use arrow::datatypes::{DataType, Schema};
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::file::reader::ChunkReader;
 
 use super::{DataError, Row, SourceOpts, io_err, pq_err};
 
@@ -197,38 +198,71 @@ impl<'a> Roles<'a> {
     }
 }
 
-/// The rows of Parquet files and the count of unlabelled rows left out.
+/// The rows of local Parquet files and the count of unlabelled rows left out.
 pub(super) fn read_parquet(
     files: &[PartFile],
     opts: &SourceOpts,
 ) -> Result<(Vec<Row>, usize), DataError> {
     let mut rows = Vec::new();
     let mut unlabelled = 0;
-    for file in files {
-        read_parquet_file(file, opts, &mut rows, &mut unlabelled)?;
+    for part in files {
+        let file = part.path.as_path();
+        let handle = fs::File::open(file).map_err(io_err(file))?;
+        let p = &part.partition;
+        read_parquet_rows(handle, file, p, opts, &mut rows, &mut unlabelled)?;
     }
     Ok((rows, unlabelled))
 }
 
-fn read_parquet_file(
-    part: &PartFile,
+/// Appends the rows of one Parquet file (`reader`: a local file or fetched bytes; `origin`
+/// names it in messages and ids) with its partition values.
+pub(super) fn read_parquet_rows<R: ChunkReader + 'static>(
+    reader: R,
+    origin: &Path,
+    partition: &[(String, String)],
     opts: &SourceOpts,
     rows: &mut Vec<Row>,
     unlabelled: &mut usize,
 ) -> Result<(), DataError> {
-    let file = part.path.as_path();
-    let handle = fs::File::open(file).map_err(io_err(file))?;
-    let builder = ParquetRecordBatchReaderBuilder::try_new(handle).map_err(|e| pq_err(file, e))?;
-    let roles = Roles::resolve(builder.schema(), &part.partition, opts, file)?;
+    let builder =
+        ParquetRecordBatchReaderBuilder::try_new(reader).map_err(|e| pq_err(origin, e))?;
+    let roles = Roles::resolve(builder.schema(), partition, opts, origin)?;
     let mask = ProjectionMask::roots(builder.parquet_schema(), roles.read.iter().copied());
     let reader = builder
         .with_projection(mask)
         .build()
-        .map_err(|e| pq_err(file, e))?;
+        .map_err(|e| pq_err(origin, e))?;
     let mut row = 0;
     for batch in reader {
-        let batch = batch.map_err(|e| pq_err(file, e))?;
-        roles.batch_rows(&batch, opts, file, &mut row, rows, unlabelled)?;
+        let batch = batch.map_err(|e| pq_err(origin, e))?;
+        roles.batch_rows(&batch, opts, origin, &mut row, rows, unlabelled)?;
     }
     Ok(())
+}
+
+/// Whether a file of a table directory, by its path relative to the directory, is a Parquet
+/// part file, and if so its Hive partition values: `*.parquet` directly in the directory (Spark
+/// `write.parquet`) or under `column=value/` directories at any depth (Spark `partitionBy`,
+/// pyarrow `partition_cols`). A path with a segment starting with `_` or `.` is skipped as Spark
+/// does (`_SUCCESS`, `_delta_log`, `.crc` files); a directory without `=` is not part of a table
+/// (so an ImageFolder yields nothing). Values are unescaped (`%3A` is `:`); Hive's
+/// `__HIVE_DEFAULT_PARTITION__` stays as a null marker.
+pub(super) fn hive_part(rel: &str) -> Option<Vec<(String, String)>> {
+    let mut segments: Vec<&str> = rel.split('/').collect();
+    let file = segments.pop()?;
+    let hidden = |s: &str| s.starts_with('.') || s.starts_with('_');
+    let parquet = file
+        .rsplit_once('.')
+        .is_some_and(|(_, e)| e.eq_ignore_ascii_case("parquet"));
+    if !parquet || hidden(file) {
+        return None;
+    }
+    segments
+        .into_iter()
+        .map(|dir| {
+            let (column, value) = dir.split_once('=').filter(|_| !hidden(dir))?;
+            let value = percent_encoding::percent_decode_str(value).decode_utf8_lossy();
+            Some((column.to_string(), value.into_owned()))
+        })
+        .collect()
 }

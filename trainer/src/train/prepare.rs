@@ -19,6 +19,8 @@ pub struct Prepped {
     pub boundary: usize,
     /// Rows of the tables left out for having no label (`--skip-unlabelled`).
     pub unlabelled: usize,
+    /// The tables read this time (the sample cache's own `source` is the first reader's).
+    pub tables: Vec<data::TableRef>,
 }
 
 impl Prepped {
@@ -170,5 +172,6 @@ pub fn prepare(p: &FitParams, job: &Job) -> Result<Prepped, TrainError> {
         backbone,
         boundary,
         unlabelled: ds.unlabelled_total(),
+        tables: ds.tables,
     })
 }

@@ -1,0 +1,214 @@
+//! Where a table's bytes are: a local directory or file, or an object store named by URL
+//! (`s3://bucket/path`, `az://container/path`, `abfss://container@account.dfs.core.windows.net/path`,
+//! `gs://bucket/path`), reached through the Delta kernel's default engine and its `object_store`
+//! (one client for the log, the data files and the deletion vectors).
+//!
+//! Credentials and endpoints come from the standard environment, as the clouds' own tools read it:
+//! `AWS_*` (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ENDPOINT_URL` for an
+//! S3-compatible store such as MinIO; an `http://` endpoint allows plain HTTP), `AZURE_STORAGE_*`
+//! (`AZURE_STORAGE_ACCOUNT_NAME`, `AZURE_STORAGE_ACCOUNT_KEY`, `AZURE_STORAGE_SAS_KEY`;
+//! `AZURE_STORAGE_USE_EMULATOR=true` with `AZURITE_BLOB_STORAGE_URL` for Azurite) and `GOOGLE_*`
+//! (`GOOGLE_APPLICATION_CREDENTIALS`, `GOOGLE_SERVICE_ACCOUNT`).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use delta_kernel::Engine;
+use delta_kernel::object_store::aws::AmazonS3Builder;
+use delta_kernel::object_store::azure::MicrosoftAzureBuilder;
+use delta_kernel::object_store::gcp::GoogleCloudStorageBuilder;
+use delta_kernel::object_store::local::LocalFileSystem;
+use delta_kernel::object_store::{DynObjectStore, ObjectStore};
+use delta_kernel_default_engine::DefaultEngineBuilder;
+use url::Url;
+
+use super::{DataError, io_err};
+
+/// The URL schemes of the object stores a table can be on.
+pub const OBJECT_SCHEMES: [&str; 8] = ["s3", "s3a", "az", "azure", "abfs", "abfss", "adl", "gs"];
+
+/// The object-store URL a `--data` argument names, if it names one (`s3://...` and the like);
+/// `None` for a local path.
+pub fn object_url(arg: &Path) -> Option<Url> {
+    let s = arg.to_str()?;
+    let url = Url::parse(s).ok()?;
+    OBJECT_SCHEMES.contains(&url.scheme()).then_some(url)
+}
+
+/// A table's location with the engine that reads it: `url` is a directory URL (ending in `/`)
+/// for a directory, else the file's URL.
+pub(super) struct Location {
+    pub url: Url,
+    pub engine: Arc<dyn Engine>,
+    /// How messages name it: the local path or the URL as given.
+    pub origin: PathBuf,
+}
+
+fn store_err(url: &Url) -> impl FnOnce(delta_kernel::object_store::Error) -> DataError + '_ {
+    move |source| DataError::ObjectStore {
+        url: url.to_string(),
+        source: Box::new(source),
+    }
+}
+
+fn engine(store: Arc<DynObjectStore>) -> Arc<dyn Engine> {
+    Arc::new(DefaultEngineBuilder::new(store).build())
+}
+
+/// The client for `url`'s bucket or container, configured from the environment.
+fn object_store(url: &Url) -> Result<Arc<DynObjectStore>, DataError> {
+    let store: Arc<dyn ObjectStore> = match url.scheme() {
+        "s3" | "s3a" => {
+            let mut b = AmazonS3Builder::from_env().with_url(url.as_str());
+            let endpoint = std::env::var("AWS_ENDPOINT_URL")
+                .or_else(|_| std::env::var("AWS_ENDPOINT"))
+                .unwrap_or_default();
+            if endpoint.starts_with("http://") {
+                b = b.with_allow_http(true);
+            }
+            Arc::new(b.build().map_err(store_err(url))?)
+        }
+        "gs" => Arc::new(
+            GoogleCloudStorageBuilder::from_env()
+                .with_url(url.as_str())
+                .build()
+                .map_err(store_err(url))?,
+        ),
+        _ => {
+            let mut b = MicrosoftAzureBuilder::from_env().with_url(url.as_str());
+            let emulator = std::env::var("AZURITE_BLOB_STORAGE_URL").unwrap_or_default();
+            if emulator.starts_with("http://") {
+                b = b.with_allow_http(true);
+            }
+            Arc::new(b.build().map_err(store_err(url))?)
+        }
+    };
+    Ok(store)
+}
+
+impl Location {
+    /// A local directory or file.
+    pub fn local(path: &Path) -> Result<Self, DataError> {
+        let abs = path.canonicalize().map_err(io_err(path))?;
+        let url = match abs.is_dir() {
+            true => Url::from_directory_path(&abs),
+            false => Url::from_file_path(&abs),
+        };
+        let url = url.map_err(|()| DataError::UnsupportedSource {
+            path: path.to_path_buf(),
+        })?;
+        Ok(Self {
+            url,
+            engine: engine(Arc::new(LocalFileSystem::new())),
+            origin: path.to_path_buf(),
+        })
+    }
+
+    /// An object-store URL: a file when it ends in `.parquet` or `.csv`, else a directory (a
+    /// Delta table, Parquet part files).
+    pub fn object(url: &Url) -> Result<Self, DataError> {
+        let store = object_store(url)?;
+        let mut url = url.clone();
+        let dir = Self {
+            url: url.clone(),
+            engine: engine(store.clone()),
+            origin: PathBuf::new(),
+        };
+        let file = matches!(dir.extension().as_deref(), Some("parquet" | "csv"));
+        if !file && !url.path().ends_with('/') {
+            url.set_path(&format!("{}/", url.path()));
+        }
+        Ok(Self {
+            origin: PathBuf::from(url.as_str()),
+            url,
+            engine: dir.engine,
+        })
+    }
+
+    pub fn is_dir(&self) -> bool {
+        self.url.path().ends_with('/')
+    }
+
+    /// The file name's extension, lower-cased.
+    pub fn extension(&self) -> Option<String> {
+        let last = self.url.path().rsplit('/').next()?;
+        let (_, ext) = last.rsplit_once('.')?;
+        Some(ext.to_ascii_lowercase())
+    }
+
+    fn kernel_err(&self, e: delta_kernel::KernelError) -> DataError {
+        DataError::ObjectStore {
+            url: self.url.to_string(),
+            source: Box::new(e),
+        }
+    }
+
+    /// Every file under this directory, as paths relative to it (`label=cat/part-0.parquet`), in
+    /// path order.
+    pub fn list(&self) -> Result<Vec<String>, DataError> {
+        let files = self
+            .engine
+            .storage_handler()
+            .list_from(&self.url)
+            .map_err(|e| self.kernel_err(e))?;
+        let mut out = Vec::new();
+        for f in files {
+            let f = f.map_err(|e| self.kernel_err(e))?;
+            if let Some(rel) = f.location.path().strip_prefix(self.url.path()) {
+                let rel = percent_encoding::percent_decode_str(rel).decode_utf8_lossy();
+                out.push(rel.into_owned());
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// Whether this directory is a Delta table (has a `_delta_log/` with something in it).
+    pub fn is_delta(&self) -> Result<bool, DataError> {
+        if !self.is_dir() {
+            return Ok(false);
+        }
+        let log = self.join("_delta_log/")?;
+        let mut files = self
+            .engine
+            .storage_handler()
+            .list_from(&log)
+            .map_err(|e| self.kernel_err(e))?;
+        match files.next() {
+            Some(Ok(_)) => Ok(true),
+            Some(Err(e)) => Err(self.kernel_err(e)),
+            None => Ok(false),
+        }
+    }
+
+    /// The URL of `rel` (a path relative to this directory, or to this file's directory).
+    pub fn join(&self, rel: &str) -> Result<Url, DataError> {
+        self.url.join(rel).map_err(|e| DataError::ObjectStore {
+            url: format!("{} + {rel}", self.url),
+            source: Box::new(e),
+        })
+    }
+
+    /// Calls `f` with each file at `urls` (on this location's store) and its bytes, in order;
+    /// the store fetches a few ahead, so only those are held besides what `f` keeps.
+    pub fn fetch(
+        &self,
+        urls: &[Url],
+        mut f: impl FnMut(&Url, Bytes) -> Result<(), DataError>,
+    ) -> Result<(), DataError> {
+        let files = self
+            .engine
+            .storage_handler()
+            .read_files(urls.iter().map(|u| (u.clone(), None)).collect())
+            .map_err(|e| self.kernel_err(e))?;
+        for (bytes, url) in files.zip(urls) {
+            let bytes = bytes.map_err(|e| DataError::ObjectStore {
+                url: url.to_string(),
+                source: Box::new(e),
+            })?;
+            f(url, bytes)?;
+        }
+        Ok(())
+    }
+}
