@@ -200,13 +200,97 @@ fn fit_tune_export_are_tracked_and_the_registry_deploys() {
     let w = Scratch::new();
     let ml = Mlflow::start(&w.join("mlflow"));
     let uri = ml.uri();
-    let (data, cache) = (lfw(), w.cache_arg());
+    // The LFW images as a Delta table (what a Databricks user trains on): the run's dataset
+    // input names its version.
+    let data = w.join("lfw");
+    python(
+        "import sys, pyarrow.parquet as pq\n\
+         from deltalake import write_deltalake\n\
+         write_deltalake(sys.argv[2], pq.read_table(sys.argv[1]))\n",
+        &[
+            s(&kestrel_tests::fetched("datasets/lfw/lfw.parquet")),
+            s(&data),
+        ],
+    );
+    let (data, cache) = (s(&data), w.cache_arg());
     let common = ["--data", &data, "--engine", "ort", "--cache", &cache];
     let track = ["--mlflow", &uri, "--experiment", "kestrel-lfw"];
     let (run_dir, fit_id) = tracked_fit(&w, &uri, &[&common[..], &track[..]].concat());
     tracked_tune(&w, &uri, &[&common[..], &track[..]].concat());
     registered_export(&w, &uri, &run_dir, &fit_id, &cache);
+    loaded_as_mlflow_model(&w, &uri);
+    fit_into_an_existing_run(&w, &uri, &common);
     published_from_registry(&w, &uri);
+}
+
+/// The registered version as MLflow's own loaders take it: `mlflow.pyfunc.load_model` and
+/// `mlflow.onnx.load_model` on `models:/lfw@staging`, run on the golden images preprocessed
+/// by `trainer preprocess` with the manifest's spec, give the manifest's golden logits.
+fn loaded_as_mlflow_model(w: &Scratch, uri: &str) {
+    let art = w.join("art");
+    let m = read_json(&art.join("manifest.json"));
+    let spec = w.join("preprocess.json");
+    std::fs::write(&spec, m["preprocess"].to_string()).unwrap();
+    let tensors = w.join("tensors");
+    let golden = m["golden"].as_array().unwrap();
+    assert!(golden.len() >= 2, "{m}");
+    let mut args = vec!["preprocess".to_string(), "--spec".into(), s(&spec)];
+    args.extend(["--out".into(), s(&tensors)]);
+    args.extend(
+        golden
+            .iter()
+            .map(|g| s(&art.join(g["file"].as_str().unwrap()))),
+    );
+    run_ok("trainer", &args);
+    let o = python(
+        "import sys, json, os, numpy as np, mlflow, mlflow.onnx, mlflow.pyfunc, onnxruntime as ort\n\
+         uri, tensors, manifest = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])\n\
+         mlflow.set_tracking_uri(uri)\n\
+         h, w = manifest['preprocess']['input_size']\n\
+         x = np.stack([np.fromfile(os.path.join(tensors, os.path.basename(g['file']) + '.f32'), '<f4').reshape(3, h, w)\n\
+         \x20             for g in manifest['golden']])\n\
+         want = np.array([g.get('runtime_logits', {}).get('ort', g['logits']) for g in manifest['golden']])\n\
+         py = mlflow.pyfunc.load_model('models:/lfw@staging')\n\
+         out = py.predict({manifest['input']['name']: x})[manifest['output']['name']]\n\
+         proto = mlflow.onnx.load_model('models:/lfw@staging')\n\
+         s = ort.InferenceSession(proto.SerializeToString(), providers=['CPUExecutionProvider'])\n\
+         direct = s.run(None, {manifest['input']['name']: x})[0]\n\
+         meta = py.metadata\n\
+         print(json.dumps({'pyfunc': float(np.abs(out - want).max()), 'onnx': float(np.abs(direct - want).max()),\n\
+         \x20   'argmax': [int(i) for i in out.argmax(1)], 'expected': [g['expected_top1'] for g in manifest['golden']],\n\
+         \x20   'inputs': meta.get_input_schema().to_dict(), 'kestrel': meta.flavors['kestrel']['labels']}))\n",
+        &[uri, &s(&tensors), &m.to_string()],
+    );
+    let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    for k in ["pyfunc", "onnx"] {
+        assert!(v[k].as_f64().unwrap() < 1e-3, "{k}: {v}");
+    }
+    assert_eq!(v["argmax"], v["expected"], "{v}");
+    assert_eq!(v["kestrel"], m["labels"]);
+    assert_eq!(v["inputs"][0]["name"], m["input"]["name"], "{v}");
+}
+
+/// `MLFLOW_RUN_ID`: a fit logs into a run a notebook already started, not a new one.
+fn fit_into_an_existing_run(w: &Scratch, uri: &str, common: &[&str]) {
+    let o = python(
+        "import sys\nfrom mlflow.tracking import MlflowClient\n\
+         c = MlflowClient(sys.argv[1])\n\
+         print(c.create_run(c.get_experiment_by_name('kestrel-lfw').experiment_id).info.run_id)\n",
+        &[uri],
+    );
+    let id = stdout(&o).trim().to_string();
+    let dir = w.join("run-in-notebook");
+    let mut fit = Command::new(kestrel_tests::bin("trainer"));
+    fit.args(["fit", "--out", &s(&dir)])
+        .args(common)
+        .env("MLFLOW_TRACKING_URI", uri)
+        .env("MLFLOW_RUN_ID", &id);
+    let o = fit.output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(run_id(&dir), id);
+    let v = mlflow_run(uri, &id);
+    assert_eq!(v["status"], "FINISHED");
+    assert!(v["metrics"]["best_val_accuracy"].is_array(), "{v}");
 }
 
 /// `fit`: the run's params, every epoch's metrics, tags and artifacts.
@@ -249,6 +333,24 @@ fn tracked_fit(w: &Scratch, uri: &str, flags: &[&str]) -> (PathBuf, String) {
         v["tags"]
     );
     assert_eq!(v["tags"]["kestrel.data.samples"], "200");
+    // The table as the run's dataset input: named, digested by the sample cache, versioned.
+    let o = python(
+        "import sys, json\nfrom mlflow.tracking import MlflowClient\n\
+         r = MlflowClient(sys.argv[1]).get_run(sys.argv[2])\n\
+         print(json.dumps([{'name': d.dataset.name, 'digest': d.dataset.digest, 'type': d.dataset.source_type,\n\
+         \x20   'source': json.loads(d.dataset.source), 'context': {t.key: t.value for t in d.tags}}\n\
+         \x20   for d in r.inputs.dataset_inputs]))\n",
+        &[uri, &fit_id],
+    );
+    let inputs: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let key = v["tags"]["kestrel.cache.samples"].as_str().unwrap();
+    assert_eq!(inputs.as_array().map(Vec::len), Some(1), "{inputs}");
+    let d = &inputs[0];
+    assert_eq!(d["name"], "lfw", "{d}");
+    assert_eq!(d["type"], "delta_table", "{d}");
+    assert_eq!(d["source"]["delta_table_version"], 0, "{d}");
+    assert!(key.starts_with(d["digest"].as_str().unwrap()), "{d} {key}");
+    assert_eq!(d["context"]["mlflow.data.context"], "training");
     assert_eq!(v["tags"]["mlflow.source.name"], "trainer fit");
     for f in [
         "summary.json",
@@ -351,7 +453,7 @@ fn registered_export(w: &Scratch, uri: &str, run_dir: &Path, fit_id: &str, cache
     assert_eq!(reg["version"], "1");
     assert_eq!(reg["run_id"], fit_id);
     let v = mlflow_run(uri, &fit_id);
-    for f in ["model/manifest.json", "model/model.onnx"] {
+    for f in ["model/manifest.json", "model/model.onnx", "model/MLmodel"] {
         assert!(
             v["artifacts"].as_array().unwrap().iter().any(|a| a == f),
             "{f}: {}",

@@ -177,7 +177,9 @@ impl DataArgs {
 pub struct TableArgs {
     /// Image table: an ImageFolder directory (root/<class>/*.png|jpg|bmp), a CSV manifest (path,label),
     /// Parquet (a file, a directory of part files, or Hive-partitioned col=value/ directories) or a
-    /// Delta table (a directory with _delta_log/), with binary `content` and `label` columns.
+    /// Delta table (a directory with _delta_log/), with binary `content` and `label` columns. All but
+    /// ImageFolder may be on object storage: s3://, az:// (abfss://), gs:// URLs, credentials from the
+    /// standard AWS_*, AZURE_STORAGE_*, GOOGLE_* environment (docs/tables.md).
     /// prepare, fit and tune take it several times: the tables train together, one label set.
     #[arg(long, value_name = "TABLE")]
     pub data: Vec<PathBuf>,
@@ -481,6 +483,10 @@ pub struct TrackArgs {
     /// MLflow experiment (created when missing).
     #[arg(long, env = "MLFLOW_EXPERIMENT_NAME", default_value = "Default")]
     pub experiment: String,
+    /// Log into this existing MLflow run (a notebook's active run) instead of starting one; as
+    /// MLflow's own clients do, it is ended when the command finishes.
+    #[arg(long, value_name = "ID", env = "MLFLOW_RUN_ID")]
+    pub run_id: Option<String>,
     /// Do not track, even when MLFLOW_TRACKING_URI is set.
     #[arg(long)]
     pub no_mlflow: bool,
@@ -493,6 +499,7 @@ impl TrackArgs {
         Some(kestrel_trainer::track::TrackTo {
             uri,
             experiment: self.experiment.clone(),
+            run_id: self.run_id.clone(),
         })
     }
 

@@ -156,7 +156,7 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The artifact directory as the run's `model/` artifacts, its accuracy as metrics, then the alias
+/// The artifact directory as the run's MLflow Model `model/`, its accuracy as metrics, then the alias
 /// (after the files, so an alias never points at a version without them). Ends the run.
 fn log_export(
     t: &Tracker,
@@ -175,7 +175,7 @@ fn log_export(
         Vec::new(),
         vec![kv(format!("kestrel.export.{form}"), m.name.as_str())],
     );
-    t.upload_dir(dir, "model")?;
+    t.log_model(dir, m)?;
     if let (Some(v), Some(alias)) = (registered, alias) {
         t.submit(Op::SetAlias {
             name: v.name.clone(),

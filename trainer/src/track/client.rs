@@ -270,6 +270,15 @@ impl Client {
         Ok(())
     }
 
+    /// Records datasets as the run's inputs (`runs/log-inputs`): each a `{tags, dataset}` object.
+    pub fn log_inputs(&self, run_id: &str, datasets: &[Value]) -> Result<(), TrackError> {
+        self.post(
+            "mlflow/runs/log-inputs",
+            &json!({ "run_id": run_id, "datasets": datasets }),
+        )?;
+        Ok(())
+    }
+
     /// Ends a run: `FINISHED`, `FAILED` or `KILLED`.
     pub fn end_run(&self, run_id: &str, status: &str, end_ms: i64) -> Result<(), TrackError> {
         self.post(

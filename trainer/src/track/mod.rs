@@ -18,11 +18,14 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub mod client;
+pub mod mlmodel;
 pub mod registry;
 mod run;
 
 pub use client::{Client, KeyValue, Metric, ModelVersion, RunRef, kv, now_ms};
 pub use run::{fit_metrics, flatten_params, run_tags, trial_run};
+
+use kestrel_shared::manifest::Manifest;
 
 use crate::report::EpochMetrics;
 use crate::train::{Prepped, Summary};
@@ -156,6 +159,11 @@ pub enum Op {
         alias: String,
         version: u64,
     },
+    /// Datasets as the run's inputs (`{tags, dataset}` objects of MLflow's REST API).
+    LogInputs {
+        run_id: String,
+        datasets: Vec<serde_json::Value>,
+    },
 }
 
 impl Op {
@@ -196,6 +204,7 @@ impl Op {
                 alias,
                 version,
             } => c.set_alias(name, alias, *version),
+            Op::LogInputs { run_id, datasets } => c.log_inputs(run_id, datasets),
         }
     }
 }
@@ -217,12 +226,13 @@ pub struct RunLink {
     pub run: RunRef,
 }
 
-/// Where a command tracks to: `--mlflow` / `MLFLOW_TRACKING_URI` and `--experiment` /
-/// `MLFLOW_EXPERIMENT_NAME`.
-#[derive(Debug, Clone)]
+/// Where a command tracks to: `--mlflow` / `MLFLOW_TRACKING_URI`, `--experiment` /
+/// `MLFLOW_EXPERIMENT_NAME`, and `--run-id` / `MLFLOW_RUN_ID` (an existing run to log into).
+#[derive(Debug, Clone, Default)]
 pub struct TrackTo {
     pub uri: String,
     pub experiment: String,
+    pub run_id: Option<String>,
 }
 
 /// One MLflow run tied to a directory, with retries and the pending file (see the module docs).
@@ -260,8 +270,14 @@ impl Tracker {
             client.get_run(&link.run.run_id)?;
             return Ok(Tracker::new(client, link, dir));
         }
-        let experiment_id = client.experiment_id(&to.experiment)?;
-        let run = client.create_run(&experiment_id, name, tags, now_ms())?;
+        let run = match &to.run_id {
+            // An existing run (MLFLOW_RUN_ID): logged into as it is, its experiment its own.
+            Some(id) => client.get_run(id)?,
+            None => {
+                let experiment_id = client.experiment_id(&to.experiment)?;
+                client.create_run(&experiment_id, name, tags, now_ms())?
+            }
+        };
         let link = RunLink {
             uri: client.uri().to_string(),
             experiment: to.experiment.clone(),
@@ -330,6 +346,23 @@ impl Tracker {
             self.upload(&dir.join(rel), &join(prefix, rel));
         }
         Ok(files.len())
+    }
+
+    /// The exported artifact `dir` as the run's MLflow Model `model/`: its files, and beside them
+    /// `MLmodel` and the environment files ([`mlmodel`]), written first to
+    /// `<run dir>/mlflow-model/` (so a buffered upload still finds them).
+    pub fn log_model(&self, dir: &Path, m: &Manifest) -> Result<usize, TrackError> {
+        let n = self.upload_dir(dir, "model")?;
+        let extra = self.dir.join("mlflow-model");
+        std::fs::create_dir_all(&extra).map_err(|e| TrackError::io(&extra, &e))?;
+        let files = mlmodel::files(m, self.run_id());
+        for (name, text) in &files {
+            let path = extra.join(name);
+            kestrel_shared::fsutil::write_atomic(&path, text.as_bytes())
+                .map_err(|e| TrackError::io(&path, &e))?;
+            self.upload(&path, &join("model", name));
+        }
+        Ok(n + files.len())
     }
 
     pub fn upload(&self, file: &Path, path: &str) {
@@ -401,6 +434,10 @@ impl Tracker {
 impl Observer for Tracker {
     fn prepared(&self, pp: &Prepped) {
         self.log(Vec::new(), Vec::new(), run::data_tags(pp));
+        self.submit(Op::LogInputs {
+            run_id: self.run_id().to_string(),
+            datasets: run::dataset_inputs(pp),
+        });
     }
 
     fn epoch(&self, m: &EpochMetrics) {

@@ -80,6 +80,50 @@ pub fn data_tags(pp: &Prepped) -> Vec<KeyValue> {
     ]
 }
 
+/// The tables a run trained on as MLflow dataset inputs (context `training`): named by the
+/// table's last path segment, the digest the sample cache's key (truncated to MLflow's 36
+/// characters; the whole key is the `kestrel.cache.samples` tag), the source the table's path or
+/// URL, and for a Delta table the version read (`delta_table`, as MLflow's own Delta source).
+pub fn dataset_inputs(pp: &Prepped) -> Vec<Value> {
+    let key = &pp.prepared.meta.key;
+    let digest = &key[..key.len().min(36)];
+    pp.tables
+        .iter()
+        .map(|t| {
+            let name = t
+                .location
+                .trim_end_matches('/')
+                .rsplit('/')
+                .next()
+                .unwrap_or("");
+            let (source_type, source) = match (t.format, t.version) {
+                ("delta", Some(v)) => (
+                    "delta_table".to_string(),
+                    serde_json::json!({ "path": t.location, "delta_table_version": v }),
+                ),
+                _ => {
+                    let scheme = crate::data::store::object_url(std::path::Path::new(&t.location))
+                        .map_or("local".to_string(), |u| u.scheme().to_string());
+                    (scheme, serde_json::json!({ "uri": t.location }))
+                }
+            };
+            serde_json::json!({
+                "tags": [{ "key": "mlflow.data.context", "value": "training" }],
+                "dataset": {
+                    "name": name,
+                    "digest": digest,
+                    "source_type": source_type,
+                    "source": source.to_string(),
+                    "profile": serde_json::json!({
+                        "format": t.format,
+                        "samples": pp.prepared.len(),
+                    }).to_string(),
+                },
+            })
+        })
+        .collect()
+}
+
 /// One `metrics.jsonl` line as MLflow metrics at step = epoch.
 pub fn epoch_metrics(m: &EpochMetrics) -> Vec<Metric> {
     [
