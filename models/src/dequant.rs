@@ -151,7 +151,7 @@ mod tests {
     use crate::tensor::Tensor;
     use tract_onnx::pb::GraphProto;
 
-    /// `y = x W^T + b` with W behind int8 weights (`Quant::Weights`).
+    /// `y = x W^T + b` with W behind int8 weights (`Quant::Weights`, every layer).
     fn gemm(quant: &Quant, w: &Tensor) -> Vec<u8> {
         let mut g = GraphBuilder::default();
         let wn = quant.weight(&mut g, "fc", "fc.weight", w);
@@ -182,7 +182,7 @@ mod tests {
                 .map(|i| (i as f32 * 0.37).sin() * (i as f32 + 1.0))
                 .collect(),
         );
-        let q = gemm(&Quant::Weights, &w);
+        let q = gemm(&Quant::Weights { float_blocks: 0 }, &w);
         let (f, n) = dequantize_weights(&q).unwrap();
         assert_eq!(n, 1);
         let m = ModelProto::decode(f.as_slice()).unwrap();

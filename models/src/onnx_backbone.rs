@@ -521,9 +521,9 @@ impl OnnxBackbone {
                 continue;
             };
             let w = n.input[1].clone();
-            let dq = done
-                .entry(w.clone())
-                .or_insert_with(|| crate::quant::Quant::Weights.weight(&mut b, &w, &w, t));
+            let dq = done.entry(w.clone()).or_insert_with(|| {
+                crate::quant::Quant::Weights { float_blocks: 0 }.weight(&mut b, &w, &w, t)
+            });
             n.input[1] = dq.clone();
         }
         g.initializer.retain(|t| !done.contains_key(&t.name));

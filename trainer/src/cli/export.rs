@@ -33,8 +33,8 @@ pub struct Args {
     /// quantized forms).
     #[arg(long, default_value_t = 200)]
     calibration: usize,
-    /// Static int8 only: keep float activations (and f32 weights) in the stem and this many
-    /// leading blocks; the layers nearest the input are the most sensitive to quantization.
+    /// Keep f32 weights (and in static int8 float activations) in the stem and this many leading
+    /// blocks; the layers nearest the input are the most sensitive to quantization.
     #[arg(long, default_value_t = 1)]
     float_blocks: usize,
     /// Precision of model.safetensors: f32 | f16.

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use kestrel_models::Tensor;
 use kestrel_models::engine::{Engine, TractEngine};
 use kestrel_models::onnx::{self, Linear, LowerOpts};
-use kestrel_models::quant::{Quant, quantize_per_channel_to};
+use kestrel_models::quant::{Quant, float_layer, quantize_per_channel_to};
 use kestrel_models::weights::FoldedConv;
 
 use super::trained::Trained;
@@ -50,7 +50,7 @@ pub(super) fn quantize(
         }
         log("int8 weights of the ONNX backbone's Conv and Gemm layers (no bias correction)".into());
         return Ok(Quantized {
-            quant: Quant::Weights,
+            quant: Quant::Weights { float_blocks: 0 },
             folded: folded.clone(),
             head: head.clone(),
         });
@@ -76,7 +76,9 @@ pub(super) fn quantize(
             ranges.retain(|k, _| !float_layer(k, o.float_blocks));
             Quant::Static(ranges)
         }
-        _ => Quant::Weights,
+        _ => Quant::Weights {
+            float_blocks: o.float_blocks,
+        },
     };
     let (mut qf, mut qh) = (folded.clone(), head.clone());
     let qcal = calibrate(&run.pp, &qf, &qh, &quant, &samples, threads)?;
@@ -92,16 +94,6 @@ pub(super) fn quantize(
         folded: qf,
         head: qh,
     })
-}
-
-/// Layers kept with float activations in static int8: the stem and the first `blocks` blocks.
-fn float_layer(layer: &str, blocks: usize) -> bool {
-    layer == "stem"
-        || layer
-            .strip_prefix("blocks.")
-            .and_then(|r| r.split('.').next())
-            .and_then(|b| b.parse::<usize>().ok())
-            .is_some_and(|b| b < blocks)
 }
 
 /// What calibration measures at the input of every Conv/Gemm (keyed by layer name).

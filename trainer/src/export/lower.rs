@@ -41,7 +41,7 @@ pub(super) fn lower(
     let mut model = match &run.pp.backbone.graph {
         Some(g) => {
             let mut m = g.with_head(&q.head, &opts.output_name, FEATURES_OUTPUT);
-            if matches!(q.quant, Quant::Weights) {
+            if matches!(q.quant, Quant::Weights { .. }) {
                 OnnxBackbone::quantize_weights(&mut m).map_err(ExportError::Unsupported)?;
             }
             m

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kestrel_models::onnx::{self, Linear};
-use kestrel_models::quant::quantize_per_channel;
+use kestrel_models::quant::{Quant, quantize_per_channel};
 use kestrel_models::weights::FoldedConv;
 use kestrel_models::{Network, Tensor};
 use kestrel_shared::manifest::{
@@ -138,11 +138,17 @@ fn manifest(
             .collect()
     };
     let mut int8_ops = q.quant.int8_ops();
-    if o.quantize == QuantForm::Int8 {
-        int8_ops.push(format!(
+    match &q.quant {
+        Quant::Static(_) => int8_ops.push(format!(
             "float activations and f32 weights: stem and blocks 0..{}",
             o.float_blocks
-        ));
+        )),
+        Quant::Weights { float_blocks } if run.pp.backbone.graph.is_none() => {
+            int8_ops.push(format!("f32 weights: stem and blocks 0..{float_blocks}"))
+        }
+        _ => {}
+    }
+    if o.quantize == QuantForm::Int8 {
         int8_ops.push(
             "onnxruntime: integer kernels (QLinearConv, QLinearAdd, QGemm); tract: the              QuantizeLinear/DequantizeLinear pairs run in float, slower than the f32 form              (roll int8-weights out to tract devices)"
                 .into(),
