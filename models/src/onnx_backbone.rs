@@ -240,7 +240,11 @@ fn candidates(g: &GraphProto) -> String {
             out.push(name.clone());
         }
     }
-    out.extend(g.output.iter().map(|o| o.name.clone()));
+    for o in &g.output {
+        if !out.contains(&o.name) {
+            out.push(o.name.clone());
+        }
+    }
     out.truncate(8);
     if out.is_empty() {
         "none found".into()
@@ -253,7 +257,9 @@ fn candidates(g: &GraphProto) -> String {
 }
 
 /// The feature tensor: the one named (it must be some node's output), else the first input of
-/// the last Gemm/MatMul.
+/// the last Gemm/MatMul, else the graph's one output when it is already pooled (a classifier-less
+/// export: `timm.create_model(..., num_classes=0)`, a torchvision model without its classifier):
+/// declared `[N, C]`, or made by a pooling or flattening node.
 fn feature_tensor(
     path: &str,
     g: &GraphProto,
@@ -274,10 +280,37 @@ fn feature_tensor(
         .rev()
         .find(|n| matches!(n.op_type.as_str(), "Gemm" | "MatMul"))
         .and_then(|n| n.input.first().cloned())
+        .or_else(|| pooled_output(g))
         .ok_or_else(|| OnnxBackboneError::NoDefaultFeatures {
             path: path.into(),
             candidates: candidates(g),
         })
+}
+
+/// The graph's single output, when it is already a pooled `[N, C]` vector.
+fn pooled_output(g: &GraphProto) -> Option<String> {
+    let [out] = g.output.as_slice() else {
+        return None;
+    };
+    let rank = out
+        .r#type
+        .as_ref()
+        .and_then(|t| match &t.value {
+            Some(pb::type_proto::Value::TensorType(t)) => t.shape.as_ref(),
+            _ => None,
+        })
+        .map(|s| s.dim.len());
+    let pooling = g
+        .node
+        .iter()
+        .find(|n| n.output.contains(&out.name))
+        .is_some_and(|n| {
+            matches!(
+                n.op_type.as_str(),
+                "GlobalAveragePool" | "GlobalMaxPool" | "ReduceMean" | "Flatten"
+            )
+        });
+    (rank == Some(2) || pooling).then(|| out.name.clone())
 }
 
 /// The nodes `target` depends on, in graph order.

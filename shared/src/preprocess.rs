@@ -98,6 +98,69 @@ impl PreprocessSpec {
         }
     }
 
+    /// The spec a timm model's `pretrained_cfg` describes, given as it is or inside a Hugging Face
+    /// `config.json` (`{"pretrained_cfg": {...}}`): `input_size` `[3, H, W]`, `interpolation`,
+    /// `mean`, `std` and `crop_pct` (default 0.875), resized as timm's eval transform does: the
+    /// shorter side to `floor(H / crop_pct)`, then a centre crop to `H x W` (a `crop_mode` other
+    /// than `center` is refused). Errors name the key that is missing or wrong.
+    pub fn from_timm_config(cfg: &serde_json::Value) -> Result<Self, String> {
+        let cfg = cfg.get("pretrained_cfg").unwrap_or(cfg);
+        let floats = |key: &str, n: usize| -> Result<Vec<f64>, String> {
+            let v = cfg.get(key).ok_or(format!("no `{key}`"))?;
+            let list: Option<Vec<f64>> = v
+                .as_array()
+                .map(|a| a.iter().filter_map(|x| x.as_f64()).collect());
+            match list {
+                Some(l) if l.len() == n => Ok(l),
+                _ => Err(format!("`{key}` is {v}, expected {n} numbers")),
+            }
+        };
+        let size = floats("input_size", 3)?;
+        let (h, w) = (size[1] as u32, size[2] as u32);
+        if size[0] != 3.0 || h == 0 || w == 0 {
+            return Err(format!("`input_size` {size:?} is not [3, H, W]"));
+        }
+        let crop_pct = match cfg.get("crop_pct") {
+            None | Some(serde_json::Value::Null) => 0.875,
+            Some(v) => v
+                .as_f64()
+                .filter(|p| *p > 0.0 && *p <= 1.0)
+                .ok_or(format!("`crop_pct` {v} is not in (0, 1]"))?,
+        };
+        match cfg.get("crop_mode").and_then(|m| m.as_str()) {
+            None | Some("center") => {}
+            Some(m) => {
+                return Err(format!(
+                    "`crop_mode` {m:?}: only centre crops are supported"
+                ));
+            }
+        }
+        let filter = match cfg.get("interpolation").and_then(|i| i.as_str()) {
+            None | Some("bilinear") => Filter::Bilinear,
+            Some("bicubic") => Filter::Bicubic,
+            Some("nearest") => Filter::Nearest,
+            Some("lanczos") => Filter::Lanczos3,
+            Some(i) => return Err(format!("`interpolation` {i:?} is not supported")),
+        };
+        let three = |key| -> Result<[f32; 3], String> {
+            let v = floats(key, 3)?;
+            Ok([v[0] as f32, v[1] as f32, v[2] as f32])
+        };
+        let spec = Self {
+            input_size: [h, w],
+            resize: Resize::ShorterSide((f64::from(h.min(w)) / crop_pct).floor() as u32),
+            filter,
+            crop: Crop::Center,
+            alpha: Alpha::Drop,
+            channel_order: ChannelOrder::Rgb,
+            scale: 1.0 / 255.0,
+            mean: three("mean")?,
+            std: three("std")?,
+        };
+        spec.validate().map_err(|e| e.to_string())?;
+        Ok(spec)
+    }
+
     /// Number of f32 values one image becomes (`3 * H * W`).
     pub fn tensor_len(&self) -> usize {
         3 * self.input_size[0] as usize * self.input_size[1] as usize
@@ -602,5 +665,44 @@ mod tests {
             ..spec
         };
         assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn timm_and_hugging_face_configs() {
+        let cfg = serde_json::json!({
+            "architecture": "mobilenetv3_large_100",
+            "pretrained_cfg": {
+                "input_size": [3, 224, 224], "interpolation": "bicubic", "crop_pct": 0.875,
+                "crop_mode": "center", "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]
+            }
+        });
+        let spec = PreprocessSpec::from_timm_config(&cfg).unwrap();
+        assert_eq!(spec.resize, Resize::ShorterSide(256));
+        assert_eq!(spec.filter, Filter::Bicubic);
+        assert_eq!(spec.mean, PreprocessSpec::imagenet().mean);
+        let plain = PreprocessSpec::from_timm_config(&cfg["pretrained_cfg"]).unwrap();
+        assert_eq!(plain, spec);
+        let mut wide = cfg["pretrained_cfg"].clone();
+        wide["input_size"] = serde_json::json!([3, 288, 288]);
+        wide["crop_pct"] = serde_json::json!(1.0);
+        let spec = PreprocessSpec::from_timm_config(&wide).unwrap();
+        assert_eq!(
+            (spec.input_size, spec.resize),
+            ([288, 288], Resize::ShorterSide(288))
+        );
+        let mut bad = cfg["pretrained_cfg"].clone();
+        bad.as_object_mut().unwrap().remove("std");
+        assert!(
+            PreprocessSpec::from_timm_config(&bad)
+                .unwrap_err()
+                .contains("`std`")
+        );
+        bad["std"] = serde_json::json!([1, 1, 1]);
+        bad["crop_mode"] = serde_json::json!("squash");
+        assert!(
+            PreprocessSpec::from_timm_config(&bad)
+                .unwrap_err()
+                .contains("crop_mode")
+        );
     }
 }

@@ -11,6 +11,8 @@ writes into OUT_DIR:
   torchvision.models.mobilenet_v2(), x, input_names=["input"])` gives (BN folded into the convs,
   whose weights are then named `onnx::Conv_N`, `features.N.M.weight`-style names elsewhere,
   Clip(0, 6), GlobalAveragePool, Flatten, Gemm `classifier.1`), random weights (seed 7), opset 17.
+- mobilenetv2_headless.onnx: the same network (same weights) without its classifier, its pooled
+  vector the graph's output `feat` [batch, 1280] (what timm exports with `num_classes=0`).
 - not_image.onnx: an int64 token input [batch, 128] (Cast, Gemm): not an image model.
 - rank2.onnx: a float input [batch, 10] (Gemm): wrong rank.
 """
@@ -109,7 +111,7 @@ class Torchvision:
             y = r
         return y
 
-    def graph(self):
+    def graph(self, head=True):
         x = self.conv("input", 3, 32, 3, 2, 1, True, "features/features.0/features.0.0")
         cin, i = 32, 1
         for t, c, n, s in MBV2:
@@ -130,7 +132,17 @@ class Torchvision:
         x = self.conv(x, cin, 1280, 1, 1, 1, True, f"features/features.{i}/features.{i}.0")
         self.nodes += [
             helper.make_node("GlobalAveragePool", [x], ["/GlobalAveragePool_output_0"], name="/GlobalAveragePool"),
-            helper.make_node("Flatten", ["/GlobalAveragePool_output_0"], ["/Flatten_output_0"], axis=1, name="/Flatten"),
+            helper.make_node("Flatten", ["/GlobalAveragePool_output_0"], ["/Flatten_output_0" if head else "feat"],
+                             axis=1, name="/Flatten"),
+        ]
+        if not head:
+            # What `timm.create_model(..., num_classes=0)` exports: the pooled vector is the output.
+            return helper.make_graph(
+                self.nodes, "main_graph",
+                [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch_size", 3, 224, 224])],
+                [helper.make_tensor_value_info("feat", TensorProto.FLOAT, ["batch_size", 1280])],
+                self.inits)
+        self.nodes += [
             helper.make_node("Gemm", ["/Flatten_output_0", "classifier.1.weight", "classifier.1.bias"], ["output"],
                              alpha=1.0, beta=1.0, transB=1, name="/classifier/classifier.1/Gemm"),
         ]
@@ -165,5 +177,6 @@ if __name__ == "__main__":
     src, out_dir = sys.argv[1], sys.argv[2]
     lite0_foreign(src, f"{out_dir}/lite0_foreign.onnx")
     onnx.save(model(Torchvision().graph()), f"{out_dir}/mobilenetv2_torchvision.onnx")
+    onnx.save(model(Torchvision().graph(head=False)), f"{out_dir}/mobilenetv2_headless.onnx")
     small(out_dir)
     print("ok")

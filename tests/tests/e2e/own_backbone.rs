@@ -317,3 +317,116 @@ fn onnx_backbone_errors_name_what_was_found() {
     let e = lower(&["--backbone", &tokens, "--arch", "mobilenetv2"]);
     assert!(e.contains("0 Conv nodes, mobilenetv2 has 52"), "{e}");
 }
+
+/// A classifier-less export (timm's `num_classes=0`, a torchvision model without its
+/// classifier): its pooled output is the feature tensor with no `--feature-output`, equal to the
+/// full model's pooled tensor; `--preprocess` takes timm's `pretrained_cfg` (here inside a Hugging
+/// Face `config.json`) and gives the same spec as the architecture's; candidates are named once.
+#[test]
+fn headless_exports_and_timm_configs_need_no_flags() {
+    let sc = Scratch::new();
+    let (full, headless) = (
+        graph("mobilenetv2_torchvision.onnx"),
+        graph("mobilenetv2_headless.onnx"),
+    );
+    let cfg = sc.join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"architecture": "mobilenetv2_100", "num_classes": 0, "pretrained_cfg": {
+            "input_size": [3, 224, 224], "interpolation": "bilinear", "crop_pct": 0.875,
+            "crop_mode": "center", "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}}"#,
+    )
+    .unwrap();
+    let (a, b) = (sc.join("full.onnx"), sc.join("headless.onnx"));
+    run_ok(
+        "trainer",
+        &[
+            "lower",
+            "--backbone",
+            &full,
+            "--preprocess",
+            "mobilenetv2",
+            "--feature-output",
+            "/Flatten_output_0",
+            "--out",
+            &s(&a),
+        ],
+    );
+    run_ok(
+        "trainer",
+        &[
+            "lower",
+            "--backbone",
+            &headless,
+            "--preprocess",
+            &s(&cfg),
+            "--out",
+            &s(&b),
+        ],
+    );
+    let o = python(
+        "import onnxruntime as ort, numpy as np, sys\n\
+run = lambda p, x: ort.InferenceSession(p, providers=['CPUExecutionProvider']).run(None, {'input': x})[0]\n\
+x = np.random.default_rng(2).normal(size=(2, 3, 224, 224)).astype(np.float32)\n\
+a, b = run(sys.argv[1], x), run(sys.argv[2], x)\n\
+print(a.shape, float(np.abs(a - b).max()), float(np.abs(a).max()))",
+        &[s(&a), s(&b)],
+    );
+    let line = stdout(&o);
+    let v: Vec<f64> = line
+        .split(") ")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect();
+    assert!(line.starts_with("(2, 1280)"), "{line}");
+    assert!(v[0] <= 1e-5 && v[1] > 0.0, "{line}");
+    // The config's spec is the architecture's: the same sample cache.
+    let (data, cache) = (lfw(), sc.cache_arg());
+    let prepare = |backbone: &str, extra: &[&str]| -> Value {
+        let mut args = vec![
+            "prepare",
+            "--json",
+            "--engine",
+            "ort",
+            "--data",
+            &data,
+            "--cache",
+            &cache,
+            "--backbone",
+            backbone,
+        ];
+        args.extend(extra);
+        last_json(&run_ok("trainer", &args))
+    };
+    let x = prepare(
+        &full,
+        &[
+            "--preprocess",
+            "mobilenetv2",
+            "--feature-output",
+            "/Flatten_output_0",
+        ],
+    );
+    let y = prepare(&headless, &["--preprocess", &s(&cfg)]);
+    assert_eq!(x["samples_cache"], y["samples_cache"]);
+    assert_eq!(y["feature_dims"], serde_json::json!([1280]), "{y}");
+    // A tensor that is not there: the candidates list the graph's output once.
+    let o = run(
+        "trainer",
+        &[
+            "lower",
+            "--backbone",
+            &headless,
+            "--preprocess",
+            &s(&cfg),
+            "--feature-output",
+            "pooled",
+            "--out",
+            &s(&sc.join("x.onnx")),
+        ],
+    );
+    assert!(!o.status.success());
+    assert_eq!(stderr(&o).matches("`feat`").count(), 1, "{}", stderr(&o));
+}

@@ -38,7 +38,7 @@ pub struct BackboneArgs {
     #[arg(long, value_name = "NAME")]
     pub feature_output: Option<String>,
     /// ONNX backbone: its preprocessing, a spec JSON file (as in a manifest; see `trainer
-    /// preprocess`) or the name of an architecture whose preprocessing it uses (mobilenetv2:
+    /// preprocess`; or a timm `pretrained_cfg` / Hugging Face `config.json`) or the name of an architecture whose preprocessing it uses (mobilenetv2:
     /// torchvision's ImageNet resize 256, crop 224, mean/std; efficientnet-lite0). Stored with
     /// the run.
     #[arg(long, value_name = "SPEC.json|ARCH")]
@@ -46,10 +46,21 @@ pub struct BackboneArgs {
 }
 
 /// A preprocessing spec from a JSON file (as in an artifact manifest).
+/// A preprocessing spec from a JSON file: Kestrel's own (as in an artifact manifest), or a timm
+/// model's `pretrained_cfg` / a Hugging Face `config.json` holding one.
 pub fn read_spec(path: &Path) -> Result<PreprocessSpec> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_str::<PreprocessSpec>(&text)
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing spec {}", path.display()))?;
+    if v.get("input_size")
+        .is_some_and(|s| s.as_array().is_some_and(|a| a.len() == 3))
+        || v.get("pretrained_cfg").is_some()
+    {
+        return PreprocessSpec::from_timm_config(&v)
+            .map_err(|e| anyhow::anyhow!("{}: timm pretrained_cfg: {e}", path.display()));
+    }
+    serde_json::from_value::<PreprocessSpec>(v)
         .with_context(|| format!("parsing spec {}", path.display()))
 }
 
