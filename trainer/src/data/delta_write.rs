@@ -4,7 +4,9 @@
 //! The commits are written here, not through the kernel: delta_kernel 0.30 offers creating a
 //! table only behind its unstable `internal-api` feature, and these writes are the protocol's
 //! two simplest commits (an append: `add` actions; a rewrite: `remove` of every live file and one
-//! `add`), a few JSON lines each (protocol reader 1 / writer 2, no table features). Data files
+//! `add`), a few JSON lines each (protocol reader 1 / writer 2, no table features), each file with
+//! its column statistics. Every 10th version the kernel writes a checkpoint (its public
+//! `Snapshot::checkpoint`), so the log a reader replays stays short however long `collect` runs. Data files
 //! are Parquet (snappy) written with arrow-rs. A commit is published with a hard link to
 //! `_delta_log/<version>.json`, which fails if another writer took that version first (the
 //! protocol's put-if-absent), so nothing is overwritten. The kernel reads every commit back in
@@ -25,6 +27,7 @@ use delta_kernel::object_store::local::LocalFileSystem;
 use delta_kernel::scan::state::ScanFile;
 use delta_kernel::snapshot::Snapshot;
 use delta_kernel_default_engine::DefaultEngineBuilder;
+use delta_kernel_default_engine::executor::tokio::TokioMultiThreadExecutor;
 use parquet::arrow::ArrowWriter;
 use parquet::basic::Compression;
 use parquet::file::properties::WriterProperties;
@@ -239,6 +242,7 @@ pub fn append(dir: &Path, rows: &[CaptureRow]) -> Result<u64, DataError> {
     }
     actions.push(write_part(dir, rows)?);
     commit(dir, version, "WRITE", actions)?;
+    checkpoint_if_due(dir, version);
     Ok(version)
 }
 
@@ -254,7 +258,34 @@ pub fn replace(dir: &Path, rows: &[CaptureRow]) -> Result<u64, DataError> {
         .collect();
     actions.push(write_part(dir, rows)?);
     commit(dir, current + 1, "WRITE", actions)?;
+    checkpoint_if_due(dir, current + 1);
     Ok(current + 1)
+}
+
+/// Commits between checkpoints (Delta's default `delta.checkpointInterval`).
+pub const CHECKPOINT_INTERVAL: u64 = 10;
+
+/// Every [`CHECKPOINT_INTERVAL`] versions, a checkpoint of the table written by the kernel
+/// (`<version>.checkpoint.parquet` and `_last_checkpoint`), so reading replays at most that many
+/// JSON commits. The commit stands whether or not it succeeds: a failure is logged.
+fn checkpoint_if_due(dir: &Path, version: u64) {
+    if version == 0 || version % CHECKPOINT_INTERVAL != 0 {
+        return;
+    }
+    // The checkpoint writer waits on tasks it spawns: the kernel asks for the multi-threaded
+    // executor (with the default one, the write never finished).
+    let written = TokioMultiThreadExecutor::new_owned_runtime(Some(2), None)
+        .map_err(|e| delta_err(dir, e))
+        .and_then(|exec| {
+            let engine = DefaultEngineBuilder::new(Arc::new(LocalFileSystem::new()))
+                .with_task_executor(Arc::new(exec))
+                .build();
+            let (s, _) = snapshot(dir)?;
+            s.checkpoint(&engine, None).map_err(|e| delta_err(dir, e))
+        });
+    if let Err(e) = written {
+        tracing::warn!("checkpoint of version {version} not written: {e}");
+    }
 }
 
 fn read_version(dir: &Path) -> Result<Option<u64>, DataError> {
@@ -298,8 +329,57 @@ fn write_part(dir: &Path, rows: &[CaptureRow]) -> Result<serde_json::Value, Data
         "size": buf.len(),
         "modificationTime": now_ms(),
         "dataChange": true,
-        "stats": json!({"numRecords": rows.len()}).to_string(),
+        "stats": stats(rows).to_string(),
     }}))
+}
+
+/// A data file's statistics as Delta records them: row count, and per column (not the image
+/// bytes) the minimum, maximum and null count, so readers can skip files (`device = 'cam-1'`,
+/// `captured_at > T`). Timestamps are kept to milliseconds as Spark writes them: the minimum
+/// rounded down, the maximum up, so the bounds still hold.
+fn stats(rows: &[CaptureRow]) -> serde_json::Value {
+    use serde_json::{Map, Value};
+    let (mut min, mut max, mut nulls) = (Map::new(), Map::new(), Map::new());
+    let mut bound = |name: &str, values: Vec<Value>| {
+        let lo = values.iter().min_by(|a, b| cmp(a, b)).cloned();
+        let hi = values.iter().max_by(|a, b| cmp(a, b)).cloned();
+        nulls.insert(name.into(), json!(rows.len() - values.len()));
+        if let (Some(lo), Some(hi)) = (lo, hi) {
+            min.insert(name.into(), lo);
+            max.insert(name.into(), hi);
+        }
+    };
+    let strings = |f: fn(&CaptureRow) -> Option<&str>| -> Vec<Value> {
+        rows.iter().filter_map(f).map(|v| json!(v)).collect()
+    };
+    bound("path", strings(|r| Some(&r.path)));
+    bound("device", strings(|r| Some(&r.device)));
+    bound("model", strings(|r| Some(&r.model)));
+    bound("version", rows.iter().map(|r| json!(r.version)).collect());
+    bound("predicted", strings(|r| Some(&r.predicted)));
+    bound("score", rows.iter().map(|r| json!(r.score)).collect());
+    bound("reason", strings(|r| Some(&r.reason)));
+    bound("label", strings(|r| r.label.as_deref()));
+    let ms = |us: i64, up: bool| {
+        let ms = us.div_euclid(1000) + i64::from(up && us.rem_euclid(1000) != 0);
+        chrono::DateTime::from_timestamp_millis(ms)
+            .map(|t| json!(t.format("%Y-%m-%dT%H:%M:%S%.3fZ").to_string()))
+    };
+    let at = rows.iter().map(|r| r.captured_at);
+    if let (Some(lo), Some(hi)) = (at.clone().min(), at.max()) {
+        min.extend(ms(lo, false).map(|v| ("captured_at".to_string(), v)));
+        max.extend(ms(hi, true).map(|v| ("captured_at".to_string(), v)));
+    }
+    nulls.insert("captured_at".into(), json!(0));
+    json!({"numRecords": rows.len(), "minValues": min, "maxValues": max, "nullCount": nulls})
+}
+
+/// Orders JSON numbers by value and strings by their bytes (as Delta compares them).
+fn cmp(a: &serde_json::Value, b: &serde_json::Value) -> std::cmp::Ordering {
+    match (a.as_f64(), b.as_f64()) {
+        (Some(x), Some(y)) => x.total_cmp(&y),
+        _ => a.as_str().cmp(&b.as_str()),
+    }
 }
 
 /// Publishes `actions` as commit `version`, failing if that version exists already.
@@ -421,5 +501,48 @@ mod tests {
             old.unwrap_err().to_string().contains("null"),
             "version 1 has no labels"
         );
+    }
+
+    /// 25 appends: checkpoints at versions 10 and 20 (the kernel's), every row read back from
+    /// them, and files carry min/max/null statistics.
+    #[test]
+    fn long_collects_are_checkpointed_and_files_carry_statistics() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path().join("captures");
+        for i in 0..25 {
+            let mut r = row(&format!("cam-1/{i:03}"), (i % 2 == 0).then_some("cat"));
+            r.captured_at += i * 1_500;
+            append(&t, &[r, row(&format!("cam-2/{i:03}"), None)]).unwrap();
+        }
+        let log = t.join("_delta_log");
+        for v in [10, 20] {
+            assert!(
+                log.join(format!("{v:020}.checkpoint.parquet")).is_file(),
+                "{v}"
+            );
+        }
+        let last = std::fs::read_to_string(log.join("_last_checkpoint")).unwrap();
+        assert!(last.contains("\"version\":20"), "{last}");
+        let (rows, v) = read(&t).unwrap();
+        assert_eq!((rows.len(), v), (50, Some(24)));
+        // The commits before the checkpoint are no longer needed to read the table.
+        for v in 0..20 {
+            std::fs::remove_file(log.join(format!("{v:020}.json"))).unwrap();
+        }
+        assert_eq!(read(&t).unwrap().0.len(), 50);
+        let commit = std::fs::read_to_string(log.join(format!("{:020}.json", 24))).unwrap();
+        let add: serde_json::Value = commit
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .find(|a| a.get("add").is_some())
+            .unwrap();
+        let st: serde_json::Value =
+            serde_json::from_str(add["add"]["stats"].as_str().unwrap()).unwrap();
+        assert_eq!(st["numRecords"], 2);
+        assert_eq!(st["minValues"]["path"], "cam-1/024");
+        assert_eq!(st["maxValues"]["path"], "cam-2/024");
+        assert_eq!(st["nullCount"]["label"], 1);
+        assert_eq!(st["minValues"]["captured_at"], "2025-12-02T00:00:00.000Z");
+        assert_eq!(st["maxValues"]["captured_at"], "2025-12-02T00:00:00.036Z");
     }
 }
