@@ -61,6 +61,9 @@ apt_update() {
   # An index that fails to download (e.g. a mirror mid-sync) is reported by apt but is not fatal here:
   # whether the packages needed are available is checked afterwards.
   [ $apt_updated -eq 1 ] && return 0
+  # A job killed during an earlier install leaves dpkg "interrupted", and every apt-get install
+  # then refuses until it is finished.
+  as_root env DEBIAN_FRONTEND=noninteractive dpkg --configure -a >&2 || true
   as_root apt-get update -qq >&2 || log "apt-get update reported errors (continuing; availability is checked per package)"
   apt_updated=1
 }

@@ -25,7 +25,9 @@ SECONDS=0
 apt_install() { # the Debian packages named, in one apt run; a failure only warns
   [ $# -gt 0 ] || return 0
   log "installing $*"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null) \
+  # `dpkg --configure -a` first: a job killed mid-install leaves dpkg interrupted, refusing installs.
+  (DEBIAN_FRONTEND=noninteractive dpkg --configure -a >/dev/null 2>&1 || true
+   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null) \
     || log "WARNING: could not install all of $*: what needs them skips or fails, saying so"
 }
 font=()

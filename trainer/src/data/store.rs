@@ -87,6 +87,13 @@ fn object_store(url: &Url) -> Result<Arc<DynObjectStore>, DataError> {
     Ok(store)
 }
 
+/// The extension of the URL's last path segment, lower-cased.
+fn extension(url: &Url) -> Option<String> {
+    let last = url.path().rsplit('/').next()?;
+    let (_, ext) = last.rsplit_once('.')?;
+    Some(ext.to_ascii_lowercase())
+}
+
 impl Location {
     /// A local directory or file.
     pub fn local(path: &Path) -> Result<Self, DataError> {
@@ -110,19 +117,14 @@ impl Location {
     pub fn object(url: &Url) -> Result<Self, DataError> {
         let store = object_store(url)?;
         let mut url = url.clone();
-        let dir = Self {
-            url: url.clone(),
-            engine: engine(store.clone()),
-            origin: PathBuf::new(),
-        };
-        let file = matches!(dir.extension().as_deref(), Some("parquet" | "csv"));
+        let file = matches!(extension(&url).as_deref(), Some("parquet" | "csv"));
         if !file && !url.path().ends_with('/') {
             url.set_path(&format!("{}/", url.path()));
         }
         Ok(Self {
             origin: PathBuf::from(url.as_str()),
             url,
-            engine: dir.engine,
+            engine: engine(store),
         })
     }
 
@@ -132,9 +134,7 @@ impl Location {
 
     /// The file name's extension, lower-cased.
     pub fn extension(&self) -> Option<String> {
-        let last = self.url.path().rsplit('/').next()?;
-        let (_, ext) = last.rsplit_once('.')?;
-        Some(ext.to_ascii_lowercase())
+        extension(&self.url)
     }
 
     fn kernel_err(&self, e: delta_kernel::KernelError) -> DataError {
