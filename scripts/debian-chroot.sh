@@ -34,7 +34,9 @@ tar="$KESTREL_HOME/chroot/bookworm-$arch.tar"
 if [ ! -f "$tar" ]; then
   mkdir -p "$(dirname "$tar")"
   echo "making a Debian bookworm $arch system (mmdebstrap; once, kept in $tar)" >&2
-  mmdebstrap --quiet --variant=apt --architectures="$arch" --include=systemd bookworm "$tar.tmp" \
+  # --format=tar: the name ends in .tmp, from which mmdebstrap would infer a directory.
+  rm -rf "$tar.tmp"
+  mmdebstrap --quiet --format=tar --variant=apt --architectures="$arch" --include=systemd bookworm "$tar.tmp" \
     http://deb.debian.org/debian >&2
   mv "$tar.tmp" "$tar"
 fi
