@@ -33,6 +33,16 @@ fn last_json(o: &std::process::Output) -> Value {
         .unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
 }
 
+/// The numbers a Python check printed after a numpy shape: `(3, 1000) 1e-5 2.0` gives `[1e-5, 2.0]`.
+fn numbers_after_shape(line: &str) -> Vec<f64> {
+    line.split(") ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no shape in {line:?}"))
+        .split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect()
+}
+
 fn read_f32(path: &Path) -> Vec<f32> {
     std::fs::read(path)
         .unwrap()
@@ -235,13 +245,7 @@ print(a.shape, float(np.abs(a - b).max()), float(np.abs(a).max()), float(np.abs(
     eprintln!(
         "torchvision MobileNetV2: shape, max |logit diff|, max |logit|, max |feature diff|: {line}"
     );
-    let v: Vec<f64> = line
-        .split(") ")
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .map(|x| x.parse().unwrap())
-        .collect();
+    let v = numbers_after_shape(&line);
     assert!(line.starts_with("(3, 1000)"), "{line}");
     assert!(v[0] <= 1e-4 && v[1] > 0.1 && v[2] <= 1e-4, "{line}");
     // The imported weights fine-tune (the last block and the head).
@@ -373,13 +377,7 @@ print(a.shape, float(np.abs(a - b).max()), float(np.abs(a).max()))",
         &[s(&a), s(&b)],
     );
     let line = stdout(&o);
-    let v: Vec<f64> = line
-        .split(") ")
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .map(|x| x.parse().unwrap())
-        .collect();
+    let v = numbers_after_shape(&line);
     assert!(line.starts_with("(2, 1280)"), "{line}");
     assert!(v[0] <= 1e-5 && v[1] > 0.0, "{line}");
     // The config's spec is the architecture's: the same sample cache.
