@@ -307,3 +307,4 @@ echo
 "$here/bench-console.sh"
 "$here/bench-distributed.sh"
 "$here/bench-seeds.sh"
+"$here/bench-tables.sh"

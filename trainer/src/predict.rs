@@ -159,7 +159,7 @@ pub fn predict_rank(
         .iter()
         .map(|s| {
             let label = ds.labels[s.label].clone();
-            match model.predict(&s.bytes, &s.id, 1) {
+            Ok(match model.predict(&s.bytes()?, &s.id, 1) {
                 Ok(p) => Row {
                     path: s.id.clone(),
                     label,
@@ -176,9 +176,9 @@ pub fn predict_rank(
                     score: None,
                     error: Some(e.to_string()),
                 },
-            }
+            })
         })
-        .collect();
+        .collect::<Result<_, PredictError>>()?;
     let bytes = serde_json::to_vec(&rows).expect("rows serialize");
     let all = comm.allgather_bytes(&bytes)?;
     if rank != 0 {

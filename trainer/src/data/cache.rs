@@ -45,6 +45,8 @@ pub enum CacheError {
     #[error("no usable samples in {0}")]
     Empty(String),
     #[error(transparent)]
+    Data(#[from] super::DataError),
+    #[error(transparent)]
     Backbone(#[from] kestrel_models::backbone::BackboneError),
     #[error(transparent)]
     Engine(#[from] kestrel_models::EngineError),
@@ -77,6 +79,20 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CacheError> {
     let dir = path.parent().unwrap_or(Path::new("."));
     fs::create_dir_all(dir).map_err(io(dir))?;
     kestrel_shared::fsutil::write_atomic(path, bytes).map_err(io(path))
+}
+
+/// Writes `values` (little-endian f32) to `path` crash-safely, a block at a time: no second copy
+/// of a large feature matrix in memory.
+pub fn write_f32s(path: &Path, values: &[f32]) -> Result<(), CacheError> {
+    use std::io::Write;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir).map_err(io(dir))?;
+    let mut f = kestrel_shared::fsutil::AtomicFile::create(path).map_err(io(path))?;
+    for block in values.chunks(1 << 14) {
+        let bytes: Vec<u8> = block.iter().flat_map(|v| v.to_le_bytes()).collect();
+        f.write_all(&bytes).map_err(io(path))?;
+    }
+    f.commit().map_err(io(path))
 }
 
 pub(super) fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, CacheError> {

@@ -15,13 +15,14 @@ use delta_kernel::engine::arrow_data::ArrowEngineData;
 use delta_kernel::history_manager;
 use delta_kernel::snapshot::Snapshot;
 
+use super::spool::Rows;
 use super::store::Location;
 use super::table::Roles;
-use super::{DataError, Row, SourceOpts};
+use super::{DataError, SourceOpts};
 
 /// A read Delta table: its rows and the snapshot's version.
 pub(super) struct DeltaRows {
-    pub rows: Vec<Row>,
+    pub rows: Rows,
     /// Rows left out for having no label (`--skip-unlabelled`).
     pub unlabelled: usize,
     pub version: u64,
@@ -58,7 +59,7 @@ pub(super) fn read(loc: &Location, opts: &SourceOpts) -> Result<DeltaRows, DataE
     let dir = loc.origin.as_path();
     let columns = [&opts.content_column, &opts.label_column, &opts.path_column];
     let columns: Vec<&str> = columns.into_iter().map(String::as_str).collect();
-    let mut rows = Vec::new();
+    let mut rows = Rows::new()?;
     let (mut row, mut unlabelled) = (0, 0);
     let mut roles: Option<Roles> = None;
     let mut table_columns = Vec::new();

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::Dataset;
-use super::cache::{CacheError, io, read_json, write_atomic, write_json};
+use super::cache::{CacheError, io, read_json, write_f32s, write_json};
 use super::samples::{Prepared, PreparedMeta, SamplePlan};
 use crate::distributed::{self, Job, Rank, WorkerError};
 
@@ -293,8 +293,7 @@ impl Target {
             reused,
         };
         if write {
-            let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-            write_atomic(&self.dir.join("features.f32"), &bytes)?;
+            write_f32s(&self.dir.join("features.f32"), &data)?;
             write_json(&self.dir.join("meta.json"), &meta)?;
         }
         Ok(Features {

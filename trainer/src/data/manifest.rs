@@ -7,9 +7,10 @@ use std::path::Path;
 
 use url::Url;
 
+use super::spool::Rows;
 use super::store::{self, Location};
 use super::table::UNLABELLED_HINT;
-use super::{DataError, Row, SourceOpts, io_err};
+use super::{DataError, SourceOpts, io_err};
 
 /// Where a manifest's relative paths point.
 pub(super) enum Base<'a> {
@@ -31,7 +32,7 @@ pub(super) fn read_csv(
     origin: &Path,
     base: &Base,
     opts: &SourceOpts,
-) -> Result<(Vec<Row>, usize), DataError> {
+) -> Result<(Rows, usize), DataError> {
     let csv_err = |e: csv::Error| DataError::Csv {
         path: origin.to_path_buf(),
         message: e.to_string(),
@@ -100,13 +101,15 @@ fn locate(rel: &str, line: u64, origin: &Path, base: &Base) -> Result<Image, Dat
 }
 
 /// The rows of `entries` with their images' bytes, in order.
-fn fetch(entries: Vec<(Image, String)>, base: &Base) -> Result<Vec<Row>, DataError> {
-    let mut bytes: Vec<Vec<u8>> = vec![Vec::new(); entries.len()];
+fn fetch(entries: Vec<(Image, String)>, base: &Base) -> Result<Rows, DataError> {
+    let mut rows = Rows::new()?;
+    let mut blobs = Vec::with_capacity(entries.len());
+    blobs.resize_with(entries.len(), || None);
     // Object-store images by bucket (scheme and host): one client and one batched fetch each.
     let mut buckets: BTreeMap<String, Vec<(usize, Url)>> = BTreeMap::new();
     for (i, (image, _)) in entries.iter().enumerate() {
         match image {
-            Image::Local(p) => bytes[i] = fs::read(p).map_err(io_err(p))?,
+            Image::Local(p) => blobs[i] = Some(rows.spool(&fs::read(p).map_err(io_err(p))?)?),
             Image::Object(url) => {
                 let bucket = format!("{}://{}/", url.scheme(), url.authority());
                 buckets.entry(bucket).or_default().push((i, url.clone()));
@@ -129,19 +132,16 @@ fn fetch(entries: Vec<(Image, String)>, base: &Base) -> Result<Vec<Row>, DataErr
         let urls: Vec<Url> = wanted.iter().map(|(_, u)| u.clone()).collect();
         let mut slots = wanted.iter().map(|(i, _)| *i);
         loc.fetch(&urls, |_, b| {
-            bytes[slots.next().expect("one per url")] = b.into();
+            blobs[slots.next().expect("one per url")] = Some(rows.spool(&b)?);
             Ok(())
         })?;
     }
-    Ok(entries
-        .into_iter()
-        .zip(bytes)
-        .map(|((image, label), bytes)| {
-            let id = match image {
-                Image::Local(p) => p.display().to_string(),
-                Image::Object(u) => u.to_string(),
-            };
-            (id, bytes, label)
-        })
-        .collect())
+    for ((image, label), blob) in entries.into_iter().zip(blobs) {
+        let id = match image {
+            Image::Local(p) => p.display().to_string(),
+            Image::Object(u) => u.to_string(),
+        };
+        rows.push_blob(id, blob.expect("every image fetched"), label);
+    }
+    Ok(rows)
 }

@@ -26,12 +26,15 @@ pub mod features;
 mod manifest;
 pub mod samples;
 pub mod split;
+mod spool;
 pub mod store;
 mod table;
 
 pub use features::Features;
 pub use samples::{Prepared, SamplePlan};
 pub use split::Split;
+pub use spool::Content;
+use spool::Rows;
 use store::Location;
 #[cfg(test)]
 use table::HIVE_NULL;
@@ -39,13 +42,33 @@ use table::{PartFile, hive_part, read_parquet, read_parquet_rows};
 
 const IMAGE_EXTENSIONS: [&str; 4] = ["png", "jpg", "jpeg", "bmp"];
 
-/// One labelled image: its encoded bytes and the index of its class in [`Dataset::labels`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One labelled image: where its encoded bytes are, their SHA-256 and the index of its class in
+/// [`Dataset::labels`].
+#[derive(Clone, Debug)]
 pub struct Sample {
     /// The file path; for Parquet the row's path column value, or `<file>#row <n>`.
     pub id: String,
-    pub bytes: Vec<u8>,
+    pub content: Content,
+    /// SHA-256 (hex) of the encoded bytes.
+    pub sha256: String,
     pub label: usize,
+}
+
+impl Sample {
+    /// A sample whose bytes are in memory.
+    pub fn in_memory(id: String, bytes: Vec<u8>, label: usize) -> Sample {
+        Sample {
+            id,
+            sha256: cache::sha256_hex(&bytes),
+            content: bytes.into(),
+            label,
+        }
+    }
+
+    /// The encoded image.
+    pub fn bytes(&self) -> Result<std::borrow::Cow<'_, [u8]>, DataError> {
+        self.content.bytes()
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -262,7 +285,7 @@ pub fn load_all(paths: &[PathBuf], opts: &SourceOpts) -> Result<Dataset, DataErr
 
 /// Rows read from one table, before their labels are indexed.
 struct Read {
-    rows: Vec<Row>,
+    rows: Rows,
     /// Rows left out for having no label.
     unlabelled: usize,
     /// What was read, for the log (`delta s3://b/t (version 3)`).
@@ -278,7 +301,7 @@ fn load_source(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
         Some(url) => read_object(&Location::object(&url)?, opts)?,
         None => match read_local(path, opts)? {
             Some(read) => read,
-            None => return image_folder(path),
+            None => image_folder(path)?,
         },
     };
     let Read {
@@ -293,17 +316,9 @@ fn load_source(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
             path: path.to_path_buf(),
         });
     }
-    let (labels, index) = sort_labels(rows.iter().map(|r| r.2.as_str()));
-    let samples = rows
-        .into_iter()
-        .map(|(id, bytes, label)| Sample {
-            id,
-            bytes,
-            label: index[&label],
-        })
-        .collect();
+    let (labels, index) = sort_labels(rows.labels());
     Ok(Dataset {
-        samples,
+        samples: rows.into_samples(&index),
         labels,
         unlabelled: match unlabelled {
             0 => Vec::new(),
@@ -411,7 +426,7 @@ fn read_object(loc: &Location, opts: &SourceOpts) -> Result<Read, DataError> {
     if delta {
         return read_delta(loc, opts);
     }
-    let (mut rows, mut unlabelled) = (Vec::new(), 0);
+    let (mut rows, mut unlabelled) = (Rows::new()?, 0);
     let shown = loc.url.as_str();
     if loc.extension().as_deref() == Some("csv") {
         let mut text = Vec::new();
@@ -533,7 +548,9 @@ fn collect_files(dir: &Path, rel: &str, out: &mut Vec<String>) -> Result<(), Dat
     Ok(())
 }
 
-fn image_folder(root: &Path) -> Result<Dataset, DataError> {
+/// An ImageFolder: one directory per class, its images the class's samples (sorted by file
+/// name within a class, the classes in label order).
+fn image_folder(root: &Path) -> Result<Read, DataError> {
     let is_image = |p: &Path| {
         p.extension()
             .and_then(|e| e.to_str())
@@ -562,33 +579,23 @@ fn image_folder(root: &Path) -> Result<Dataset, DataError> {
             path: root.to_path_buf(),
         });
     }
-    let (labels, index) = sort_labels(classes.iter().map(|c| c.0.as_str()));
+    let (_, index) = sort_labels(classes.iter().map(|c| c.0.as_str()));
     classes.sort_by_key(|c| index[&c.0]);
-    let mut samples = Vec::new();
+    let mut rows = Rows::new()?;
     for (class, files) in classes {
         for file in files {
             let bytes = fs::read(&file).map_err(io_err(&file))?;
-            samples.push(Sample {
-                id: file.display().to_string(),
-                bytes,
-                label: index[&class],
-            });
+            rows.push(file.display().to_string(), &bytes, class.clone())?;
         }
     }
-    Ok(Dataset {
-        samples,
-        labels,
+    Ok(Read {
+        rows,
+        unlabelled: 0,
         source: format!("imagefolder {}", root.display()),
-        unlabelled: Vec::new(),
-        tables: vec![TableRef {
-            location: root.display().to_string(),
-            format: "imagefolder",
-            version: None,
-        }],
+        format: "imagefolder",
+        version: None,
     })
 }
-
-type Row = (String, Vec<u8>, String);
 
 #[cfg(test)]
 mod tests;

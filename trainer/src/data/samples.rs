@@ -13,8 +13,8 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::Dataset;
-use super::cache::{CacheError, io, read_json, sha256_hex, write_json};
+use super::cache::{CacheError, io, read_json, write_json};
+use super::{DataError, Dataset};
 use crate::report::progress;
 
 /// What the sample cache holds, besides the pixels.
@@ -64,7 +64,7 @@ impl SamplePlan {
             .samples
             .iter()
             .enumerate()
-            .map(|(i, s)| (i, sha256_hex(&s.bytes)))
+            .map(|(i, s)| (i, s.sha256.clone()))
             .collect();
         order.sort_by(|a, b| (ds.samples[a.0].label, &a.1).cmp(&(ds.samples[b.0].label, &b.1)));
         let mut h = Sha256::new();
@@ -98,6 +98,9 @@ impl SamplePlan {
 /// Samples decoded ahead of their consumer, in chunks of this many (the backbone's batch).
 const CHUNK: usize = 32;
 
+/// One chunk of decoded samples: each one's pixels, or why its image is invalid.
+type Decoded = Vec<Result<Vec<u8>, PreprocessError>>;
+
 /// Decodes and preprocesses the samples of `order` (to `input_size` RGB8 pixels) on `threads`
 /// threads, a chunk at a time, handing each chunk to `consume` in order while the next ones are
 /// decoded: a bounded pipeline (at most three chunks of pixels exist at once), so the consumer's
@@ -107,14 +110,15 @@ fn decode_stream(
     spec: &PreprocessSpec,
     order: &[(usize, String)],
     threads: usize,
-    mut consume: impl FnMut(Vec<Result<Vec<u8>, PreprocessError>>) -> Result<(), CacheError>,
+    mut consume: impl FnMut(Decoded) -> Result<(), CacheError>,
 ) -> Result<(), CacheError> {
     let limits = ImageLimits::default();
     let one = |&(i, _): &(usize, String)| {
         let s = &ds.samples[i];
-        decode(&s.bytes, &s.id, &limits)
+        let bytes = s.bytes()?;
+        Ok(decode(&bytes, &s.id, &limits)
             .and_then(|img| spec.to_pixels(&img))
-            .map(RgbImage::into_raw)
+            .map(RgbImage::into_raw))
     };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
@@ -124,17 +128,19 @@ fn decode_stream(
     std::thread::scope(|scope| {
         scope.spawn(move || {
             for chunk in order.chunks(CHUNK) {
-                let decoded: Vec<_> = match &pool {
+                let decoded: Result<Decoded, DataError> = match &pool {
                     Some(pool) => pool.install(|| chunk.par_iter().map(one).collect()),
                     None => chunk.iter().map(one).collect(),
                 };
-                if tx.send(decoded).is_err() {
-                    break; // the consumer stopped on an error
+                let failed = decoded.is_err();
+                if tx.send(decoded).is_err() || failed {
+                    break; // the consumer stopped on an error, or this is one
                 }
             }
         });
         // An error returns here, dropping `rx`: the decoder's next send fails and it stops.
-        rx.into_iter().try_for_each(&mut consume)
+        rx.into_iter()
+            .try_for_each(|chunk| consume(chunk.map_err(CacheError::Data)?))
     })
 }
 

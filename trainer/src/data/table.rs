@@ -11,7 +11,8 @@ use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::file::reader::ChunkReader;
 
-use super::{DataError, Row, SourceOpts, io_err, pq_err};
+use super::spool::Rows;
+use super::{DataError, SourceOpts, io_err, pq_err};
 
 /// One Parquet file of a table and the Hive partition values of the directories above it
 /// (`label=cat/part-0.parquet` gives `[("label", "cat")]`).
@@ -24,6 +25,10 @@ pub(super) struct PartFile {
 /// What a null label's error suggests.
 pub(super) const UNLABELLED_HINT: &str =
     "\n(pass --skip-unlabelled to leave out rows without a label, e.g. captures not labelled yet)";
+
+/// Rows per record batch read from a table: image rows are large (a camera frame is ~100 kB),
+/// so Arrow's default of 1,024 would hold ~100 MB at once.
+pub(super) const BATCH_ROWS: usize = 64;
 
 /// Hive's name for a null partition value.
 pub(super) const HIVE_NULL: &str = "__HIVE_DEFAULT_PARTITION__";
@@ -144,7 +149,7 @@ impl<'a> Roles<'a> {
         opts: &SourceOpts,
         origin: &Path,
         row: &mut usize,
-        rows: &mut Vec<Row>,
+        rows: &mut Rows,
         unlabelled: &mut usize,
     ) -> Result<(), DataError> {
         let col = |name: &str| -> ArrayRef {
@@ -183,15 +188,15 @@ impl<'a> Roles<'a> {
                 return Err(null(&opts.label_column, *row, UNLABELLED_HINT));
             };
             let bytes = match content.data_type() {
-                DataType::Binary => content.as_binary::<i32>().value(i).to_vec(),
-                DataType::LargeBinary => content.as_binary::<i64>().value(i).to_vec(),
-                _ => content.as_binary_view().value(i).to_vec(),
+                DataType::Binary => content.as_binary::<i32>().value(i),
+                DataType::LargeBinary => content.as_binary::<i64>().value(i),
+                _ => content.as_binary_view().value(i),
             };
             let id = match &paths {
                 Some(p) if !p.is_null(i) => p.as_string::<i32>().value(i).to_string(),
                 _ => format!("{}#row {row}", origin.display()),
             };
-            rows.push((id, bytes, name.to_string()));
+            rows.push(id, bytes, name.to_string())?;
             *row += 1;
         }
         Ok(())
@@ -202,8 +207,8 @@ impl<'a> Roles<'a> {
 pub(super) fn read_parquet(
     files: &[PartFile],
     opts: &SourceOpts,
-) -> Result<(Vec<Row>, usize), DataError> {
-    let mut rows = Vec::new();
+) -> Result<(Rows, usize), DataError> {
+    let mut rows = Rows::new()?;
     let mut unlabelled = 0;
     for part in files {
         let file = part.path.as_path();
@@ -221,7 +226,7 @@ pub(super) fn read_parquet_rows<R: ChunkReader + 'static>(
     origin: &Path,
     partition: &[(String, String)],
     opts: &SourceOpts,
-    rows: &mut Vec<Row>,
+    rows: &mut Rows,
     unlabelled: &mut usize,
 ) -> Result<(), DataError> {
     let builder =
@@ -230,6 +235,7 @@ pub(super) fn read_parquet_rows<R: ChunkReader + 'static>(
     let mask = ProjectionMask::roots(builder.parquet_schema(), roles.read.iter().copied());
     let reader = builder
         .with_projection(mask)
+        .with_batch_size(BATCH_ROWS)
         .build()
         .map_err(|e| pq_err(origin, e))?;
     let mut row = 0;

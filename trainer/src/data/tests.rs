@@ -97,7 +97,7 @@ fn pairs(ds: &Dataset) -> Vec<(Vec<u8>, String)> {
     let mut v: Vec<_> = ds
         .samples
         .iter()
-        .map(|s| (s.bytes.clone(), ds.labels[s.label].clone()))
+        .map(|s| (s.bytes().unwrap().into_owned(), ds.labels[s.label].clone()))
         .collect();
     v.sort();
     v
@@ -132,8 +132,8 @@ fn data_three_sources_agree() {
         [2, 1, 2, 0, 1, 2, 0]
     );
     assert_eq!(
-        all[3].samples.iter().map(|s| &s.bytes).collect::<Vec<_>>(),
-        all[2].samples.iter().map(|s| &s.bytes).collect::<Vec<_>>()
+        all[3].samples.iter().map(|s| &s.sha256).collect::<Vec<_>>(),
+        all[2].samples.iter().map(|s| &s.sha256).collect::<Vec<_>>()
     );
     // ImageFolder: class then file name.
     assert_eq!(
@@ -354,7 +354,9 @@ fn data_codecs_and_hive_partitions_read_alike() {
     let column = |name: &str, rows: &[usize]| -> ArrayRef {
         let src: Vec<&Sample> = rows.iter().map(|&i| &table.samples[i]).collect();
         match name {
-            "content" => Arc::new(BinaryArray::from_iter_values(src.iter().map(|s| &s.bytes))),
+            "content" => Arc::new(BinaryArray::from_iter_values(
+                src.iter().map(|s| s.bytes().unwrap().into_owned()),
+            )),
             "path" => Arc::new(StringArray::from_iter_values(src.iter().map(|s| &s.id))),
             _ => Arc::new(StringArray::from_iter_values(
                 src.iter().map(|s| &table.labels[s.label]),
@@ -599,17 +601,13 @@ fn caches_built_in_one_pass_equal_two_passes() {
     use crate::distributed::{Job, JobOpts};
     use kestrel_models::backbone::Backbone;
     let mut samples: Vec<Sample> = (0..70u8)
-        .map(|i| Sample {
-            id: format!("img-{i}.png"),
-            bytes: png(i),
-            label: usize::from(i % 3 == 0),
-        })
+        .map(|i| Sample::in_memory(format!("img-{i}.png"), png(i), usize::from(i % 3 == 0)))
         .collect();
-    samples.push(Sample {
-        id: "torn.png".into(),
-        bytes: png(200)[..20].to_vec(),
-        label: 1,
-    });
+    samples.push(Sample::in_memory(
+        "torn.png".into(),
+        png(200)[..20].to_vec(),
+        1,
+    ));
     let ds = Dataset {
         samples,
         labels: vec!["a".into(), "b".into()],
@@ -644,10 +642,11 @@ fn caches_built_in_one_pass_equal_two_passes() {
         assert_eq!(p1.meta.sample_labels[k], s.label, "{id}");
         assert_eq!(
             p1.meta.content_sha256[k],
-            super::cache::sha256_hex(&s.bytes),
+            super::cache::sha256_hex(&s.bytes().unwrap()),
             "{id}"
         );
-        let img = kestrel_shared::preprocess::decode(&s.bytes, id, &Default::default()).unwrap();
+        let img = kestrel_shared::preprocess::decode(&s.bytes().unwrap(), id, &Default::default())
+            .unwrap();
         let want = spec.to_pixels(&img).unwrap().into_raw();
         assert_eq!(p1.load_samples(&[k]).unwrap()[0], want, "{id}");
     }

@@ -87,23 +87,21 @@ fn pick(run: &Trained, count: usize) -> Vec<usize> {
 /// their preprocessed inputs.
 fn load(run: &Trained, idx: &[usize]) -> Result<(GoldenSamples, Vec<Vec<f32>>), ExportError> {
     let ds = data::load_all(&run.params.data_paths(), &run.params.source)?;
-    let by_sha: BTreeMap<String, &data::Sample> = ds
-        .samples
-        .iter()
-        .map(|s| (sha256_hex(&s.bytes), s))
-        .collect();
+    let by_sha: BTreeMap<String, &data::Sample> =
+        ds.samples.iter().map(|s| (s.sha256.clone(), s)).collect();
     let spec = &run.net().preprocess;
     let (mut entries, mut images, mut inputs) = (Vec::new(), Vec::new(), Vec::new());
     for (k, &i) in idx.iter().enumerate() {
         let sample = by_sha
             .get(&run.pp.prepared.meta.content_sha256[i])
             .ok_or(ExportError::GoldenNotInTable)?;
-        let ext = image::guess_format(&sample.bytes)
+        let bytes = sample.bytes()?.into_owned();
+        let ext = image::guess_format(&bytes)
             .ok()
             .and_then(|f| f.extensions_str().first().copied())
             .unwrap_or("img");
         let file = format!("golden/{k}.{ext}");
-        let pre = spec.run_bytes(&sample.bytes, &file, &ImageLimits::default())?;
+        let pre = spec.run_bytes(&bytes, &file, &ImageLimits::default())?;
         entries.push(Golden {
             file,
             input_sha256: sha256_hex(&pre.to_le_bytes()),
@@ -111,7 +109,7 @@ fn load(run: &Trained, idx: &[usize]) -> Result<(GoldenSamples, Vec<Vec<f32>>), 
             logits: vec![],
             runtime_logits: Default::default(),
         });
-        images.push(sample.bytes.clone());
+        images.push(bytes);
         inputs.push(pre.data);
     }
     Ok((GoldenSamples { entries, images }, inputs))

@@ -141,16 +141,15 @@ fn table_images(path: &Path, source: &SourceOpts, held_out: Option<&Path>) -> Re
     let out: Vec<Image> = ds
         .samples
         .into_iter()
-        .filter(|s| {
-            keep.as_ref()
-                .is_none_or(|k| k.contains(&kestrel_shared::protocol::sha256_hex(&s.bytes)))
+        .filter(|s| keep.as_ref().is_none_or(|k| k.contains(&s.sha256)))
+        .map(|s| {
+            Ok(Image {
+                bytes: s.bytes()?.into_owned(),
+                name: s.id,
+                label: Some(ds.labels[s.label].clone()),
+            })
         })
-        .map(|s| Image {
-            name: s.id,
-            bytes: s.bytes,
-            label: Some(ds.labels[s.label].clone()),
-        })
-        .collect();
+        .collect::<Result<_>>()?;
     if out.is_empty() {
         let what = if held_out.is_some() {
             " held out by that run"
