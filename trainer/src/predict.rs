@@ -195,7 +195,8 @@ pub fn predict_rank(
     Ok(Some(out))
 }
 
-/// Writes rows as Parquet (`path`, `label`, `prediction`, `class`, `score`, `error`), crash-safely.
+/// Writes rows as Parquet (`path`, `label`, `prediction`, `class`, `score`, `error`), crash-safely:
+/// a local file through a renamed temporary, an object-store URL (`s3://...`) in one PUT.
 pub fn write_parquet(out: &Path, rows: &[Row]) -> Result<(), PredictError> {
     let err = |reason: String| PredictError::Output {
         path: out.display().to_string(),
@@ -227,6 +228,9 @@ pub fn write_parquet(out: &Path, rows: &[Row]) -> Result<(), PredictError> {
         .map_err(|e| err(e.to_string()))?;
     w.write(&batch).map_err(|e| err(e.to_string()))?;
     w.close().map_err(|e| err(e.to_string()))?;
+    if let Some(url) = crate::data::store::object_url(out) {
+        return Ok(crate::data::store::put(&url, buf)?);
+    }
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
     }

@@ -1,7 +1,8 @@
 //! Tables on object storage, read from real servers the test starts: `moto` in server mode for
 //! S3 (`s3://`) and Azurite for Azure blobs (`az://`). The same tables as local copies (a Delta
 //! table with history, Hive-partitioned Parquet, one Parquet file, CSV manifests with relative
-//! paths and with object URLs) load to the same samples, and a fit trains to the same accuracy.
+//! paths and with object URLs) load to the same samples, and a fit trains to the same accuracy;
+//! `predict --out` writes its Parquet file to the store.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -99,6 +100,33 @@ impl Server {
              \x20   for p, k in files:\n\
              \x20       with open(p, 'rb') as f: c.upload_blob(k, f)\n",
             &[self.scheme, &self.endpoint, bucket, &s(root), AZURITE_KEY],
+        );
+    }
+
+    /// Downloads object `key` of `bucket` to `to` with the cloud's own Python client.
+    fn download(&self, bucket: &str, key: &str, to: &Path) {
+        python(
+            "import sys\n\
+             kind, endpoint, bucket, key, to, account = sys.argv[1:7]\n\
+             if kind == 's3':\n\
+             \x20   import boto3\n\
+             \x20   c = boto3.client('s3', endpoint_url=endpoint, aws_access_key_id='kestrel',\n\
+             \x20                    aws_secret_access_key='kestrel', region_name='us-east-1')\n\
+             \x20   c.download_file(bucket, key, to)\n\
+             else:\n\
+             \x20   from azure.storage.blob import BlobServiceClient\n\
+             \x20   conn = ('DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;'\n\
+             \x20           f'AccountKey={account};BlobEndpoint={endpoint}/devstoreaccount1;')\n\
+             \x20   blob = BlobServiceClient.from_connection_string(conn).get_blob_client(bucket, key)\n\
+             \x20   open(to, 'wb').write(blob.download_blob().readall())\n",
+            &[
+                self.scheme,
+                &self.endpoint,
+                bucket,
+                key,
+                &s(to),
+                AZURITE_KEY,
+            ],
         );
     }
 
@@ -211,6 +239,37 @@ fn tables_on(server: &Server, tmp: &Path, root: &Path) {
     );
     assert_eq!(a, b, "the same rows train to the same accuracy");
     assert!(a >= 0.85, "{a}");
+
+    // Batch inference from the remote table into the store: the object is the Parquet file the
+    // same command writes locally, byte for byte, and holds a prediction for every row.
+    let (run, art) = (s(&tmp.join("run-remote")), s(&tmp.join("art")));
+    let cache_s = s(&cache);
+    let export = ["export", "--run", &run, "--out", &art, "--cache", &cache_s];
+    ok(server.trainer(&export), "export of a run on a remote table");
+    let local_out = tmp.join("predictions.parquet");
+    for out in [s(&local_out), server.url("out/predictions.parquet")] {
+        let args = [
+            "predict",
+            "--model",
+            &art,
+            "--data",
+            &server.url("delta"),
+            "--out",
+            &out,
+        ];
+        ok(server.trainer(&args), &out);
+    }
+    let fetched = tmp.join("fetched.parquet");
+    server.download("kestrel", "out/predictions.parquet", &fetched);
+    let bytes = std::fs::read(&fetched).unwrap();
+    assert_eq!(bytes, std::fs::read(&local_out).unwrap());
+    let rows = python(
+        "import sys, pyarrow.parquet as pq\n\
+         t = pq.read_table(sys.argv[1])\n\
+         print(t.num_rows, sum(p is not None for p in t.column('prediction').to_pylist()))\n",
+        &[s(&fetched)],
+    );
+    assert_eq!(String::from_utf8_lossy(&rows.stdout).trim(), "138 138");
 
     // A prefix holding no table, and a bucket that does not exist: refused, naming the URL.
     for (url, says) in [

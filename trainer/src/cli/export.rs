@@ -43,7 +43,8 @@ pub struct Args {
     /// Fail when a quantized form loses more validation accuracy than this (percentage points).
     #[arg(long, default_value_t = 1.0)]
     max_accuracy_drop: f64,
-    /// Fail when the f32 graph's logits differ from the trainer's by more than this in any runtime.
+    /// Fail when the f32 graph's logits differ from the trainer's by more than this in any runtime,
+    /// relative to the largest |logit| on the validation split (when above 1).
     #[arg(long, default_value_t = 1e-3)]
     tolerance: f64,
     /// Model name in the manifest [default: run directory name + form].

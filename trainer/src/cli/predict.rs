@@ -20,8 +20,9 @@ pub struct Args {
     model: ModelArgs,
     #[command(flatten)]
     data: TableArgs,
-    /// Output Parquet file.
-    #[arg(long)]
+    /// Output Parquet file: a local path, or an object-store URL (`s3://`, `az://`, `abfss://`,
+    /// `gs://`; credentials from the environment as for `--data`).
+    #[arg(long, value_name = "FILE")]
     out: PathBuf,
     #[command(flatten)]
     workers: WorkerArgs,

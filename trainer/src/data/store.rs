@@ -94,6 +94,24 @@ fn object_store(url: &Url) -> Result<Arc<DynObjectStore>, DataError> {
     Ok(store)
 }
 
+/// Writes `bytes` as the object at `url` (one PUT: readers see the whole object or none).
+pub fn put(url: &Url, bytes: Vec<u8>) -> Result<(), DataError> {
+    use delta_kernel::object_store::ObjectStoreExt;
+    use delta_kernel_default_engine::executor::TaskExecutor;
+    use delta_kernel_default_engine::executor::tokio::TokioBackgroundExecutor;
+    let store = object_store(url)?;
+    let path = delta_kernel::object_store::path::Path::from_url_path(url.path()).map_err(|e| {
+        DataError::ObjectStore {
+            url: url.to_string(),
+            source: Box::new(e),
+        }
+    })?;
+    TokioBackgroundExecutor::new()
+        .block_on(async move { store.put(&path, bytes.into()).await })
+        .map(drop)
+        .map_err(store_err(url))
+}
+
 /// The extension of the URL's last path segment, lower-cased.
 fn extension(url: &Url) -> Option<String> {
     let last = url.path().rsplit('/').next()?;

@@ -110,14 +110,17 @@ pub enum ExportError {
     RunLacks(String),
     #[error("golden sample not in the table")]
     GoldenNotInTable,
-    /// Gate: the f32 form's logits differ from the trainer's by more than `--tolerance`.
+    /// Gate: the f32 form's logits differ from the trainer's by more than `--tolerance` times
+    /// the logits' scale.
     #[error(
-        "{runtime} disagrees with the trainer: max |logit diff| {max_diff:.3e} > {tolerance:.0e}"
+        "{runtime} disagrees with the trainer: max |logit diff| {max_diff:.3e} > --tolerance {tolerance:.0e} x logit scale {scale:.3}"
     )]
     Disagrees {
         runtime: String,
         max_diff: f64,
         tolerance: f64,
+        /// The largest |reference logit|, at least 1.
+        scale: f64,
     },
     /// Gate: a form loses more accuracy than `--max-accuracy-drop`.
     #[error(
