@@ -442,16 +442,42 @@ fn registered_export(w: &Scratch, uri: &str, run_dir: &Path, fit_id: &str, cache
     let m = read_json(&art.join("manifest.json"));
     assert_eq!(m["registry"], "models:/lfw/1");
     assert_eq!(m["version"], 1);
+    // MLflow 3: the version is registered from a LoggedModel of the fit's run, ready, holding
+    // the artifact and its MLmodel, and listed as the run's output.
     let o = python(
-        "import sys, json\n\
+        "import sys, json, mlflow\n\
          from mlflow.tracking import MlflowClient\n\
-         v = MlflowClient(sys.argv[1]).get_model_version_by_alias('lfw', 'staging')\n\
-         print(json.dumps({'version': v.version, 'run_id': v.run_id, 'source': v.source}))\n",
+         c = MlflowClient(sys.argv[1])\n\
+         v = c.get_model_version_by_alias('lfw', 'staging')\n\
+         lm = c.get_logged_model(v.source.removeprefix('models:/'))\n\
+         files = sorted(f.path.rsplit('/', 1)[-1] for f in mlflow.artifacts.list_artifacts(artifact_uri=lm.artifact_location, tracking_uri=sys.argv[1]))\n\
+         outs = [o.model_id for o in c.get_run(v.run_id).outputs.model_outputs]\n\
+         print(json.dumps({'version': v.version, 'run_id': v.run_id, 'source': v.source, 'model_id': lm.model_id,\n\
+         \x20   'lm_run': lm.source_run_id, 'lm_status': str(lm.status), 'lm_uri': lm.artifact_location,\n\
+         \x20   'files': files, 'outputs': outs}))\n",
         &[uri],
     );
     let reg: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(reg["version"], "1");
     assert_eq!(reg["run_id"], fit_id);
+    assert_eq!(reg["lm_run"], fit_id, "{reg}");
+    assert!(
+        reg["lm_status"].as_str().unwrap().contains("READY"),
+        "{reg}"
+    );
+    assert_eq!(
+        reg["source"],
+        format!("models:/{}", reg["model_id"].as_str().unwrap())
+    );
+    assert_eq!(
+        reg["outputs"],
+        serde_json::json!([reg["model_id"]]),
+        "{reg}"
+    );
+    for f in ["MLmodel", "manifest.json", "model.onnx"] {
+        let files = reg["files"].as_array().unwrap();
+        assert!(files.iter().any(|a| a == f), "{f}: {reg}");
+    }
     let v = mlflow_run(uri, &fit_id);
     for f in ["model/manifest.json", "model/model.onnx", "model/MLmodel"] {
         assert!(

@@ -63,7 +63,8 @@ pub struct Args {
     #[command(flatten)]
     track: TrackArgs,
     /// Register the artifact in the MLflow model registry as a new version of NAME (its files are
-    /// logged to the run's `model/` artifacts; the manifest names the version). Needs --mlflow.
+    /// the run's LoggedModel on MLflow 3, else the run's `model/` artifacts; the manifest names
+    /// the version). Needs --mlflow.
     #[arg(long, value_name = "NAME")]
     register: Option<String>,
     /// Point this alias of the registered model at the new version (e.g. staging).
@@ -118,6 +119,7 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
                 // Nothing was logged to it: take the reserved version back.
                 let _ = t.client.delete_model_version(&v.name, v.version);
             }
+            t.abandon_logged_model();
             t.end("FAILED")
         }
         (None, _) => None,

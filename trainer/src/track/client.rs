@@ -60,6 +60,14 @@ pub struct RunRef {
     pub artifact_uri: String,
 }
 
+/// An MLflow 3 LoggedModel: a model with its own id and artifact location, linked to the run
+/// that made it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoggedModel {
+    pub model_id: String,
+    pub artifact_uri: String,
+}
+
 /// A registered model version.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelVersion {
@@ -315,6 +323,19 @@ impl Client {
     /// Downloads every file under `uri` (an artifact directory) into `to`; returns the files' paths
     /// relative to `to`.
     pub fn download_dir(&self, uri: &str, to: &Path) -> Result<Vec<String>, TrackError> {
+        // A LoggedModel (`models:/<model_id>`, MLflow 3's source of a version registered from
+        // one): its own artifact location.
+        if let Some(id) = uri.strip_prefix("models:/").filter(|id| !id.contains('/')) {
+            let api = format!("mlflow/logged-models/{}", encode_path(id));
+            let v = self.get(&api, &[])?;
+            let root = str_of(&v["model"]["info"]["artifact_uri"]);
+            if root.is_empty() || root.starts_with("models:") {
+                return Err(TrackError::Unsupported(format!(
+                    "{uri}: the server names no artifact location for it"
+                )));
+            }
+            return self.download_dir(&root, to);
+        }
         let mut files = Vec::new();
         match ArtifactRoot::parse(uri)? {
             ArtifactRoot::Proxied(root) => self.download_proxied(&root, "", to, &mut files)?,
@@ -375,18 +396,63 @@ impl Client {
         }
     }
 
-    /// Registers a new version of `name` whose files are at `source`, made by `run_id`.
+    /// Registers a new version of `name` whose files are at `source`, made by `run_id` (and, on
+    /// MLflow 3, LoggedModel `model_id`).
     pub fn create_model_version(
         &self,
         name: &str,
         source: &str,
         run_id: &str,
+        model_id: Option<&str>,
     ) -> Result<ModelVersion, TrackError> {
-        let v = self.post(
-            "mlflow/model-versions/create",
-            &json!({ "name": name, "source": source, "run_id": run_id }),
-        )?;
+        let mut body = json!({ "name": name, "source": source, "run_id": run_id });
+        if let Some(id) = model_id {
+            body["model_id"] = json!(id);
+        }
+        let v = self.post("mlflow/model-versions/create", &body)?;
         model_version(&v["model_version"])
+    }
+
+    /// Creates an MLflow 3 LoggedModel (status pending) made by run `run_id`; `None` from a server
+    /// that predates them (no such endpoint).
+    pub fn create_logged_model(
+        &self,
+        experiment_id: &str,
+        name: &str,
+        run_id: &str,
+    ) -> Result<Option<LoggedModel>, TrackError> {
+        let body = json!({
+            "experiment_id": experiment_id,
+            "name": name,
+            "source_run_id": run_id,
+            "model_type": "kestrel",
+        });
+        match self.post("mlflow/logged-models", &body) {
+            Ok(v) => {
+                let info = &v["model"]["info"];
+                Ok(Some(LoggedModel {
+                    model_id: str_of(&info["model_id"]),
+                    artifact_uri: str_of(&info["artifact_uri"]),
+                }))
+            }
+            Err(TrackError::Api { status: 404, .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Sets a LoggedModel's final status: `LOGGED_MODEL_READY` or `LOGGED_MODEL_UPLOAD_FAILED`.
+    pub fn finalize_logged_model(&self, model_id: &str, status: &str) -> Result<(), TrackError> {
+        let api = format!("mlflow/logged-models/{}", encode_path(model_id));
+        let body = json!({ "model_id": model_id, "status": status });
+        self.send(&api, self.http.patch(self.url(&api, &[])).json(&body))?;
+        Ok(())
+    }
+
+    /// Records LoggedModel `model_id` as an output of run `run_id`.
+    pub fn log_outputs(&self, run_id: &str, model_id: &str) -> Result<(), TrackError> {
+        let body = json!({ "run_id": run_id, "models": [{ "model_id": model_id, "step": 0 }] });
+        self.post("mlflow/runs/outputs", &body)?;
+        Ok(())
     }
 
     pub fn delete_model_version(&self, name: &str, version: u64) -> Result<(), TrackError> {

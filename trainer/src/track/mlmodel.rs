@@ -24,14 +24,15 @@ fn tensor_spec(t: &TensorSpec) -> Value {
 }
 
 /// The files that make an artifact directory an MLflow Model, by file name: `MLmodel`,
-/// `requirements.txt`, `python_env.yaml` and `conda.yaml`. `run_id` is the run logging it.
-pub fn files(m: &Manifest, run_id: &str) -> Vec<(&'static str, String)> {
+/// `requirements.txt`, `python_env.yaml` and `conda.yaml`. `run_id` is the run logging it,
+/// `model_id` its MLflow 3 LoggedModel.
+pub fn files(m: &Manifest, run_id: &str, model_id: Option<&str>) -> Vec<(&'static str, String)> {
     let onnx_sha = m
         .files
         .iter()
         .find(|f| f.path == "model.onnx")
         .map_or("", |f| f.sha256.as_str());
-    let mlmodel = json!({
+    let mut mlmodel = json!({
         "artifact_path": "model",
         "run_id": run_id,
         // Stable for the same file: the model's own hash.
@@ -61,6 +62,9 @@ pub fn files(m: &Manifest, run_id: &str) -> Vec<(&'static str, String)> {
             "params": null,
         },
     });
+    if let Some(id) = model_id {
+        mlmodel["model_id"] = json!(id);
+    }
     let pip: String = REQUIREMENTS
         .lines()
         .map(|r| format!("    - {r}\n"))
@@ -105,8 +109,9 @@ mod tests {
             "created": "2026-12-05T08:00:00Z"
         }))
         .unwrap();
-        let files = files(&m, "r1");
+        let files = files(&m, "r1", Some("m-1"));
         let mlmodel: Value = serde_json::from_str(&files[0].1).unwrap();
+        assert_eq!(mlmodel["model_id"], "m-1");
         assert_eq!(
             mlmodel["flavors"]["python_function"]["loader_module"],
             "mlflow.onnx"

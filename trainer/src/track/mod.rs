@@ -22,7 +22,7 @@ pub mod mlmodel;
 pub mod registry;
 mod run;
 
-pub use client::{Client, KeyValue, Metric, ModelVersion, RunRef, kv, now_ms};
+pub use client::{Client, KeyValue, LoggedModel, Metric, ModelVersion, RunRef, kv, now_ms};
 pub use run::{fit_metrics, flatten_params, run_tags, trial_run};
 
 use kestrel_shared::manifest::Manifest;
@@ -164,6 +164,10 @@ pub enum Op {
         run_id: String,
         datasets: Vec<serde_json::Value>,
     },
+    /// A LoggedModel's files are all uploaded (or not): its final status.
+    FinalizeLoggedModel { model_id: String, status: String },
+    /// A LoggedModel as an output of the run.
+    LogOutputs { run_id: String, model_id: String },
 }
 
 impl Op {
@@ -205,6 +209,10 @@ impl Op {
                 version,
             } => c.set_alias(name, alias, *version),
             Op::LogInputs { run_id, datasets } => c.log_inputs(run_id, datasets),
+            Op::FinalizeLoggedModel { model_id, status } => {
+                c.finalize_logged_model(model_id, status)
+            }
+            Op::LogOutputs { run_id, model_id } => c.log_outputs(run_id, model_id),
         }
     }
 }
@@ -242,6 +250,8 @@ pub struct Tracker {
     dir: PathBuf,
     retries: Vec<Duration>,
     state: Mutex<Delivery>,
+    /// The LoggedModel this run's export goes to (MLflow 3), once made.
+    logged: Mutex<Option<LoggedModel>>,
 }
 
 #[derive(Default)]
@@ -296,6 +306,7 @@ impl Tracker {
             dir: dir.to_path_buf(),
             retries: [200, 800, 2000].map(Duration::from_millis).to_vec(),
             state: Mutex::new(Delivery::default()),
+            logged: Mutex::new(None),
         }
     }
 
@@ -338,36 +349,89 @@ impl Tracker {
         });
     }
 
-    /// Stores the files of `dir` (recursively) under `prefix` in the run's artifacts.
-    pub fn upload_dir(&self, dir: &Path, prefix: &str) -> Result<usize, TrackError> {
+    /// Stores the files of `dir` (recursively) under `prefix` of the artifact root `root`.
+    fn upload_dir(&self, root: &str, dir: &Path, prefix: &str) -> Result<usize, TrackError> {
         let mut files = Vec::new();
         list_files(dir, "", &mut files)?;
         for rel in &files {
-            self.upload(&dir.join(rel), &join(prefix, rel));
+            self.upload_to(root, &dir.join(rel), &join(prefix, rel));
         }
         Ok(files.len())
     }
 
-    /// The exported artifact `dir` as the run's MLflow Model `model/`: its files, and beside them
-    /// `MLmodel` and the environment files ([`mlmodel`]), written first to
-    /// `<run dir>/mlflow-model/` (so a buffered upload still finds them).
+    /// The exported artifact `dir` as an MLflow Model: its files, and beside them `MLmodel` and
+    /// the environment files ([`mlmodel`]), written first to `<run dir>/mlflow-model/` (so a
+    /// buffered upload still finds them). Stored as the run's `model/` artifacts and, on MLflow 3,
+    /// as the run's LoggedModel ([`Tracker::logged_model`]), marked ready once its files are up
+    /// and recorded as the run's output. Returns the count of files per copy.
     pub fn log_model(&self, dir: &Path, m: &Manifest) -> Result<usize, TrackError> {
-        let n = self.upload_dir(dir, "model")?;
+        let logged = self.logged_model(&m.name).unwrap_or_else(|e| {
+            tracing::warn!("MLflow: no LoggedModel ({e}); the model is in the run's model/ only");
+            None
+        });
         let extra = self.dir.join("mlflow-model");
         std::fs::create_dir_all(&extra).map_err(|e| TrackError::io(&extra, &e))?;
-        let files = mlmodel::files(m, self.run_id());
+        let model_id = logged.as_ref().map(|l| l.model_id.as_str());
+        let files = mlmodel::files(m, self.run_id(), model_id);
         for (name, text) in &files {
             let path = extra.join(name);
             kestrel_shared::fsutil::write_atomic(&path, text.as_bytes())
                 .map_err(|e| TrackError::io(&path, &e))?;
-            self.upload(&path, &join("model", name));
+        }
+        let run_root = self.link.run.artifact_uri.clone();
+        let mut roots = vec![(run_root, "model")];
+        roots.extend(logged.iter().map(|l| (l.artifact_uri.clone(), "")));
+        let mut n = 0;
+        for (root, prefix) in &roots {
+            n = self.upload_dir(root, dir, prefix)?;
+            for (name, _) in &files {
+                self.upload_to(root, &extra.join(name), &join(prefix, name));
+            }
+        }
+        if let Some(l) = logged {
+            self.submit(Op::FinalizeLoggedModel {
+                model_id: l.model_id.clone(),
+                status: "LOGGED_MODEL_READY".into(),
+            });
+            self.submit(Op::LogOutputs {
+                run_id: self.run_id().to_string(),
+                model_id: l.model_id,
+            });
         }
         Ok(n + files.len())
     }
 
+    /// The run's MLflow 3 LoggedModel: the one a registration made, else a new one named `name`
+    /// (needs the server now); `None` from a server before MLflow 3.
+    pub fn logged_model(&self, name: &str) -> Result<Option<LoggedModel>, TrackError> {
+        let mut logged = self.logged.lock().expect("tracker lock");
+        if logged.is_none() {
+            let run = &self.link.run;
+            *logged = self
+                .client
+                .create_logged_model(&run.experiment_id, name, &run.run_id)?;
+        }
+        Ok(logged.clone())
+    }
+
+    /// Marks the run's LoggedModel, if any, as failed (an export that did not finish).
+    pub fn abandon_logged_model(&self) {
+        if let Some(l) = self.logged.lock().expect("tracker lock").take() {
+            self.submit(Op::FinalizeLoggedModel {
+                model_id: l.model_id,
+                status: "LOGGED_MODEL_UPLOAD_FAILED".into(),
+            });
+        }
+    }
+
+    /// Stores `file` as `path` of the run's artifacts.
     pub fn upload(&self, file: &Path, path: &str) {
+        self.upload_to(&self.link.run.artifact_uri, file, path);
+    }
+
+    fn upload_to(&self, root: &str, file: &Path, path: &str) {
         self.submit(Op::Upload {
-            artifact_uri: self.link.run.artifact_uri.clone(),
+            artifact_uri: root.to_string(),
             path: path.to_string(),
             file: std::path::absolute(file).unwrap_or_else(|_| file.to_path_buf()),
         });
@@ -395,13 +459,20 @@ impl Tracker {
         self.end("FINISHED")
     }
 
-    /// A new version of registered model `name` (created when missing) whose files will be this
-    /// run's `model/` artifacts. Not buffered: registering needs the server now.
+    /// A new version of registered model `name` (created when missing) whose files will be the
+    /// run's LoggedModel's (MLflow 3; named `name`), else the run's `model/` artifacts. Not
+    /// buffered: registering needs the server now.
     pub fn register(&self, name: &str) -> Result<ModelVersion, TrackError> {
         self.client.ensure_registered_model(name)?;
-        let source = format!("{}/model", self.link.run.artifact_uri.trim_end_matches('/'));
+        let logged = self.logged_model(name)?;
+        let source = match &logged {
+            // As MLflow's own `register_model` names a LoggedModel.
+            Some(l) => format!("models:/{}", l.model_id),
+            None => format!("{}/model", self.link.run.artifact_uri.trim_end_matches('/')),
+        };
+        let model_id = logged.as_ref().map(|l| l.model_id.as_str());
         self.client
-            .create_model_version(name, &source, self.run_id())
+            .create_model_version(name, &source, self.run_id(), model_id)
     }
 
     /// Ends the run with `status` (FINISHED, FAILED) and tries the pending calls once more;
