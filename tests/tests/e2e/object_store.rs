@@ -2,7 +2,8 @@
 //! S3 (`s3://`) and Azurite for Azure blobs (`az://`). The same tables as local copies (a Delta
 //! table with history, Hive-partitioned Parquet, one Parquet file, CSV manifests with relative
 //! paths and with object URLs) load to the same samples, and a fit trains to the same accuracy;
-//! `predict --out` writes its Parquet file to the store.
+//! `predict --out` writes its Parquet file to the store, and `trainer label` rewrites a capture
+//! table there through the Delta kernel.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -287,12 +288,72 @@ fn tables_on(server: &Server, tmp: &Path, root: &Path) {
     }
 }
 
+/// A capture table (written by `deltalake`, as `collect` would: 24 LFW images, no labels) on the
+/// store: `trainer label` exports its unlabelled rows, writes the labels back through the
+/// kernel's transaction API onto the store (a put-if-absent commit there), and the labelled
+/// table reads as an image table, twice labelled by path.
+fn captures_on(server: &Server, tmp: &Path) {
+    let local = tmp.join("captures");
+    python(
+        "import os, sys, datetime, pyarrow as pa\n\
+         from deltalake import write_deltalake\n\
+         faces, out = sys.argv[1], sys.argv[2]\n\
+         rows = [(c, f) for c in sorted(os.listdir(faces)) for f in sorted(os.listdir(os.path.join(faces, c)))[:12]]\n\
+         at = datetime.datetime(2026, 12, 5, tzinfo=datetime.timezone.utc)\n\
+         t = pa.table({\n\
+         \x20   'content': pa.array([open(os.path.join(faces, c, f), 'rb').read() for c, f in rows], pa.binary()),\n\
+         \x20   'path': [f'cam-1/{c}-{f}' for c, f in rows], 'device': ['cam-1'] * len(rows),\n\
+         \x20   'model': ['lfw'] * len(rows), 'version': pa.array([1] * len(rows), pa.int64()),\n\
+         \x20   'predicted': [c for c, _ in rows], 'score': [0.4] * len(rows), 'reason': ['low-confidence'] * len(rows),\n\
+         \x20   'captured_at': pa.array([at] * len(rows), pa.timestamp('us', tz='UTC')),\n\
+         \x20   'label': pa.array([None] * len(rows), pa.string())})\n\
+         write_deltalake(out, t)\n",
+        &[kestrel_tests::lfw(), s(&local)],
+    );
+    let up = tmp.join("upload");
+    std::fs::create_dir_all(&up).unwrap();
+    std::fs::rename(&local, up.join("captures")).unwrap();
+    server.upload("captures", &up);
+    let url = format!("{}://captures/captures", server.scheme);
+    let todo = tmp.join("todo.csv");
+    let export = ["label", "--table", &url, "--export", &s(&todo)];
+    ok(server.trainer(&export), "label --export");
+    let text = std::fs::read_to_string(&todo).unwrap();
+    let labels: String = text
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let path = l.split(',').next().unwrap();
+            let class = path.trim_start_matches("cam-1/").split('-').next().unwrap();
+            format!("{path},{class}\n")
+        })
+        .collect();
+    assert_eq!(labels.lines().count(), 24, "{text}");
+    let csv = tmp.join("labels.csv");
+    std::fs::write(&csv, format!("path,label\n{labels}")).unwrap();
+    let from = ["label", "--table", &url, "--from", &s(&csv), "--json"];
+    let v = json(&ok(server.trainer(&from), "label --from"));
+    assert_eq!(
+        (v["labelled"].as_u64(), v["unlabelled"].as_u64()),
+        (Some(24), Some(0))
+    );
+    assert_eq!(v["version"], 1, "{v}");
+    let cache = tmp.join("cache-captures");
+    let p = prepare(server, &url, &cache, &[]);
+    assert_eq!(p["samples"], 24, "{p}");
+    assert_eq!(p["labels"], serde_json::json!(["face", "nonface"]), "{p}");
+    // The version before the labels still reads (time travel), without them.
+    let v0 = server.trainer(&["prepare", "--data", &url, "--data-version", "0"]);
+    assert!(!v0.status.success() && stderr(&v0).contains("--skip-unlabelled"));
+}
+
 #[test]
 fn s3_tables_on_moto_train_like_their_local_copies() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tables(tmp.path());
     let server = Server::moto(tmp.path());
     tables_on(&server, tmp.path(), &root);
+    captures_on(&server, tmp.path());
 }
 
 #[test]
@@ -301,4 +362,5 @@ fn azure_tables_on_azurite_train_like_their_local_copies() {
     let root = tables(tmp.path());
     let server = Server::azurite(tmp.path());
     tables_on(&server, tmp.path(), &root);
+    captures_on(&server, tmp.path());
 }

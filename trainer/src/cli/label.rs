@@ -14,7 +14,7 @@ use kestrel_trainer::data::delta_write::{self, CaptureRow};
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("what").required(true).args(["from", "export"])))]
 pub struct Args {
-    /// The capture table.
+    /// The capture table (a path or an object URL, as `collect --out` takes).
     #[arg(long, value_name = "TABLE")]
     table: PathBuf,
     /// A CSV with `path` and `label` columns (other columns are ignored, so an exported

@@ -64,7 +64,7 @@ fn engine(store: Arc<DynObjectStore>) -> Arc<dyn Engine> {
 }
 
 /// The client for `url`'s bucket or container, configured from the environment.
-fn object_store(url: &Url) -> Result<Arc<DynObjectStore>, DataError> {
+pub(super) fn object_store(url: &Url) -> Result<Arc<DynObjectStore>, DataError> {
     let store: Arc<dyn ObjectStore> = match url.scheme() {
         "s3" | "s3a" => {
             let mut b = AmazonS3Builder::from_env().with_url(url.as_str());

@@ -16,7 +16,8 @@ use super::BrokerArgs;
 pub struct Args {
     #[command(flatten)]
     broker: BrokerArgs,
-    /// The capture table (a Delta table; created on the first capture).
+    /// The capture table (a Delta table; created on the first capture): a path, or an object URL
+    /// (`s3://`, `az://`, `abfss://`, `gs://`; credentials from the environment as for `--data`).
     #[arg(long, value_name = "TABLE")]
     out: PathBuf,
     /// The persistent session's client id: the broker keeps captures for it while it is away
@@ -155,7 +156,7 @@ fn row(c: &Capture, content: Vec<u8>) -> Result<CaptureRow> {
 /// Commits the pending rows (if any), then acknowledges every pending message.
 fn commit(a: &Args, feed: &CaptureFeed, p: &mut Pending, s: &mut Summary) -> Result<()> {
     if !p.rows.is_empty() {
-        s.version = Some(delta_write::append(&a.out, &p.rows)?);
+        s.version = Some(delta_write::append(&a.out, &p.rows, Some(&a.client_id))?);
         s.stored += p.rows.len() as u64;
         s.commits += 1;
     }
