@@ -155,6 +155,34 @@ pub fn read(dir: &Path) -> Result<(Vec<CaptureRow>, Option<u64>), DataError> {
     Ok((rows, Some(snapshot.version())))
 }
 
+/// The `path` of every live row of the capture table at `dir` (the identities `collect`
+/// de-duplicates by; the image bytes are not read) and its version.
+pub fn read_paths(dir: &Path) -> Result<(HashSet<String>, Option<u64>), DataError> {
+    let t = Table::open(dir)?;
+    let Some(snapshot) = t.snapshot()? else {
+        return Ok((HashSet::new(), None));
+    };
+    let kernel = |e: KernelError| t.err(e);
+    let projected = snapshot.schema().project(&["path"]).map_err(kernel)?;
+    let scan = snapshot
+        .clone()
+        .scan_builder()
+        .with_schema(projected)
+        .build()
+        .map_err(kernel)?;
+    let mut paths = HashSet::new();
+    let engine: Arc<dyn delta_kernel::Engine> = t.engine.clone();
+    for data in scan.execute(engine).map_err(kernel)? {
+        let batch: RecordBatch = ArrowEngineData::try_from_engine_data(data.map_err(kernel)?)
+            .map_err(kernel)?
+            .into();
+        let column = arrow::compute::cast(batch.column(0), &DataType::Utf8)
+            .map_err(|e| t.err(format!("path: {e}")))?;
+        paths.extend(column.as_string::<i32>().iter().flatten().map(String::from));
+    }
+    Ok((paths, Some(snapshot.version())))
+}
+
 fn from_batch(b: &RecordBatch) -> Result<Vec<CaptureRow>, String> {
     let col = |n: &str| b.column_by_name(n).expect("checked").clone();
     let cast =
@@ -417,11 +445,6 @@ fn create_actions() -> Vec<serde_json::Value> {
             "createdTime": now_ms(),
         }}),
     ]
-}
-
-/// The paths of the rows, for de-duplication.
-pub fn paths(rows: &[CaptureRow]) -> HashSet<String> {
-    rows.iter().map(|r| r.path.clone()).collect()
 }
 
 fn now_ms() -> i64 {

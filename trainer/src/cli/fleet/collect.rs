@@ -57,9 +57,7 @@ struct Pending {
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
-    let (rows, version) = delta_write::read(&a.out)?;
-    let mut seen: HashSet<String> = delta_write::paths(&rows);
-    drop(rows);
+    let (mut seen, version) = delta_write::read_paths(&a.out)?;
     let mut feed = CaptureFeed::connect(&a.broker.config(), &a.client_id)?;
     tracing::info!(
         "collect: {} rows in {} (version {}); session {}",

@@ -30,6 +30,10 @@ fn appends_and_a_rewrite_read_back_through_the_kernel() {
     assert_eq!(append(&t, &[row("c", None)], None).unwrap(), 2);
     let (rows, v) = read(&t).unwrap();
     assert_eq!((rows.len(), v), (3, Some(2)));
+    // What collect de-duplicates by: the paths alone.
+    let (paths, v) = read_paths(&t).unwrap();
+    assert_eq!(v, Some(2));
+    assert_eq!(paths, ["a", "b", "c"].map(String::from).into());
     let labelled: Vec<_> = rows
         .iter()
         .map(|r| CaptureRow {
