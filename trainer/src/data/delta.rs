@@ -102,13 +102,8 @@ pub(super) fn scan(
     opts: &SourceOpts,
     columns: &[&str],
     table_columns: &mut Vec<String>,
-    mut f: impl FnMut(RecordBatch) -> Result<(), DataError>,
+    f: impl FnMut(RecordBatch) -> Result<(), DataError>,
 ) -> Result<u64, DataError> {
-    let err = |message: String| DataError::Delta {
-        path: loc.origin.clone(),
-        message,
-    };
-    let kernel = |e: delta_kernel::KernelError| err(e.to_string());
     let snapshot = snapshot(loc, opts)?;
     let schema = snapshot.schema();
     *table_columns = schema.fields().map(|f| f.name().clone()).collect();
@@ -117,18 +112,34 @@ pub(super) fn scan(
         .copied()
         .filter(|c| schema.contains(c))
         .collect();
-    let projected = schema.project(&wanted).map_err(kernel)?;
-    let scan = snapshot
-        .clone()
-        .scan_builder()
-        .with_schema(projected)
-        .build()
-        .map_err(kernel)?;
-    for data in scan.execute(loc.engine.clone()).map_err(kernel)? {
+    let version = snapshot.version();
+    scan_snapshot(snapshot, loc.engine.clone(), &loc.origin, Some(&wanted), f)?;
+    Ok(version)
+}
+
+/// Calls `f` with each record batch of `snapshot`'s rows (after deletion vectors), projected to
+/// `columns` (all of them when `None`); kernel errors name `origin`.
+pub(super) fn scan_snapshot(
+    snapshot: Arc<Snapshot>,
+    engine: Arc<dyn delta_kernel::Engine>,
+    origin: &std::path::Path,
+    columns: Option<&[&str]>,
+    mut f: impl FnMut(RecordBatch) -> Result<(), DataError>,
+) -> Result<(), DataError> {
+    let kernel = |e: delta_kernel::KernelError| DataError::Delta {
+        path: origin.to_path_buf(),
+        message: e.to_string(),
+    };
+    let mut builder = snapshot.clone().scan_builder();
+    if let Some(columns) = columns {
+        builder = builder.with_schema(snapshot.schema().project(columns).map_err(kernel)?);
+    }
+    let scan = builder.build().map_err(kernel)?;
+    for data in scan.execute(engine).map_err(kernel)? {
         let batch = ArrowEngineData::try_from_engine_data(data.map_err(kernel)?).map_err(kernel)?;
         f(RecordBatch::from(*batch))?;
     }
-    Ok(snapshot.version())
+    Ok(())
 }
 
 /// The snapshot `opts` names (`--data-version`, `--data-timestamp`), else the latest.

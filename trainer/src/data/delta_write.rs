@@ -37,6 +37,7 @@ use delta_kernel_default_engine::{DefaultEngine, DefaultEngineBuilder};
 use serde_json::json;
 use url::Url;
 
+use super::delta::scan_snapshot;
 use super::{DataError, io_err, store};
 
 /// One row of a capture table.
@@ -139,20 +140,13 @@ pub fn read(dir: &Path) -> Result<(Vec<CaptureRow>, Option<u64>), DataError> {
     let Some(snapshot) = t.snapshot()? else {
         return Ok((Vec::new(), None));
     };
-    let scan = snapshot
-        .clone()
-        .scan_builder()
-        .build()
-        .map_err(|e| t.err(e))?;
+    let version = snapshot.version();
     let mut rows = Vec::new();
-    let engine: Arc<dyn delta_kernel::Engine> = t.engine.clone();
-    for data in scan.execute(engine).map_err(|e| t.err(e))? {
-        let batch: RecordBatch = ArrowEngineData::try_from_engine_data(data.map_err(|e| t.err(e))?)
-            .map_err(|e| t.err(e))?
-            .into();
+    scan_snapshot(snapshot, t.engine.clone(), &t.origin, None, |batch| {
         rows.extend(from_batch(&batch).map_err(|e| t.err(e))?);
-    }
-    Ok((rows, Some(snapshot.version())))
+        Ok(())
+    })?;
+    Ok((rows, Some(version)))
 }
 
 /// The `path` of every live row of the capture table at `dir` (the identities `collect`
@@ -162,25 +156,21 @@ pub fn read_paths(dir: &Path) -> Result<(HashSet<String>, Option<u64>), DataErro
     let Some(snapshot) = t.snapshot()? else {
         return Ok((HashSet::new(), None));
     };
-    let kernel = |e: KernelError| t.err(e);
-    let projected = snapshot.schema().project(&["path"]).map_err(kernel)?;
-    let scan = snapshot
-        .clone()
-        .scan_builder()
-        .with_schema(projected)
-        .build()
-        .map_err(kernel)?;
+    let version = snapshot.version();
     let mut paths = HashSet::new();
-    let engine: Arc<dyn delta_kernel::Engine> = t.engine.clone();
-    for data in scan.execute(engine).map_err(kernel)? {
-        let batch: RecordBatch = ArrowEngineData::try_from_engine_data(data.map_err(kernel)?)
-            .map_err(kernel)?
-            .into();
-        let column = arrow::compute::cast(batch.column(0), &DataType::Utf8)
-            .map_err(|e| t.err(format!("path: {e}")))?;
-        paths.extend(column.as_string::<i32>().iter().flatten().map(String::from));
-    }
-    Ok((paths, Some(snapshot.version())))
+    scan_snapshot(
+        snapshot,
+        t.engine.clone(),
+        &t.origin,
+        Some(&["path"]),
+        |batch| {
+            let column = arrow::compute::cast(batch.column(0), &DataType::Utf8)
+                .map_err(|e| t.err(format!("path: {e}")))?;
+            paths.extend(column.as_string::<i32>().iter().flatten().map(String::from));
+            Ok(())
+        },
+    )?;
+    Ok((paths, Some(version)))
 }
 
 fn from_batch(b: &RecordBatch) -> Result<Vec<CaptureRow>, String> {
