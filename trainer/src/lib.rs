@@ -6,12 +6,15 @@
 //! - [`train`]: head (and last blocks) training; [`tune`]: TPE search over trials;
 //! - [`export`]: artifacts (ONNX f32/int8, manifest, safetensors, golden samples);
 //! - [`track`]: MLflow tracking and registry;
-//! - [`predict`], [`classify`], [`report`].
+//! - [`predict`], [`classify`], [`report`];
+//! - [`cli`]: the `trainer` command line over all of these (the binary and the Python package
+//!   both run it).
 //!
 //! The fleet commands (publish, status, infer, rollout) are in the `kestrel-fleet` crate, the
 //! embedded broker in `kestrel-broker`.
 
 pub mod classify;
+pub mod cli;
 pub mod data;
 pub mod distributed;
 pub mod export;

@@ -5,8 +5,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-
-mod cli;
+use kestrel_trainer::cli;
 
 fn main() -> ExitCode {
     keep_freed_memory();

@@ -5,15 +5,15 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::data::SourceOpts;
+use crate::distributed::{JobOpts, default_cache_root, default_threads};
+use crate::train::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule};
 use anyhow::{Context, Result, bail};
 use kestrel_models::backbone::{Backbone, OnnxOpts, is_onnx_graph};
 use kestrel_models::engine::{OrtDevice, set_candle_threads, set_ort_device};
 use kestrel_models::onnx_backbone::file_sha256;
 use kestrel_models::{Arch, EngineKind};
 use kestrel_shared::PreprocessSpec;
-use kestrel_trainer::data::SourceOpts;
-use kestrel_trainer::distributed::{JobOpts, default_cache_root, default_threads};
-use kestrel_trainer::train::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule};
 
 /// `--arch` values.
 pub fn parse_arch(s: &str) -> Result<Arch, String> {
@@ -217,7 +217,7 @@ pub struct TableArgs {
 }
 
 fn parse_data_timestamp(s: &str) -> Result<String, String> {
-    kestrel_trainer::data::delta::parse_timestamp(s).map(|_| s.to_string())
+    crate::data::delta::parse_timestamp(s).map(|_| s.to_string())
 }
 
 impl TableArgs {
@@ -505,9 +505,9 @@ pub struct TrackArgs {
 
 impl TrackArgs {
     /// Where to track, if anywhere.
-    pub fn to(&self) -> Option<kestrel_trainer::track::TrackTo> {
+    pub fn to(&self) -> Option<crate::track::TrackTo> {
         let uri = self.server.mlflow.clone().filter(|_| !self.no_mlflow)?;
-        Some(kestrel_trainer::track::TrackTo {
+        Some(crate::track::TrackTo {
             uri,
             experiment: self.experiment.clone(),
             run_id: self.run_id.clone(),
@@ -521,16 +521,16 @@ impl TrackArgs {
         dir: &Path,
         command: &str,
         continued: bool,
-    ) -> Result<Option<kestrel_trainer::track::Tracker>> {
+    ) -> Result<Option<crate::track::Tracker>> {
         let Some(to) = self.to() else {
             return Ok(None);
         };
         let name = dir
             .file_name()
             .map_or("run".into(), |n| n.to_string_lossy().to_string());
-        let tags = kestrel_trainer::track::run_tags(command);
-        let t = kestrel_trainer::track::Tracker::start(&to, dir, &name, &tags, continued)
-            .with_context(|| {
+        let tags = crate::track::run_tags(command);
+        let t =
+            crate::track::Tracker::start(&to, dir, &name, &tags, continued).with_context(|| {
                 format!(
                     "MLflow tracking ({}, experiment {:?})",
                     to.uri, to.experiment

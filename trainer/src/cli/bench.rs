@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::classify::throughput;
+use crate::distributed::{Job, JobOpts};
 use anyhow::Result;
-use kestrel_trainer::classify::throughput;
-use kestrel_trainer::distributed::{Job, JobOpts};
 
 use super::args::{BackboneArgs, EngineArgs};
 
@@ -44,11 +44,15 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         a.rounds,
     )?;
     if a.json {
-        println!("{}", serde_json::to_string(&t)?);
+        outln!("{}", serde_json::to_string(&t)?);
     } else {
-        println!(
+        outln!(
             "{} {} batch {} threads {}: {:.1} images/s",
-            t.engine, t.arch, t.batch, t.threads, t.images_per_s
+            t.engine,
+            t.arch,
+            t.batch,
+            t.threads,
+            t.images_per_s
         );
     }
     Ok(ExitCode::SUCCESS)

@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::classify::Classifier;
+use crate::distributed::{Job, JobOpts};
 use anyhow::Result;
-use kestrel_trainer::classify::Classifier;
-use kestrel_trainer::distributed::{Job, JobOpts};
 
 use super::args::{BackboneArgs, EngineArgs};
 
@@ -35,14 +35,14 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
     let mut failed = 0;
     for r in classifier.classify(&a.images, a.top_k)? {
         match r {
-            Ok(p) if a.json => println!("{}", serde_json::to_string(&p)?),
+            Ok(p) if a.json => outln!("{}", serde_json::to_string(&p)?),
             Ok(p) => {
                 let top: Vec<String> = p
                     .top
                     .iter()
                     .map(|c| format!("{} ({:.3})", c.class, c.score))
                     .collect();
-                println!("{}: {}", p.image, top.join(", "));
+                outln!("{}: {}", p.image, top.join(", "));
             }
             Err(e) => {
                 failed += 1;

@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::distributed::{Job, JobOpts};
+use crate::{export, train};
 use anyhow::{Result, bail};
-use kestrel_trainer::distributed::{Job, JobOpts};
-use kestrel_trainer::{export, train};
 
 use super::args::{DataArgs, EngineArgs};
 
@@ -58,9 +58,9 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         (None, None) => bail!("pass --run RUN_DIR or --model ART_DIR"),
     };
     if a.json {
-        println!("{}", serde_json::to_string(&e)?);
+        outln!("{}", serde_json::to_string(&e)?);
     } else {
-        println!("{}", e.to_table());
+        outln!("{}", e.to_table());
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -3,9 +3,9 @@
 
 use std::process::ExitCode;
 
+use crate::track::TrackError;
 use kestrel_fleet::FleetError;
 use kestrel_shared::mqtt::BrokerError;
-use kestrel_trainer::track::TrackError;
 
 /// The list shown under `trainer --help`.
 pub const HELP: &str = "Exit status: 0 done; 1 failed (a check, gate or rollout did not pass, a bad \

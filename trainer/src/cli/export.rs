@@ -1,15 +1,15 @@
 //! `trainer export`: a run as a self-describing, verified artifact directory (the stages are in
-//! `kestrel_trainer::export`).
+//! `crate::export`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use crate::distributed::{Job, JobOpts};
+use crate::export::{self, ExportOpts, QuantForm};
+use crate::track::registry::version_uri;
+use crate::track::{Metric, ModelVersion, Op, Tracker, kv};
 use anyhow::{Context, Result, bail};
 use kestrel_shared::manifest::Manifest;
-use kestrel_trainer::distributed::{Job, JobOpts};
-use kestrel_trainer::export::{self, ExportOpts, QuantForm};
-use kestrel_trainer::track::registry::version_uri;
-use kestrel_trainer::track::{Metric, ModelVersion, Op, Tracker, kv};
 
 use super::args::{CacheArgs, ThreadArgs, TrackArgs};
 
@@ -126,7 +126,7 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
     };
     let m = exported?;
     if a.json {
-        println!("{}", serde_json::to_string(&m)?);
+        outln!("{}", serde_json::to_string(&m)?);
         return Ok(ExitCode::SUCCESS);
     }
     let size: u64 = m
@@ -134,7 +134,7 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         .iter()
         .find(|f| f.path == "model.onnx")
         .map_or(0, |f| f.size);
-    println!(
+    outln!(
         "{} v{} ({}): model.onnx {:.1} MB, val accuracy {:.4} (f32 {:.4}) -> {}",
         m.name,
         m.version,
@@ -145,7 +145,7 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         a.out.display()
     );
     if let Some(v) = &registered {
-        println!(
+        outln!(
             "registered {}{}",
             version_uri(&v.name, v.version),
             a.alias

@@ -4,10 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use crate::distributed::{Job, JobOpts};
+use crate::track::{self, KeyValue, Observer};
+use crate::train::{self, FitOutcome, FitParams};
 use anyhow::{Context, Result};
-use kestrel_trainer::distributed::{Job, JobOpts};
-use kestrel_trainer::track::{self, KeyValue, Observer};
-use kestrel_trainer::train::{self, FitOutcome, FitParams};
 
 use super::args::{DataArgs, EngineArgs, FitArgs, TrackArgs, WorkerArgs};
 
@@ -136,10 +136,10 @@ pub fn saved_params(dir: &std::path::Path) -> Result<FitParams> {
 pub fn print_outcome(o: &FitOutcome, json: bool) -> Result<()> {
     let s = &o.summary;
     if json {
-        println!("{}", serde_json::to_string(s)?);
+        outln!("{}", serde_json::to_string(s)?);
         return Ok(());
     }
-    println!(
+    outln!(
         "best epoch {} of {}: val accuracy {:.4} (loss {:.4}){} -> {}",
         s.best_epoch,
         s.epochs_run,
@@ -150,6 +150,6 @@ pub fn print_outcome(o: &FitOutcome, json: bool) -> Result<()> {
             .unwrap_or_default(),
         o.run_dir.display()
     );
-    println!("{}", s.validation.to_table());
+    outln!("{}", s.validation.to_table());
     Ok(())
 }

@@ -3,10 +3,10 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::distributed::Job;
 use anyhow::{Context, Result};
 use kestrel_models::backbone::{Backbone, pretrained_path};
 use kestrel_models::{Arch, torch};
-use kestrel_trainer::distributed::Job;
 
 use super::args::parse_arch;
 
@@ -36,7 +36,7 @@ pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
         ("source".to_string(), a.from.display().to_string()),
     ];
     torch::write_safetensors(&out, &b.weights, Some(meta.into_iter().collect()))?;
-    println!(
+    outln!(
         "imported {} tensors from {} into {}",
         b.weights.len(),
         a.from.display(),

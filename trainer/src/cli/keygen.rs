@@ -5,9 +5,9 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::distributed::Job;
 use anyhow::{Context, Result, bail};
 use kestrel_shared::{fsutil, signing};
-use kestrel_trainer::distributed::Job;
 
 /// Generate an ed25519 signing key pair: DIR/kestrel.key (secret, mode 0600) and DIR/kestrel.pub,
 /// or with --root the fleet's root key pair DIR/root.key and DIR/root.pub, or with --operator an
@@ -60,7 +60,7 @@ pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
     fsutil::write_atomic(&public, format!("{pk}\n").as_bytes())
         .with_context(|| format!("writing {}", public.display()))?;
     let id = signing::key_id(&signing::public_key(&pk, "new key")?);
-    println!(
+    outln!(
         "key {id}: {} (secret), {} (public)",
         secret.display(),
         public.display()

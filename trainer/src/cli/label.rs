@@ -5,9 +5,9 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use crate::data::delta_write::{self, CaptureRow};
 use anyhow::{Context, Result, bail};
 use kestrel_shared::protocol::{check_name, sha256_hex};
-use kestrel_trainer::data::delta_write::{self, CaptureRow};
 
 /// Fill in the labels of a capture table from a `path,label` CSV, or export its unlabelled rows
 /// (CSV + images) for labelling.
@@ -60,7 +60,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         (None, None) => unreachable!("clap requires one"),
     };
     if a.json {
-        println!("{summary}");
+        outln!("{summary}");
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::distributed::{Job, JobOpts};
+use crate::export;
 use anyhow::Result;
-use kestrel_trainer::distributed::{Job, JobOpts};
-use kestrel_trainer::export;
 
 use super::args::{EngineArgs, ModelArgs};
 
@@ -37,12 +37,12 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
     let ms = export::latency_ms(&a.model.model, engine, &a.image, a.rounds, job.threads())?;
     let model = a.model.model.display();
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"model": a.model.model, "engine": engine, "threads": job.threads(), "ms": ms})
         );
     } else {
-        println!(
+        outln!(
             "{model} on {engine}, {} threads: {ms:.2} ms per image",
             job.threads()
         );

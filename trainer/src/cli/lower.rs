@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::distributed::Job;
 use anyhow::{Context, Result};
 use kestrel_models::onnx::{self, LowerOpts};
-use kestrel_trainer::distributed::Job;
 
 use super::args::BackboneArgs;
 
@@ -31,7 +31,7 @@ pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
         );
         std::fs::write(&a.out, g.bytes())
             .with_context(|| format!("writing {}", a.out.display()))?;
-        println!(
+        outln!(
             "wrote {} (the feature graph of {}: `{}` [N, {}], from {:?} input `{}`)",
             a.out.display(),
             g.path.display(),
@@ -53,7 +53,7 @@ pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
     let model = onnx::lower(&b.net, &b.folded()?, &opts);
     std::fs::write(&a.out, onnx::to_bytes(&model))
         .with_context(|| format!("writing {}", a.out.display()))?;
-    println!(
+    outln!(
         "wrote {} ({} graph, output `{}`)",
         a.out.display(),
         b.net.arch,

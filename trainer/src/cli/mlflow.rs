@@ -3,10 +3,10 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::distributed::Job;
+use crate::track::{self, PENDING_FILE};
 use anyhow::{Context, Result};
 use clap::Subcommand;
-use kestrel_trainer::distributed::Job;
-use kestrel_trainer::track::{self, PENDING_FILE};
 
 use super::args::MlflowArgs;
 
@@ -39,11 +39,11 @@ pub fn run(a: Args, _job: &Job) -> Result<ExitCode> {
     let MlflowCmd::Sync(s) = a.cmd;
     let file = s.dir.join(PENDING_FILE);
     if !file.is_file() {
-        println!("{}: nothing to replay", file.display());
+        outln!("{}: nothing to replay", file.display());
         return Ok(ExitCode::SUCCESS);
     }
     let n = track::sync(&s.dir, s.server.mlflow.as_deref())
         .with_context(|| format!("replaying {}", file.display()))?;
-    println!("replayed {n} MLflow calls from {}", file.display());
+    outln!("replayed {n} MLflow calls from {}", file.display());
     Ok(ExitCode::SUCCESS)
 }

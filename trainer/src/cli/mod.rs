@@ -4,16 +4,19 @@
 
 use std::process::ExitCode;
 
+use crate::distributed::{Collective, Job, JobError, JobOpts};
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use kestrel_trainer::distributed::{Job, JobOpts};
 
+#[macro_use]
+pub mod out;
 pub mod args;
 mod bench;
 mod classify;
 mod evaluate;
 pub mod exit;
 mod export;
+pub mod features;
 mod fit;
 pub mod fleet;
 mod import_weights;
@@ -68,6 +71,17 @@ pub enum Cmd {
 /// Under MPI, a failing rank ends the whole job ([`Job::fail`]).
 pub fn run(cmd: Cmd) -> Result<ExitCode> {
     let job = Job::start(job_opts(&cmd)?)?;
+    dispatch(cmd, &job).map_err(|e| job.fail(e))
+}
+
+/// Runs a command as one rank of a job of processes that `comm` connects (the tasks of a Spark
+/// barrier stage, each running the same command line); only the distributed commands can.
+pub fn run_as_rank(cmd: Cmd, comm: Box<dyn Collective>) -> Result<ExitCode> {
+    let opts = job_opts(&cmd)?;
+    if !opts.distributed {
+        return Err(JobError::NotDistributed.into());
+    }
+    let job = Job::ranked(opts, comm);
     dispatch(cmd, &job).map_err(|e| job.fail(e))
 }
 

@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::distributed::{Job, JobOpts};
+use crate::predict;
 use anyhow::{Context, Result};
-use kestrel_trainer::distributed::{Job, JobOpts};
-use kestrel_trainer::predict;
 
 use super::args::{ModelArgs, TableArgs, ThreadArgs, WorkerArgs};
 
@@ -49,10 +49,10 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     };
     if a.json {
-        println!("{}", serde_json::to_string(&s)?);
+        outln!("{}", serde_json::to_string(&s)?);
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
+    outln!(
         "{} v{}: {} rows ({} errors){} in {:.2}s on {} worker(s), {:.1} images/s -> {}",
         s.model,
         s.version,

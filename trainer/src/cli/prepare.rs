@@ -3,10 +3,10 @@
 
 use std::process::ExitCode;
 
+use crate::data::split;
+use crate::distributed::{Job, JobOpts};
+use crate::train;
 use anyhow::Result;
-use kestrel_trainer::data::split;
-use kestrel_trainer::distributed::{Job, JobOpts};
-use kestrel_trainer::train;
 
 use super::args::{DataArgs, EngineArgs, FitArgs, WorkerArgs};
 
@@ -59,9 +59,9 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
             "feature_workers": pp.features.meta.workers,
             "features_cache": pp.features.dir,
         });
-        println!("{v}");
+        outln!("{v}");
     } else {
-        print!(
+        out!(
             "{}",
             split::count_table(pp.labels(), &pp.splits, &pp.dataset_labels)
         );

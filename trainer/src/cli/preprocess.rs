@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::distributed::Job;
 use anyhow::{Result, bail};
 use kestrel_models::Arch;
-use kestrel_trainer::distributed::Job;
 
 use super::args::{parse_arch, read_spec};
 

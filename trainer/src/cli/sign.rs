@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::distributed::Job;
 use anyhow::{Context, Result};
 use kestrel_shared::{fsutil, manifest, signing};
-use kestrel_trainer::distributed::Job;
 
 use super::fleet::ArtifactArgs;
 
@@ -29,6 +29,6 @@ pub fn run(a: Args, _: &Job) -> Result<ExitCode> {
     let spath = dir.join(signing::SIGNATURE_FILE);
     fsutil::write_atomic(&spath, serde_json::to_string_pretty(&sig)?.as_bytes())
         .with_context(|| format!("writing {}", spath.display()))?;
-    println!("signed {} with key {}", mpath.display(), sig.key_id);
+    outln!("signed {} with key {}", mpath.display(), sig.key_id);
     Ok(ExitCode::SUCCESS)
 }

@@ -3,11 +3,11 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use crate::distributed::{Job, JobOpts};
+use crate::track::{self, Metric, Observer, Tracker, kv};
+use crate::train::{FitParams, Optimizer};
+use crate::tune::{self, Space, TuneError, TuneOpts, TuneOutcome};
 use anyhow::{Result, bail};
-use kestrel_trainer::distributed::{Job, JobOpts};
-use kestrel_trainer::track::{self, Metric, Observer, Tracker, kv};
-use kestrel_trainer::train::{FitParams, Optimizer};
-use kestrel_trainer::tune::{self, Space, TuneError, TuneOpts, TuneOutcome};
 
 use super::args::{DataArgs, EngineArgs, FitArgs, TrackArgs};
 
@@ -156,12 +156,12 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
             "trials": tune::sorted(&outcome.trials),
             "then_fit": fitted.as_ref().map(|o| &o.summary),
         });
-        println!("{v}");
+        outln!("{v}");
         return Ok(ExitCode::SUCCESS);
     }
-    print!("{}", tune::table(&outcome.trials));
+    out!("{}", tune::table(&outcome.trials));
     if let Some(o) = &fitted {
-        println!(
+        outln!(
             "final model: val accuracy {:.4} (loss {:.4}) -> {}",
             o.summary.val_accuracy,
             o.summary.val_loss,

@@ -321,7 +321,7 @@ pub fn extract_while_decoding(
     engine: EngineKind,
     skip_invalid: bool,
 ) -> Result<Option<(Prepared, Features)>, CacheError> {
-    if job.world() != 1 || job.mpi().is_some() || plan.is_built() {
+    if job.world() != 1 || job.procs().is_some() || plan.is_built() {
         return Ok(None);
     }
     let root = job.cache_root();

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 pub mod cache;
 pub mod delta;
 pub mod delta_write;
+pub mod extract;
 pub mod features;
 mod manifest;
 pub mod samples;

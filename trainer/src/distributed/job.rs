@@ -55,8 +55,11 @@ pub fn default_cache_root() -> PathBuf {
 /// The run context of one operation (see the module docs).
 pub struct Job {
     opts: JobOpts,
-    /// This process's rank of an MPI job, when an MPI launcher started it.
-    mpi: Option<Box<dyn Collective>>,
+    /// This process's rank of a job of processes: MPI's, when an MPI launcher started it, or one
+    /// given by the caller ([`Job::ranked`]: a Spark task over TCP).
+    procs: Option<Box<dyn Collective>>,
+    /// Whether a failing rank ends the whole job and this process (MPI's `MPI_Abort`).
+    exit_on_fail: bool,
     quiet: bool,
 }
 
@@ -76,7 +79,20 @@ impl Job {
     pub fn local(opts: JobOpts) -> Job {
         Job {
             opts,
-            mpi: None,
+            procs: None,
+            exit_on_fail: false,
+            quiet: false,
+        }
+    }
+
+    /// A job whose ranks are processes connected by `comm` (one rank per process, as under MPI),
+    /// found by the caller: the tasks of a Spark barrier stage ([`super::tcp::TcpComm`]). A failing
+    /// rank aborts the collective and returns its error; the process lives on.
+    pub fn ranked(opts: JobOpts, comm: Box<dyn Collective>) -> Job {
+        Job {
+            opts: JobOpts { workers: 1, ..opts },
+            procs: Some(comm),
+            exit_on_fail: false,
             quiet: false,
         }
     }
@@ -94,7 +110,8 @@ impl Job {
         let comm = mpi_comm(opts.timeout)?;
         Ok(Job {
             opts: JobOpts { workers: 1, ..opts },
-            mpi: Some(comm),
+            procs: Some(comm),
+            exit_on_fail: true,
             quiet: false,
         })
     }
@@ -130,14 +147,14 @@ impl Job {
 
     /// Ranks of the job: local workers, or the MPI world.
     pub fn world(&self) -> usize {
-        self.mpi
+        self.procs
             .as_ref()
             .map_or(self.opts.workers.max(1), |c| c.world())
     }
 
     /// This process's MPI rank (0 when local).
     pub fn rank(&self) -> usize {
-        self.mpi.as_ref().map_or(0, |c| c.rank())
+        self.procs.as_ref().map_or(0, |c| c.rank())
     }
 
     /// Rank 0's process: the one that logs, writes results and prints.
@@ -145,9 +162,9 @@ impl Job {
         self.rank() == 0
     }
 
-    /// This process's rank of an MPI job (process-level collectives), if it is one.
-    pub fn mpi(&self) -> Option<&dyn Collective> {
-        self.mpi.as_deref()
+    /// This process's rank of a job of processes (MPI's, or [`Job::ranked`]'s), if it is one.
+    pub fn procs(&self) -> Option<&dyn Collective> {
+        self.procs.as_deref()
     }
 
     /// Logs a line on rank 0 (not when quiet).
@@ -179,7 +196,7 @@ impl Job {
         f: impl Fn(&Rank<'_>) -> Result<T, E> + Sync,
     ) -> Result<T, E> {
         let logs = self.logs();
-        if let Some(comm) = self.mpi() {
+        if let Some(comm) = self.procs() {
             return f(&Rank {
                 comm,
                 threads: self.opts.threads,
@@ -205,7 +222,7 @@ impl Job {
         &self,
         f: impl Fn() -> Result<T, E>,
     ) -> Result<T, E> {
-        let Some(comm) = self.mpi().filter(|c| c.world() > 1) else {
+        let Some(comm) = self.procs().filter(|c| c.world() > 1) else {
             return f();
         };
         let first = if comm.rank() == 0 { Some(f()?) } else { None };
@@ -217,12 +234,15 @@ impl Job {
     }
 
     /// Ends an MPI job with this rank's error: printed with the rank, then `MPI_Abort` makes every
-    /// rank exit non-zero (never a hang). A local job just returns the error.
+    /// rank exit non-zero (never a hang). A [`Job::ranked`] rank tells the others and returns the
+    /// error; a local job just returns it.
     pub fn fail<E: std::fmt::Display>(&self, e: E) -> E {
-        if let Some(comm) = self.mpi() {
+        if let Some(comm) = self.procs() {
             comm.abort(&format!("{e:#}"));
-            tracing::error!("rank {}: {e:#}", comm.rank());
-            std::process::exit(1)
+            if self.exit_on_fail {
+                tracing::error!("rank {}: {e:#}", comm.rank());
+                std::process::exit(1)
+            }
         }
         e
     }

@@ -2,7 +2,9 @@
 //! broadcast, allgather and barrier behind one trait, with
 //!
 //! - [`LocalComm`]: N worker threads in one process (`trainer fit --workers N`), the default;
-//! - `MpiComm` (cargo feature `mpi`): one process per rank under `mpirun`/`srun`.
+//! - `MpiComm` (cargo feature `mpi`): one process per rank under `mpirun`/`srun`;
+//! - [`tcp::TcpComm`]: one process per rank that found rank 0's address some other way (the tasks
+//!   of a Spark barrier stage).
 //!
 //! Every operation is *ordered and named*: each rank's k-th call must be the same operation on a
 //! buffer of the same length, or every rank gets [`CollectiveError::Mismatch`] (a diverged rank or
@@ -28,14 +30,18 @@ mod job;
 mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod tcp;
+#[cfg(test)]
+mod tests;
 
 pub use job::{Job, JobError, JobOpts, Rank, default_cache_root, default_threads};
 pub use local::{LocalComm, local_group, run_workers};
+pub use tcp::TcpComm;
 
 /// Default `--collective-timeout`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum CollectiveError {
     #[error(
         "collective #{seq} `{op}` timed out on rank {rank} after {waited:.1}s: rank(s) {} did not arrive \
@@ -59,6 +65,20 @@ pub enum CollectiveError {
     Mismatch { seq: u64, detail: String },
     #[error("MPI: {0}")]
     Mpi(String),
+    /// A rank of a TCP job ([`tcp`]) could not join it.
+    #[error("joining the job: {0}")]
+    Connect(String),
+}
+
+/// `buf` = the element-wise sum of every rank's f32 bytes, added in rank order (the same bits on
+/// every rank).
+pub(crate) fn sum_in_rank_order(buf: &mut [f32], all: &[Vec<u8>]) {
+    buf.iter_mut().for_each(|v| *v = 0.0);
+    for b in all {
+        for (v, c) in buf.iter_mut().zip(b.chunks_exact(4)) {
+            *v += f32::from_le_bytes(c.try_into().expect("4 bytes"));
+        }
+    }
 }
 
 pub(crate) fn fmt_ranks(r: &[usize]) -> String {

@@ -168,7 +168,7 @@ pub fn fit(
     let started = Instant::now();
     let pp = prepare(&p, job)?;
     let feature_seconds = started.elapsed().as_secs_f64();
-    if job.mpi().is_some() && job.world() > 1 {
+    if job.procs().is_some() && job.world() > 1 {
         job.log(format!("{} ranks (MPI)", job.world()));
     }
     if job.is_lead() {

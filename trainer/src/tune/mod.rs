@@ -264,7 +264,7 @@ pub fn tune(
     if job.is_lead() {
         observer.prepared(&pp);
     }
-    let (rank, ranks) = job.mpi().map_or((0, 1), |c| (c.rank(), c.world()));
+    let (rank, ranks) = job.procs().map_or((0, 1), |c| (c.rank(), c.world()));
     job.log(format!(
         "tune: {} trials, {} in parallel{}, {} random warm-up, seed {}; {} training samples",
         opts.trials,
@@ -377,7 +377,7 @@ fn run_round(
 
 /// Every process's results of a round, in rank order (an MPI job); locally, this process's.
 fn gather(job: &Job, results: Vec<TrialResult>) -> Result<Vec<TrialResult>, TuneError> {
-    let Some(comm) = job.mpi().filter(|c| c.world() > 1) else {
+    let Some(comm) = job.procs().filter(|c| c.world() > 1) else {
         return Ok(results);
     };
     let bytes = serde_json::to_vec(&results).expect("results serialize");

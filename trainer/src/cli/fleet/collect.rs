@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use crate::data::delta_write::{self, CaptureRow};
 use anyhow::{Context, Result};
 use kestrel_fleet::collect::{CaptureFeed, Received};
 use kestrel_shared::capture::Capture;
-use kestrel_trainer::data::delta_write::{self, CaptureRow};
 
 use super::BrokerArgs;
 
@@ -104,7 +104,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         s.commits
     );
     if a.json {
-        println!("{}", serde_json::to_string(&s)?);
+        outln!("{}", serde_json::to_string(&s)?);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -122,7 +122,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let broker = opts.broker.url.clone();
     let served = kestrel_fleet::console::serve(opts, |url| {
         // One line on stdout, for scripts: where the console listens.
-        println!("console: {url} ({mode}) following {broker}");
+        outln!("console: {url} ({mode}) following {broker}");
     });
     if let Err(e) = served {
         bail!("{e}");

@@ -6,11 +6,11 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use crate::data::{SourceOpts, Split};
+use crate::train::{SPLIT_FILE, SplitRecord};
 use anyhow::{Context, Result, bail};
 use kestrel_fleet::infer::{Image, Outcome};
 use kestrel_shared::protocol::InferReply;
-use kestrel_trainer::data::{SourceOpts, Split};
-use kestrel_trainer::train::{SPLIT_FILE, SplitRecord};
 
 use super::BrokerArgs;
 use crate::cli::args::TableArgs;
@@ -107,9 +107,9 @@ fn load(args: &Args, images: &[Image], rate: f64, timeout: Duration) -> Result<E
         timeout,
     )?;
     if args.json {
-        println!("{}", serde_json::to_string(&r)?);
+        outln!("{}", serde_json::to_string(&r)?);
     } else {
-        println!(
+        outln!(
             "{}: {} requests in {:.1} s ({:.0}/s asked, {:.0}/s sent): {} answered, {} busy, \
              {} errors, {} lost; round trip p50 {:.1} ms p99 {:.1} ms; device p50 {:.1} ms p99 {:.1} ms",
             r.device,
@@ -136,7 +136,7 @@ fn load(args: &Args, images: &[Image], rate: f64, timeout: Duration) -> Result<E
 
 /// A table's images with their labels, or only those the run in `held_out` kept for testing.
 fn table_images(path: &Path, source: &SourceOpts, held_out: Option<&Path>) -> Result<Vec<Image>> {
-    let ds = kestrel_trainer::data::load(path, source)?;
+    let ds = crate::data::load(path, source)?;
     let keep = held_out.map(test_split).transpose()?;
     let out: Vec<Image> = ds
         .samples
@@ -176,7 +176,7 @@ fn test_split(run: &Path) -> Result<HashSet<String>> {
 
 fn print_reply(name: &str, r: &InferReply, json: bool) {
     match (&r.prediction, &r.error, json) {
-        (Some(p), _, true) => println!(
+        (Some(p), _, true) => outln!(
             "{}",
             serde_json::json!({"image": name, "request": r.request, "prediction": p})
         ),
@@ -185,9 +185,9 @@ fn print_reply(name: &str, r: &InferReply, json: bool) {
                 .top
                 .first()
                 .map_or("-".into(), |c| format!("{} ({:.3})", c.label, c.score));
-            println!("{name}: {top}  [v{} {:.1} ms]", p.version, p.latency_ms);
+            outln!("{name}: {top}  [v{} {:.1} ms]", p.version, p.latency_ms);
         }
-        (None, e, true) => println!(
+        (None, e, true) => outln!(
             "{}",
             serde_json::json!({"image": name, "request": r.request, "error": e.clone().unwrap_or_default()})
         ),
@@ -200,16 +200,16 @@ fn print_summary(out: &Outcome, json: bool) -> Result<()> {
     let s = &out.summary;
     let mut summary = serde_json::to_value(s)?;
     if let Some(l) = &out.labelled {
-        let e = kestrel_trainer::report::evaluate(&l.predicted, &l.truth, &l.labels, None);
+        let e = crate::report::evaluate(&l.predicted, &l.truth, &l.labels, None);
         if !json {
-            println!("{}", e.to_table());
+            outln!("{}", e.to_table());
         }
         summary["evaluation"] = serde_json::to_value(&e)?;
     }
     if json {
-        println!("{summary}");
+        outln!("{summary}");
     } else {
-        println!(
+        outln!(
             "{} requests to {} in {:.1} s: {} errors, device latency p50 {:.1} ms, p95 {:.1} ms",
             s.requests,
             s.device,

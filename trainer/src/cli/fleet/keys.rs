@@ -35,9 +35,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         .collect::<Result<Vec<_>>>()?;
     let p = kestrel_fleet::publish_keys(&args.broker.config(), &root, &keys, args.list_version)?;
     if args.json {
-        println!("{}", serde_json::to_string(&p)?);
+        outln!("{}", serde_json::to_string(&p)?);
     } else {
-        println!(
+        outln!(
             "key list v{} in force: {}{}",
             p.version,
             p.keys.join(", "),

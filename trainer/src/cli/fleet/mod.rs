@@ -15,11 +15,11 @@ pub mod status;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::{Context, Result, bail};
-use kestrel_trainer::track::{
+use crate::track::{
     self,
     registry::{self, ModelUri},
 };
+use anyhow::{Context, Result, bail};
 
 use super::args::MlflowArgs;
 use clap::Subcommand;

@@ -39,11 +39,11 @@ fn warn(line: String) {
 pub fn prune(args: PruneArgs) -> Result<ExitCode> {
     let p = kestrel_fleet::prune::prune(&args.broker.config(), args.keep, &mut warn)?;
     if args.json {
-        println!("{}", serde_json::to_string(&p)?);
+        outln!("{}", serde_json::to_string(&p)?);
         return Ok(ExitCode::SUCCESS);
     }
     for r in &p.removed {
-        println!("removed {} v{} ({} chunks)", r.name, r.version, r.chunks);
+        outln!("removed {} v{} ({} chunks)", r.name, r.version, r.chunks);
     }
     for k in &p.kept {
         let why = if k.needed_by.is_empty() {
@@ -51,7 +51,7 @@ pub fn prune(args: PruneArgs) -> Result<ExitCode> {
         } else {
             k.needed_by.join("; ")
         };
-        println!("kept {} v{}: {why}", k.name, k.version);
+        outln!("kept {} v{}: {why}", k.name, k.version);
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -60,9 +60,9 @@ pub fn unpublish(args: UnpublishArgs) -> Result<ExitCode> {
     let cfg = args.broker.config();
     let r = kestrel_fleet::prune::unpublish(&cfg, &args.name, args.version, &mut warn)?;
     if args.json {
-        println!("{}", serde_json::to_string(&r)?);
+        outln!("{}", serde_json::to_string(&r)?);
     } else {
-        println!("removed {} v{} ({} chunks)", r.name, r.version, r.chunks);
+        outln!("removed {} v{} ({} chunks)", r.name, r.version, r.chunks);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -55,9 +55,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         },
     )?;
     if args.json {
-        println!("{}", serde_json::to_string(&p)?);
+        outln!("{}", serde_json::to_string(&p)?);
     } else {
-        println!("{}", line(&p));
+        outln!("{}", line(&p));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -94,9 +94,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         &mut |l| tracing::info!("{l}"),
     )?;
     if args.json {
-        println!("{}", serde_json::to_string(&c)?);
+        outln!("{}", serde_json::to_string(&c)?);
     } else {
-        print!("{}", driver::table(&c));
+        out!("{}", driver::table(&c));
     }
     tracing::info!(
         "rollout {} ended after {:.1} s",
@@ -114,9 +114,9 @@ fn status(args: StatusArgs) -> Result<ExitCode> {
     let cfg = args.broker.config();
     let mut show = |c: &Controller| {
         if args.json {
-            println!("{}", serde_json::to_string(c).expect("serializable"));
+            outln!("{}", serde_json::to_string(c).expect("serializable"));
         } else {
-            println!("{}", driver::table(c));
+            outln!("{}", driver::table(c));
         }
     };
     if driver::watch(&cfg, &args.name, args.follow, &mut show)?.is_none() {

@@ -41,10 +41,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
         let list = kestrel_fleet::qualities(&cfg, args.device.as_deref())?;
         if args.json {
             for q in &list {
-                println!("{}", serde_json::to_string(q)?);
+                outln!("{}", serde_json::to_string(q)?);
             }
         } else {
-            print!("{}", quality_table(&list));
+            out!("{}", quality_table(&list));
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -62,10 +62,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
     };
     if args.json {
         for s in &list {
-            println!("{}", serde_json::to_string(s)?);
+            outln!("{}", serde_json::to_string(s)?);
         }
     } else {
-        print!("{}", table(&list));
+        out!("{}", table(&list));
     }
     Ok(ExitCode::SUCCESS)
 }

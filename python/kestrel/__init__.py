@@ -1,0 +1,140 @@
+"""Kestrel from Python: the ``trainer`` commands as functions, over the same Rust library.
+
+Every function runs the command the CLI runs, in this process, with the GIL released::
+
+    import kestrel
+    s = kestrel.fit("lfw.parquet", out="runs/lfw", epochs=15, workers=2)
+    s["val_accuracy"]
+
+Keyword arguments are the command's flags (``--label-column`` is ``label_column=``; ``True``
+gives a switch, ``None``/``False`` leave it out, a list repeats the flag). The result is the
+command's ``--json`` summary as a dict (a list of dicts for commands that print one object per
+line); a failure raises :class:`KestrelError` with the CLI's message. ``kestrel.spark`` runs
+extraction, training, tuning and batch inference on a Spark cluster.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional, Union
+
+from . import _native
+from ._native import Extractor, KestrelError, Predictor, __version__
+
+__all__ = [
+    "KestrelError",
+    "Extractor",
+    "Predictor",
+    "prepare",
+    "fit",
+    "tune",
+    "evaluate",
+    "export",
+    "predict",
+    "publish",
+    "status",
+    "run",
+    "flags",
+    "init_logging",
+]
+
+Summary = Union[Dict[str, Any], List[Dict[str, Any]]]
+
+
+def flags(**kwargs: Any) -> List[str]:
+    """The command-line flags for keyword arguments: ``epochs=15`` is ``--epochs 15``,
+    ``json=True`` is ``--json``, ``None`` and ``False`` are left out, a list or tuple repeats the
+    flag once per item."""
+    out: List[str] = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                out += [flag, str(v)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def run(*argv: str, **kwargs: Any) -> str:
+    """Runs ``trainer ARGV... FLAGS...`` in this process and returns what it printed
+    (``kestrel.run("fit", "--help")`` prints the CLI's help)."""
+    return _native.run(list(argv) + flags(**kwargs))
+
+
+def _summary(command: str, **kwargs: Any) -> Summary:
+    """Runs ``command`` with ``--json`` and parses its output."""
+    text = run(*command.split(), json=True, **kwargs)
+    return parse_json_output(text)
+
+
+def parse_json_output(text: str) -> Summary:
+    """One JSON object, or one per line."""
+    text = text.strip()
+    if not text:
+        return {}
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def prepare(data: Union[str, List[str]], **kwargs: Any) -> Summary:
+    """``trainer prepare``: the table's sample cache, and the frozen backbone's features once per
+    sample. ``data``: a table (Delta, Parquet, CSV manifest, image folder; a path or an
+    ``s3://``/``abfss://``/``gs://`` URL), or several. Returns the caches' summary."""
+    return _summary("prepare", data=data, **kwargs)
+
+
+def fit(data: Union[str, List[str]], *, out: Optional[str] = None, **kwargs: Any) -> Summary:
+    """``trainer fit``: trains a head (or fine-tunes) on ``data`` into the run directory ``out``
+    (``epochs=``, ``lr=``, ``workers=``, ``backbone=``, ``no_mlflow=True``...). Returns the run's
+    ``summary.json``."""
+    return _summary("fit", data=data, out=out, **kwargs)
+
+
+def tune(data: Union[str, List[str]], *, out: Optional[str] = None, **kwargs: Any) -> Summary:
+    """``trainer tune``: TPE search over trials (``trials=``, ``parallel=``, ``space=``...)."""
+    return _summary("tune", data=data, out=out, **kwargs)
+
+
+def evaluate(run_dir: Optional[str] = None, **kwargs: Any) -> Summary:
+    """``trainer evaluate``: a run (``run_dir``) or an exported artifact (``model=``) on its test
+    split or on ``data=``."""
+    return _summary("evaluate", run=run_dir, **kwargs)
+
+
+def export(run_dir: str, *, out: Optional[str] = None, **kwargs: Any) -> Summary:
+    """``trainer export``: the run as a self-describing artifact (ONNX f32/int8, manifest,
+    safetensors) in ``out`` (``quantize=``, ``register=``...)."""
+    return _summary("export", run=run_dir, out=out, **kwargs)
+
+
+def predict(model: str, data: str, *, out: str, **kwargs: Any) -> Summary:
+    """``trainer predict``: the artifact ``model`` over every row of ``data``, written to ``out``
+    (Parquet)."""
+    return _summary("predict", model=model, data=data, out=out, **kwargs)
+
+
+def publish(artifact: str, *, broker: str, **kwargs: Any) -> Summary:
+    """``trainer publish``: offers the signed artifact to the fleet on ``broker``
+    (``key=``, ``target=``...)."""
+    return _summary("publish", artifact=artifact, broker=broker, **kwargs)
+
+
+def status(*, broker: str, **kwargs: Any) -> Summary:
+    """``trainer status``: the devices' reported state (one dict per device)."""
+    result = _summary("status", broker=broker, **kwargs)
+    return [result] if isinstance(result, dict) and result else result
+
+
+def init_logging(verbosity: int = 0) -> None:
+    """Log lines on stderr: 0 info, 1 debug, -1 warnings only (``RUST_LOG`` overrides)."""
+    _native.init_logging(verbosity)
+
+
+init_logging(0)

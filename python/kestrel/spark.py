@@ -1,0 +1,347 @@
+"""Kestrel on an existing Spark cluster (Databricks, Synapse, EMR, standalone).
+
+- :func:`features`: the frozen backbone over a DataFrame of images on the executors
+  (``mapInArrow``; the backbone is loaded once per Python worker, which Spark reuses);
+- :func:`predict`: an exported artifact over a DataFrame of images (top-k classes and scores);
+- :func:`fit` and :func:`tune`: ``trainer fit`` / ``trainer tune`` with one rank per task of a
+  *barrier stage*: the tasks find rank 0 through ``BarrierTaskContext`` (its address from
+  ``getTaskInfos``, its port by ``allGather``) and run the same collectives as ``--workers N``
+  and ``mpirun`` over TCP (TorchDistributor's pattern; Horovod is gone from Databricks ML).
+
+A DataFrame of images is what Spark's ``binaryFile`` reader gives: ``path`` and ``content``
+(other column names through ``path=`` and ``content=``). The package must be installed on the
+executors (a cluster library: the wheel), and what the tasks open (a backbone file, the staging
+directory, the run directory) must be paths every node sees (``/dbfs/...``, ``/Volumes/...``, a
+shared mount) or object URLs (``s3://``, ``abfss://``, ``gs://``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import tempfile
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import kestrel
+from kestrel import KestrelError, _native, flags, parse_json_output
+
+__all__ = ["features", "predict", "fit", "tune", "stage", "slots"]
+
+#: Rows per Arrow batch handed to a task (Spark's default, 10,000 images, can exceed a worker's
+#: memory); set on the session by the functions here unless it was changed from the default.
+BATCH_ROWS = 64
+
+_extractors: Dict[Tuple[str, ...], Any] = {}
+_predictors: Dict[str, Any] = {}
+
+
+def _session(df):
+    return df.sparkSession
+
+
+def _require(df, *columns: str) -> None:
+    have = df.columns
+    for c in columns:
+        if c not in have:
+            raise KestrelError(f"the DataFrame has no column `{c}` (it has: {', '.join(have)})")
+
+
+def _small_batches(spark, rows: int) -> None:
+    key = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    if spark.conf.get(key, "10000") == "10000":
+        spark.conf.set(key, str(rows))
+
+
+def _extractor(flag_list: Tuple[str, ...]):
+    ex = _extractors.get(flag_list)
+    if ex is None:
+        ex = _extractors[flag_list] = _native.Extractor(list(flag_list))
+    return ex
+
+
+def features(
+    df,
+    *,
+    backbone: str = "efficientnet-lite0",
+    path: str = "path",
+    content: str = "content",
+    on_error: str = "raise",
+    batch_rows: int = BATCH_ROWS,
+    **kwargs: Any,
+):
+    """The frozen backbone's pooled features of every image, computed on the executors.
+
+    Returns the DataFrame without its ``content`` column, with ``features`` (array<float>) and
+    ``error`` (string, null when the image decoded). ``on_error="raise"`` (default) fails the
+    job on the first image that does not decode, naming its ``path``; ``on_error="keep"`` keeps
+    such rows with null features and the reason in ``error``. Other keyword arguments are
+    ``trainer prepare``'s engine and backbone flags (``engine="ort"``, ``threads=2``, ``arch=``...).
+    The features equal those of ``trainer prepare`` (same decoding, preprocessing and network).
+    """
+    import pyarrow as pa
+    from pyspark.sql.types import ArrayType, FloatType, StringType, StructField, StructType
+
+    if on_error not in ("raise", "keep"):
+        raise ValueError(f"on_error must be 'raise' or 'keep', not {on_error!r}")
+    _require(df, path, content)
+    flag_list = tuple(flags(backbone=backbone, **kwargs))
+    _small_batches(_session(df), batch_rows)
+    kept = [f for f in df.schema.fields if f.name != content]
+    schema = StructType(
+        kept
+        + [
+            StructField("features", ArrayType(FloatType()), True),
+            StructField("error", StringType(), True),
+        ]
+    )
+    names = [f.name for f in kept]
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import numpy as np
+
+        ex = _extractor(flag_list)
+        for batch in batches:
+            ids = [str(p) for p in batch.column(path).to_pylist()]
+            images = [b if b is not None else b"" for b in batch.column(content).to_pylist()]
+            data, dims, errors = ex.extract(ids, images)
+            if on_error == "raise":
+                for i, e in zip(ids, errors):
+                    if e is not None:
+                        raise KestrelError(f"row `{i}` (column `{content}`): {e}")
+            flat = np.frombuffer(data, dtype="<f4")
+            rows: List[Optional[np.ndarray]] = []
+            k = 0
+            for e in errors:
+                if e is None:
+                    rows.append(flat[k * dims : (k + 1) * dims])
+                    k += 1
+                else:
+                    rows.append(None)
+            feats = pa.array(rows, type=pa.list_(pa.float32()))
+            cols = [batch.column(n) for n in names] + [feats, pa.array(errors, type=pa.string())]
+            yield pa.RecordBatch.from_arrays(cols, names=names + ["features", "error"])
+
+    return df.mapInArrow(run, schema)
+
+
+def _artifact_files(artifact: str) -> Dict[str, bytes]:
+    files = {}
+    for name in sorted(os.listdir(artifact)):
+        p = os.path.join(artifact, name)
+        if os.path.isfile(p):
+            with open(p, "rb") as f:
+                files[name] = f.read()
+    if "manifest.json" not in files:
+        raise KestrelError(f"{artifact}: not an exported artifact (no manifest.json)")
+    return files
+
+
+def _predictor(files: Dict[str, bytes], threads: int):
+    """The artifact, written once per worker to a directory of its own and loaded as the edge
+    loads it (hashes, then the golden-sample health check)."""
+    digest = hashlib.sha256()
+    for name, b in files.items():
+        digest.update(name.encode() + b"\0" + hashlib.sha256(b).digest())
+    key = f"{digest.hexdigest()}-{threads}"
+    p = _predictors.get(key)
+    if p is None:
+        d = tempfile.mkdtemp(prefix="kestrel-artifact-")
+        for name, b in files.items():
+            with open(os.path.join(d, name), "wb") as f:
+                f.write(b)
+        p = _predictors[key] = _native.Predictor(d, threads)
+    return p
+
+
+def predict(
+    df,
+    artifact: str,
+    *,
+    k: int = 1,
+    path: str = "path",
+    content: str = "content",
+    threads: int = 1,
+    batch_rows: int = BATCH_ROWS,
+):
+    """Classifies every image with an exported artifact (a directory on the driver; its files go
+    to the executors with the task). Returns the DataFrame without ``content``, with
+    ``prediction`` (label), ``class``, ``score`` (softmax), ``top`` (the top ``k`` as
+    label/class/score structs) and ``error`` (null, or why the image was not classified: such
+    rows are kept, as in ``trainer predict``)."""
+    import pyarrow as pa
+    from pyspark.sql.types import (
+        ArrayType,
+        FloatType,
+        IntegerType,
+        StringType,
+        StructField,
+        StructType,
+    )
+
+    _require(df, path, content)
+    files = _artifact_files(artifact)
+    _native.Predictor(artifact, threads)  # fails here, on the driver, if the artifact is bad
+    _small_batches(_session(df), batch_rows)
+    kept = [f for f in df.schema.fields if f.name != content]
+    top_type = StructType(
+        [
+            StructField("label", StringType(), True),
+            StructField("class", IntegerType(), True),
+            StructField("score", FloatType(), True),
+        ]
+    )
+    schema = StructType(
+        kept
+        + [
+            StructField("prediction", StringType(), True),
+            StructField("class", IntegerType(), True),
+            StructField("score", FloatType(), True),
+            StructField("top", ArrayType(top_type), True),
+            StructField("error", StringType(), True),
+        ]
+    )
+    names = [f.name for f in kept]
+    arrow_top = pa.list_(
+        pa.struct([("label", pa.string()), ("class", pa.int32()), ("score", pa.float32())])
+    )
+
+    def run(batches):
+        model = _predictor(files, threads)
+        for batch in batches:
+            ids = [str(p) for p in batch.column(path).to_pylist()]
+            images = [b if b is not None else b"" for b in batch.column(content).to_pylist()]
+            results = model.predict(ids, images, k)
+            tops = [
+                None if t is None else [{"label": l, "class": c, "score": s} for l, c, s in t]
+                for t, _ in results
+            ]
+            cols = [batch.column(n) for n in names] + [
+                pa.array([t[0]["label"] if t else None for t in tops], type=pa.string()),
+                pa.array([t[0]["class"] if t else None for t in tops], type=pa.int32()),
+                pa.array([t[0]["score"] if t else None for t in tops], type=pa.float32()),
+                pa.array(tops, type=arrow_top),
+                pa.array([e for _, e in results], type=pa.string()),
+            ]
+            yield pa.RecordBatch.from_arrays(
+                cols, names=names + ["prediction", "class", "score", "top", "error"]
+            )
+
+    return df.mapInArrow(run, schema)
+
+
+def stage(df, out: str, *, label: str = "label", path: str = "path", content: str = "content") -> str:
+    """Writes the images and labels of ``df`` as a Parquet table at ``out`` (a path every node
+    sees, or an object URL) for the trainer to read; returns ``out``."""
+    _require(df, path, content, label)
+    df.select(path, content, label).write.mode("overwrite").parquet(out)
+    return out
+
+
+def slots(spark) -> int:
+    """Task slots of the cluster: cores over ``spark.task.cpus``."""
+    sc = spark.sparkContext
+    per_task = int(sc.getConf().get("spark.task.cpus", "1"))
+    return max(1, sc.defaultParallelism // per_task)
+
+
+def _data(df_or_table, label: str, path: str, content: str, staging: Optional[str]) -> Tuple[str, list]:
+    """The ``--data`` of a command: a table path/URL as given, or a DataFrame staged as Parquet."""
+    if isinstance(df_or_table, str):
+        return df_or_table, []
+    df = df_or_table
+    staged = stage(
+        df,
+        staging or tempfile.mkdtemp(prefix="kestrel-stage-"),
+        label=label,
+        path=path,
+        content=content,
+    )
+    return staged, ["--label-column", label, "--path-column", path, "--content-column", content]
+
+
+def _on_barrier(spark, argv: List[str], num_workers: int, timeout_s: float) -> str:
+    """Runs the distributed command ``argv`` with one rank per task of a barrier stage; returns
+    rank 0's output."""
+    have = slots(spark)
+    if num_workers > have:
+        raise KestrelError(
+            f"num_workers={num_workers} needs {num_workers} task slots at once (a barrier stage), "
+            f"and the cluster has {have}: add executors or cores, or ask for fewer workers"
+        )
+    token = secrets.token_hex(16)
+
+    def rank_task(_):
+        from pyspark import BarrierTaskContext
+
+        ctx = BarrierTaskContext.get()
+        rank = ctx.partitionId()
+        host = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0]
+        if rank == 0:
+            lead = _native.Lead(host)
+            ports = ctx.allGather(str(lead.port))
+            out = lead.run(argv, num_workers, token, timeout_s)
+        else:
+            ports = ctx.allGather("")
+            out = _native.run_rank(argv, rank, num_workers, f"{host}:{ports[0]}", token, timeout_s)
+        yield (rank, out)
+
+    sc = spark.sparkContext
+    results = sc.parallelize(range(num_workers), num_workers).barrier().mapPartitions(rank_task).collect()
+    return dict(results)[0]
+
+
+def fit(
+    df_or_table,
+    *,
+    out: str,
+    label: str = "label",
+    num_workers: int = 1,
+    path: str = "path",
+    content: str = "content",
+    staging: Optional[str] = None,
+    timeout_s: float = 600.0,
+    **kwargs: Any,
+):
+    """``trainer fit`` with ``num_workers`` ranks, one per task of a barrier stage: the same
+    training as ``trainer fit --workers N`` (same shards, same collectives, same results). The
+    data is a table (path or URL) or a DataFrame of images with a ``label`` column, staged as
+    Parquet in ``staging`` first. ``out`` is the run directory (rank 0 writes it). Other keyword
+    arguments are ``trainer fit``'s flags. Returns the run's summary."""
+    spark = _spark_of(df_or_table)
+    data, extra = _data(df_or_table, label, path, content, staging)
+    argv = ["fit", "--data", data, "--out", out] + extra + flags(**kwargs) + ["--json"]
+    return parse_json_output(_on_barrier(spark, argv, num_workers, timeout_s))
+
+
+def tune(
+    df_or_table,
+    *,
+    out: str,
+    label: str = "label",
+    num_workers: int = 1,
+    path: str = "path",
+    content: str = "content",
+    staging: Optional[str] = None,
+    timeout_s: float = 600.0,
+    **kwargs: Any,
+):
+    """``trainer tune`` with its trials spread over ``num_workers`` tasks of a barrier stage (what
+    Hyperopt's ``SparkTrials`` does for the seed): each task runs its share of every round of
+    trials and the search sees all results. Other keyword arguments are ``trainer tune``'s flags
+    (``trials=``, ``startup=``, ``space=``...). Returns the search's summary."""
+    spark = _spark_of(df_or_table)
+    data, extra = _data(df_or_table, label, path, content, staging)
+    argv = ["tune", "--data", data, "--out", out] + extra + flags(**kwargs) + ["--json"]
+    return parse_json_output(_on_barrier(spark, argv, num_workers, timeout_s))
+
+
+def _spark_of(df_or_table):
+    if isinstance(df_or_table, str):
+        from pyspark.sql import SparkSession
+
+        spark = SparkSession.getActiveSession()
+        if spark is None:
+            raise KestrelError("no active Spark session")
+        return spark
+    return df_or_table.sparkSession

@@ -1,0 +1,274 @@
+//! `kestrel._native`: the Rust side of the `kestrel` Python package. Every entry point runs the
+//! trainer's own code — a command line parsed and run by `kestrel_trainer::cli` exactly as the
+//! `trainer` binary runs it, a feature extractor, an exported artifact — with the GIL released.
+//! The Python modules (`kestrel/__init__.py`, `kestrel/spark.py`) turn keyword arguments into the
+//! command's flags and its `--json` output into objects.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use clap::Parser;
+use kestrel_models::EngineKind;
+use kestrel_models::artifact::LoadedModel;
+use kestrel_trainer::cli::{self, Cli};
+use kestrel_trainer::data::extract::Extractor as RustExtractor;
+use kestrel_trainer::distributed::{TcpComm, tcp};
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+create_exception!(
+    kestrel,
+    KestrelError,
+    PyException,
+    "A Kestrel command or operation failed; the message is the CLI's."
+);
+
+fn py_err(e: impl std::fmt::Display) -> PyErr {
+    KestrelError::new_err(e.to_string())
+}
+
+/// Parses `argv` (without the program name) as the `trainer` command line. `--help` and
+/// `--version` come back as `Ok(Err(text))`.
+fn parse(argv: &[String]) -> Result<Result<cli::Cmd, String>, String> {
+    let args = std::iter::once("trainer".to_string()).chain(argv.iter().cloned());
+    match Cli::try_parse_from(args) {
+        Ok(c) => Ok(Ok(c.cmd)),
+        Err(e) if !e.use_stderr() => Ok(Err(e.render().to_string())),
+        Err(e) => Err(e.render().to_string()),
+    }
+}
+
+/// Runs `run` with the command's output captured: the output, or the error as the CLI prints it.
+fn captured(
+    argv: Vec<String>,
+    run: impl FnOnce(cli::Cmd) -> anyhow::Result<ExitCode>,
+) -> Result<String, String> {
+    let cmd = match parse(&argv)? {
+        Ok(cmd) => cmd,
+        Err(help) => return Ok(help),
+    };
+    let (r, out) = cli::out::capture(|| run(cmd));
+    match r {
+        Ok(code) if code == ExitCode::SUCCESS => Ok(out),
+        Ok(_) => Err(format!("trainer {} failed\n{out}", argv.join(" "))),
+        Err(e) => Err(format!("{e:#}")),
+    }
+}
+
+/// Runs the `trainer` command line `argv` (without the program name) in this process and returns
+/// what it printed. Raises `KestrelError` with the CLI's message when it fails.
+#[pyfunction]
+fn run(py: Python<'_>, argv: Vec<String>) -> PyResult<String> {
+    py.detach(|| captured(argv, cli::run)).map_err(py_err)
+}
+
+/// Runs the distributed command `argv` as rank `rank` (> 0) of `world` processes whose rank 0
+/// listens at `lead` ("host:port"), proving membership with `token`.
+#[pyfunction]
+#[pyo3(signature = (argv, rank, world, lead, token, timeout_s=600.0))]
+fn run_rank(
+    py: Python<'_>,
+    argv: Vec<String>,
+    rank: usize,
+    world: usize,
+    lead: String,
+    token: String,
+    timeout_s: f64,
+) -> PyResult<String> {
+    let addr: SocketAddr = lead
+        .parse()
+        .map_err(|e| py_err(format!("rank 0's address `{lead}`: {e}")))?;
+    py.detach(|| {
+        let comm = TcpComm::join(rank, world, addr, &token, secs(timeout_s))
+            .map_err(|e| e.to_string())?;
+        captured(argv, |cmd| cli::run_as_rank(cmd, Box::new(comm)))
+    })
+    .map_err(py_err)
+}
+
+fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s.max(0.001))
+}
+
+/// Rank 0 of a job of processes: listens on `host` (a free port) until [`Lead::run`] accepts the
+/// other ranks, whose tasks learn the address from Spark.
+#[pyclass]
+struct Lead {
+    listener: Mutex<Option<TcpListener>>,
+    #[pyo3(get)]
+    port: u16,
+}
+
+#[pymethods]
+impl Lead {
+    #[new]
+    fn new(host: &str) -> PyResult<Lead> {
+        let l = tcp::listen(host).map_err(|e| py_err(format!("listening on {host}: {e}")))?;
+        let port = l.local_addr().map_err(py_err)?.port();
+        Ok(Lead {
+            listener: Mutex::new(Some(l)),
+            port,
+        })
+    }
+
+    /// Runs the distributed command `argv` as rank 0 of `world` (once).
+    #[pyo3(signature = (argv, world, token, timeout_s=600.0))]
+    fn run(
+        &self,
+        py: Python<'_>,
+        argv: Vec<String>,
+        world: usize,
+        token: String,
+        timeout_s: f64,
+    ) -> PyResult<String> {
+        let listener = self
+            .listener
+            .lock()
+            .map_err(py_err)?
+            .take()
+            .ok_or_else(|| py_err("this Lead already ran its job"))?;
+        py.detach(|| {
+            let comm = TcpComm::lead(listener, world, &token, secs(timeout_s))
+                .map_err(|e| e.to_string())?;
+            captured(argv, |cmd| cli::run_as_rank(cmd, Box::new(comm)))
+        })
+        .map_err(py_err)
+    }
+}
+
+/// A backbone's frozen network, loaded once (an executor's Python worker keeps it between tasks).
+#[pyclass]
+struct Extractor {
+    inner: RustExtractor,
+}
+
+#[pymethods]
+impl Extractor {
+    /// `flags`: `trainer prepare`'s backbone and engine flags (`--backbone`, `--engine`, ...).
+    #[new]
+    fn new(py: Python<'_>, flags: Vec<String>) -> PyResult<Extractor> {
+        let inner = py
+            .detach(|| cli::features::extractor(&flags).map_err(|e| format!("{e:#}")))
+            .map_err(py_err)?;
+        Ok(Extractor { inner })
+    }
+
+    /// Features of each image: `(features, dims, errors)`, `features` the little-endian f32 rows
+    /// of the images that decoded, one after another, `errors[i]` why image `i` did not (or
+    /// None).
+    fn extract<'py>(
+        &self,
+        py: Python<'py>,
+        names: Vec<String>,
+        images: Vec<Vec<u8>>,
+    ) -> PyResult<(Bound<'py, PyBytes>, usize, Vec<Option<String>>)> {
+        if names.len() != images.len() {
+            return Err(py_err(format!(
+                "{} names for {} images",
+                names.len(),
+                images.len()
+            )));
+        }
+        let rows = py
+            .detach(|| {
+                let items: Vec<(&str, &[u8])> = names
+                    .iter()
+                    .map(String::as_str)
+                    .zip(images.iter().map(Vec::as_slice))
+                    .collect();
+                self.inner.extract(&items).map_err(|e| format!("{e:#}"))
+            })
+            .map_err(py_err)?;
+        let dims = rows.iter().find_map(|r| r.as_ref().ok()).map_or(0, Vec::len);
+        let mut out: Vec<u8> = Vec::with_capacity(rows.len() * dims * 4);
+        let mut errors = Vec::with_capacity(rows.len());
+        for r in rows {
+            match r {
+                Ok(v) => {
+                    out.extend(v.iter().flat_map(|f| f.to_le_bytes()));
+                    errors.push(None);
+                }
+                Err(e) => errors.push(Some(e.to_string())),
+            }
+        }
+        Ok((PyBytes::new(py, &out), dims, errors))
+    }
+}
+
+/// An exported artifact, loaded and health-checked as the edge agent loads it (tract).
+#[pyclass]
+struct Predictor {
+    model: LoadedModel,
+}
+
+#[pymethods]
+impl Predictor {
+    #[new]
+    #[pyo3(signature = (artifact, threads=1, max_bytes=64 << 20))]
+    fn new(py: Python<'_>, artifact: PathBuf, threads: usize, max_bytes: u64) -> PyResult<Self> {
+        let model = py
+            .detach(|| {
+                LoadedModel::load(&artifact, max_bytes, EngineKind::Tract, threads)
+                    .map_err(|e| format!("{}: {e}", artifact.display()))
+            })
+            .map_err(py_err)?;
+        Ok(Predictor { model })
+    }
+
+    /// The model's class labels, in class order.
+    #[getter]
+    fn labels(&self) -> Vec<String> {
+        self.model.manifest.labels.clone()
+    }
+
+    /// Per image, `(top, None)` with the top-`k` `(label, class, score)`, or `(None, error)`.
+    fn predict(
+        &self,
+        py: Python<'_>,
+        names: Vec<String>,
+        images: Vec<Vec<u8>>,
+        k: usize,
+    ) -> Vec<(Option<Vec<(String, usize, f32)>>, Option<String>)> {
+        py.detach(|| {
+            names
+                .iter()
+                .zip(&images)
+                .map(|(n, b)| {
+                    self.model
+                        .predict(b, n, k)
+                        .map(|p| {
+                            p.top
+                                .into_iter()
+                                .map(|c| (c.label, c.class, c.score))
+                                .collect()
+                        })
+                        .map_or_else(|e| (None, Some(e.to_string())), |top| (Some(top), None))
+                })
+                .collect()
+        })
+    }
+}
+
+/// Log lines on stderr at `verbosity` (0 info, 1 debug, -1 warnings only); `RUST_LOG` overrides.
+#[pyfunction]
+fn init_logging(verbosity: i8) {
+    kestrel_trainer::shared::logging::init(verbosity);
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("KestrelError", m.py().get_type::<KestrelError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(run, m)?)?;
+    m.add_function(wrap_pyfunction!(run_rank, m)?)?;
+    m.add_function(wrap_pyfunction!(init_logging, m)?)?;
+    m.add_class::<Lead>()?;
+    m.add_class::<Extractor>()?;
+    m.add_class::<Predictor>()?;
+    Ok(())
+}
