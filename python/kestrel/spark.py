@@ -23,7 +23,6 @@ import secrets
 import tempfile
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
-import kestrel
 from kestrel import KestrelError, _native, flags, parse_json_output
 
 __all__ = ["features", "predict", "fit", "tune", "stage", "slots"]
@@ -127,11 +126,11 @@ def features(
 
 def _artifact_files(artifact: str) -> Dict[str, bytes]:
     files = {}
-    for name in sorted(os.listdir(artifact)):
-        p = os.path.join(artifact, name)
-        if os.path.isfile(p):
+    for root, _, names in os.walk(artifact):
+        for name in sorted(names):
+            p = os.path.join(root, name)
             with open(p, "rb") as f:
-                files[name] = f.read()
+                files[os.path.relpath(p, artifact)] = f.read()
     if "manifest.json" not in files:
         raise KestrelError(f"{artifact}: not an exported artifact (no manifest.json)")
     return files
@@ -148,7 +147,9 @@ def _predictor(files: Dict[str, bytes], threads: int):
     if p is None:
         d = tempfile.mkdtemp(prefix="kestrel-artifact-")
         for name, b in files.items():
-            with open(os.path.join(d, name), "wb") as f:
+            p = os.path.join(d, name)
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "wb") as f:
                 f.write(b)
         p = _predictors[key] = _native.Predictor(d, threads)
     return p
