@@ -31,6 +31,9 @@ MOTO_VERSION=5.2.6
 AZURE_BLOB_VERSION=12.31.1
 PYROARING_VERSION=1.2.0
 AZURITE_VERSION=3.35.0
+# The Python package's Spark tests: pyspark (Java 17 from Debian), the wheel built by maturin.
+PYSPARK_VERSION=4.3.0
+MATURIN_VERSION=1.16.0
 # Progress lines with the wall-clock time, so a slow step shows in any log.
 log() { printf '\033[1m==> %s %s\033[0m\n' "$(date +%T)" "$*" >&2; }
 # A free TCP port on loopback, and waiting (up to 10 s) until something listens on one.

@@ -113,6 +113,15 @@ if [ $full = 1 ]; then
     "$KESTREL_PY" -m pip install --quiet "moto[server]==$MOTO_VERSION" \
       "azure-storage-blob==$AZURE_BLOB_VERSION" "pyroaring==$PYROARING_VERSION" >&2
   fi
+  if ! venv_has 'pyspark, maturin, pytest, pandas'; then
+    log "installing pyspark==$PYSPARK_VERSION maturin==$MATURIN_VERSION pytest pandas into $KESTREL_HOME/venv"
+    "$KESTREL_PY" -m pip install --quiet "pyspark==$PYSPARK_VERSION" "maturin==$MATURIN_VERSION" \
+      pytest "pandas>=2.2,<3" >&2
+  fi
+  if ! command -v java >/dev/null 2>&1; then
+    log "installing Java 17 (Debian) for Spark"
+    apt-get install -y -q openjdk-17-jre-headless >&2 || log "WARNING: no Java: the Spark tests fail saying so"
+  fi
   # Azurite (npm), the Azure blob server of the object-store tests.
   if [ ! -x "$KESTREL_HOME/node/node_modules/.bin/azurite-blob" ] && command -v npm >/dev/null; then
     log "installing azurite@$AZURITE_VERSION (npm) into $KESTREL_HOME/node"

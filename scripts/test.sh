@@ -65,4 +65,10 @@ rc=0
 # shellcheck disable=SC2086
 cargo nextest run --release --locked --workspace --no-fail-fast $KESTREL_FEATURES || rc=$?
 "$here/test-times.sh" 15 || true
+# The Python package, built as a user builds it (maturin, through pip), and its tests on a standalone
+# Spark cluster (python/tests/conftest.py starts it).
+log "Python package: pip install ./python, then pytest python/tests (Spark: a master and two workers)"
+PATH="$KESTREL_HOME/venv/bin:$PATH" "$KESTREL_PY" -m pip install --quiet --no-build-isolation \
+  --force-reinstall --no-deps ./python >&2 || rc=1
+(cd python/tests && KESTREL_BIN="$KESTREL_BIN" "$KESTREL_PY" -m pytest -q -p no:cacheprovider .) || rc=1
 exit "$rc"

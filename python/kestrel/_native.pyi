@@ -1,0 +1,43 @@
+"""The Rust side of the package (see kestrel/__init__.py): the trainer's own code, GIL released."""
+
+from typing import List, Optional, Tuple
+
+__version__: str
+
+class KestrelError(Exception):
+    """A Kestrel command or operation failed; the message is the CLI's."""
+
+def run(argv: List[str]) -> str:
+    """Runs the `trainer` command line `argv` (no program name) here; returns what it printed."""
+
+def run_rank(
+    argv: List[str], rank: int, world: int, lead: str, token: str, timeout_s: float = 600.0
+) -> str:
+    """Runs a distributed command as rank `rank` (> 0) of `world`; rank 0 listens at `lead`."""
+
+def init_logging(verbosity: int) -> None: ...
+
+class Lead:
+    """Rank 0 of a job of processes, listening on `host` at `port`."""
+
+    port: int
+    def __init__(self, host: str) -> None: ...
+    def run(self, argv: List[str], world: int, token: str, timeout_s: float = 600.0) -> str: ...
+
+class Extractor:
+    """A backbone's frozen network from `trainer prepare`'s flags (`--backbone`, `--engine`...)."""
+
+    def __init__(self, flags: List[str]) -> None: ...
+    def extract(
+        self, names: List[str], images: List[bytes]
+    ) -> Tuple[bytes, int, List[Optional[str]]]:
+        """(little-endian f32 rows of the images that decoded, dims, per-image error or None)."""
+
+class Predictor:
+    """An exported artifact, loaded and health-checked as the edge agent loads it."""
+
+    labels: List[str]
+    def __init__(self, artifact: str, threads: int = 1, max_bytes: int = 67108864) -> None: ...
+    def predict(
+        self, names: List[str], images: List[bytes], k: int
+    ) -> List[Tuple[Optional[List[Tuple[str, int, float]]], Optional[str]]]: ...
