@@ -4,7 +4,7 @@
 //! The Python modules (`kestrel/__init__.py`, `kestrel/spark.py`) turn keyword arguments into the
 //! command's flags and its `--json` output into objects.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Mutex;
@@ -80,12 +80,15 @@ fn run_rank(
     token: String,
     timeout_s: f64,
 ) -> PyResult<String> {
+    // A host name (Spark reports executors by name or address) resolves here.
     let addr: SocketAddr = lead
-        .parse()
-        .map_err(|e| py_err(format!("rank 0's address `{lead}`: {e}")))?;
+        .to_socket_addrs()
+        .map_err(|e| py_err(format!("rank 0's address `{lead}`: {e}")))?
+        .next()
+        .ok_or_else(|| py_err(format!("rank 0's address `{lead}` resolves to nothing")))?;
     py.detach(|| {
-        let comm = TcpComm::join(rank, world, addr, &token, secs(timeout_s))
-            .map_err(|e| e.to_string())?;
+        let comm =
+            TcpComm::join(rank, world, addr, &token, secs(timeout_s)).map_err(|e| e.to_string())?;
         captured(argv, |cmd| cli::run_as_rank(cmd, Box::new(comm)))
     })
     .map_err(py_err)
@@ -184,7 +187,10 @@ impl Extractor {
                 self.inner.extract(&items).map_err(|e| format!("{e:#}"))
             })
             .map_err(py_err)?;
-        let dims = rows.iter().find_map(|r| r.as_ref().ok()).map_or(0, Vec::len);
+        let dims = rows
+            .iter()
+            .find_map(|r| r.as_ref().ok())
+            .map_or(0, Vec::len);
         let mut out: Vec<u8> = Vec::with_capacity(rows.len() * dims * 4);
         let mut errors = Vec::with_capacity(rows.len());
         for r in rows {

@@ -149,9 +149,10 @@ def trainer(*args: str) -> str:
     return r.stdout
 
 
-def tasks_per_executor(spark) -> dict:
-    """Tasks each executor has run so far (the application's REST API), by executor id."""
+def tasks_per_executor(spark, field: str = "totalTasks") -> dict:
+    """Tasks each executor has run (or failed: `failedTasks`) so far, from the application's REST
+    API, by executor id."""
     sc = spark.sparkContext
     url = f"{sc.uiWebUrl}/api/v1/applications/{sc.applicationId}/executors"
     with urllib.request.urlopen(url, timeout=10) as r:
-        return {e["id"]: e["totalTasks"] for e in json.load(r) if e["id"] != "driver"}
+        return {e["id"]: e[field] for e in json.load(r) if e["id"] != "driver"}

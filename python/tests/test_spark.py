@@ -105,3 +105,21 @@ def test_predict_gives_trainer_predicts_classes(spark, lfw, tmp_path):
     assert all(len(r.top) == 2 and r.top[0].label == r.prediction for r in rows)
     correct = sum(r.prediction == r.label for r in rows)
     assert correct >= 190, correct
+
+
+def test_a_worker_killed_during_features_is_retried_with_the_same_result(spark, lfw):
+    from pyspark import TaskContext
+
+    def die_once(batches):
+        ctx = TaskContext.get()
+        for b in batches:
+            yield b  # features runs on this batch, then
+            if ctx.partitionId() == 0 and ctx.attemptNumber() == 0:
+                os._exit(137)  # the Python worker dies in the middle of its task
+
+    clean = {local(r.path): r.features for r in ks.features(lfw).collect()}
+    killed = lfw.mapInArrow(die_once, lfw.schema)
+    failed = sum(tasks_per_executor(spark, "failedTasks").values())
+    again = {local(r.path): r.features for r in ks.features(killed).collect()}
+    assert sum(tasks_per_executor(spark, "failedTasks").values()) > failed, "a task was killed"
+    assert again == clean

@@ -21,5 +21,9 @@ pub struct Args {
 pub fn extractor<S: AsRef<str>>(flags: &[S]) -> Result<Extractor> {
     let a = Args::try_parse_from(flags.iter().map(AsRef::as_ref))?;
     let threads = a.engine.job_opts().threads;
-    Ok(Extractor::new(a.backbone.load()?, a.engine.engine, threads)?)
+    Ok(Extractor::new(
+        a.backbone.load()?,
+        a.engine.engine,
+        threads,
+    )?)
 }

@@ -3,12 +3,12 @@
 //! `trainer prepare`'s (decode with the same limits, the backbone's preprocessing to 8-bit pixels,
 //! normalisation, the frozen network with pooling), so the features equal the feature cache's.
 
+use image::RgbImage;
 use indicatif::ProgressBar;
 use kestrel_models::backbone::{Backbone, BackboneError};
 use kestrel_models::{Engine, EngineKind};
 use kestrel_shared::preprocess::decode;
 use kestrel_shared::{ImageLimits, PreprocessError};
-use image::RgbImage;
 
 use super::cache::CacheError;
 use super::features::{frozen_opts, run_frozen};
@@ -65,7 +65,11 @@ impl Extractor {
             run_frozen(&*self.engine, spec, &good, 0, &ProgressBar::hidden())
                 .map_err(ExtractError::Run)?
         };
-        let per = if good.is_empty() { 0 } else { out.len() / good.len() };
+        let per = if good.is_empty() {
+            0
+        } else {
+            out.len() / good.len()
+        };
         let mut rows = out.chunks_exact(per.max(1));
         Ok(pixels
             .into_iter()
