@@ -123,3 +123,16 @@ def test_a_worker_killed_during_features_is_retried_with_the_same_result(spark, 
     again = {local(r.path): r.features for r in ks.features(killed).collect()}
     assert sum(tasks_per_executor(spark, "failedTasks").values()) > failed, "a task was killed"
     assert again == clean
+
+
+def test_tune_spreads_its_trials_over_a_barrier_stage(spark, lfw, tmp_path):
+    staged = ks.stage(lfw, str(tmp_path / "staged"))
+    before = tasks_per_executor(spark)
+    s = ks.tune(
+        staged, out=str(tmp_path / "tune"), num_workers=2, trials=4, startup=2, engine="tract",
+        cache=str(tmp_path / "cache"), no_mlflow=True, threads=1,
+    )
+    after = tasks_per_executor(spark)
+    assert sorted(t["trial"] for t in s["trials"]) == [0, 1, 2, 3]
+    assert s["best"]["val_loss"] == min(t["val_loss"] for t in s["trials"])
+    assert all(after[e] > before.get(e, 0) for e in after), (before, after)
