@@ -292,6 +292,14 @@ def _on_barrier(spark, argv: List[str], num_workers: int, timeout_s: float) -> s
     return dict(results)[0]
 
 
+def _distributed(command, df_or_table, out, label, num_workers, path, content, staging, timeout_s, kwargs):
+    """``trainer COMMAND --data ... --out OUT FLAGS --json`` on a barrier stage; its summary."""
+    spark = _spark_of(df_or_table)
+    data, extra = _data(df_or_table, label, path, content, staging)
+    argv = [command, "--data", data, "--out", out] + extra + flags(**kwargs) + ["--json"]
+    return parse_json_output(_on_barrier(spark, argv, num_workers, timeout_s))
+
+
 def fit(
     df_or_table,
     *,
@@ -309,10 +317,7 @@ def fit(
     data is a table (path or URL) or a DataFrame of images with a ``label`` column, staged as
     Parquet in ``staging`` first. ``out`` is the run directory (rank 0 writes it). Other keyword
     arguments are ``trainer fit``'s flags. Returns the run's summary."""
-    spark = _spark_of(df_or_table)
-    data, extra = _data(df_or_table, label, path, content, staging)
-    argv = ["fit", "--data", data, "--out", out] + extra + flags(**kwargs) + ["--json"]
-    return parse_json_output(_on_barrier(spark, argv, num_workers, timeout_s))
+    return _distributed("fit", df_or_table, out, label, num_workers, path, content, staging, timeout_s, kwargs)
 
 
 def tune(
@@ -331,10 +336,7 @@ def tune(
     Hyperopt's ``SparkTrials`` does for the seed): each task runs its share of every round of
     trials and the search sees all results. Other keyword arguments are ``trainer tune``'s flags
     (``trials=``, ``startup=``, ``space=``...). Returns the search's summary."""
-    spark = _spark_of(df_or_table)
-    data, extra = _data(df_or_table, label, path, content, staging)
-    argv = ["tune", "--data", data, "--out", out] + extra + flags(**kwargs) + ["--json"]
-    return parse_json_output(_on_barrier(spark, argv, num_workers, timeout_s))
+    return _distributed("tune", df_or_table, out, label, num_workers, path, content, staging, timeout_s, kwargs)
 
 
 def _spark_of(df_or_table):

@@ -79,20 +79,7 @@ impl LocalComm {
         if st.arrived.iter().all(Option::is_some) {
             let contributions: Vec<(String, Vec<u8>)> =
                 st.arrived.iter_mut().map(|a| a.take().unwrap()).collect();
-            let odd: Vec<String> = contributions
-                .iter()
-                .enumerate()
-                .filter(|(_, (o, _))| *o != contributions[0].0)
-                .map(|(r, (o, _))| format!("rank {r} called `{o}`"))
-                .collect();
-            st.result = if odd.is_empty() {
-                Ok(Arc::new(contributions.into_iter().map(|c| c.1).collect()))
-            } else {
-                Err(CollectiveError::Mismatch {
-                    seq,
-                    detail: format!("rank 0 called `{}`, {}", contributions[0].0, odd.join(", ")),
-                })
-            };
+            st.result = super::same_operation(seq, contributions).map(Arc::new);
             st.round += 1;
             st.done = st.round;
             sh.cv.notify_all();

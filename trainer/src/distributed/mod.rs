@@ -70,6 +70,27 @@ pub enum CollectiveError {
     Connect(String),
 }
 
+/// Every rank's bytes of collective `seq`, in rank order, if every rank called the same operation
+/// (each part: the operation's signature and the bytes); else the mismatch, naming the odd ranks.
+pub(crate) fn same_operation(
+    seq: u64,
+    parts: Vec<(String, Vec<u8>)>,
+) -> Result<Vec<Vec<u8>>, CollectiveError> {
+    let odd: Vec<String> = parts
+        .iter()
+        .enumerate()
+        .filter(|(_, (o, _))| *o != parts[0].0)
+        .map(|(r, (o, _))| format!("rank {r} called `{o}`"))
+        .collect();
+    if !odd.is_empty() {
+        return Err(CollectiveError::Mismatch {
+            seq,
+            detail: format!("rank 0 called `{}`, {}", parts[0].0, odd.join(", ")),
+        });
+    }
+    Ok(parts.into_iter().map(|p| p.1).collect())
+}
+
 /// `buf` = the element-wise sum of every rank's f32 bytes, added in rank order (the same bits on
 /// every rank).
 pub(crate) fn sum_in_rank_order(buf: &mut [f32], all: &[Vec<u8>]) {

@@ -400,25 +400,18 @@ impl TcpComm {
             }
         }
         let parts: Vec<(String, Vec<u8>)> = arrived.into_iter().map(Option::unwrap).collect();
-        let odd: Vec<String> = parts
-            .iter()
-            .enumerate()
-            .filter(|(_, (o, _))| *o != parts[0].0)
-            .map(|(r, (o, _))| format!("rank {r} called `{o}`"))
-            .collect();
-        if !odd.is_empty() {
-            let error = CollectiveError::Mismatch {
-                seq,
-                detail: format!("rank 0 called `{}`, {}", parts[0].0, odd.join(", ")),
-            };
-            self.tell_all(&Frame::Failed {
-                seq,
-                error: error.clone(),
-            });
-            return Err(error);
-        }
-        let parts: Vec<Vec<u8>> = parts.into_iter().map(|p| p.1).collect();
-        let all = Frame::All { seq, parts }.encode();
+        let parts = match super::same_operation(seq, parts) {
+            Ok(parts) => parts,
+            Err(error) => {
+                self.tell_all(&Frame::Failed {
+                    seq,
+                    error: error.clone(),
+                });
+                return Err(error);
+            }
+        };
+        let frame = Frame::All { seq, parts };
+        let all = frame.encode();
         for (i, p) in peers.iter().enumerate() {
             let mut s = p.lock().unwrap_or_else(|e| e.into_inner());
             if let Err(e) = s.write_all(&all) {
@@ -432,10 +425,10 @@ impl TcpComm {
                 return Err(e);
             }
         }
-        Ok(match Frame::decode(&all[8..]) {
-            Some(Frame::All { parts, .. }) => parts,
-            _ => unreachable!("decodes what it encoded"),
-        })
+        match frame {
+            Frame::All { parts, .. } => Ok(parts),
+            _ => unreachable!("built above"),
+        }
     }
 
     fn send_and_wait(
