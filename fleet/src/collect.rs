@@ -4,16 +4,17 @@
 //! dies loses nothing, and what it stored but had not acknowledged comes again (the caller
 //! de-duplicates by capture path).
 
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use kestrel_shared::capture::Capture;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::Topics;
 use kestrel_shared::topics::{DeviceTopic, Route};
-use rumqttc::{Client, Event, Packet, Publish, QoS};
+use rumqttc::{Client, Event, Outgoing, Packet, Publish, QoS};
 
 use crate::FleetError;
+use crate::conn::Events;
 
 /// One message from the capture topics: a capture and its image bytes, or why it is not one.
 pub struct Received {
@@ -24,9 +25,11 @@ pub struct Received {
 
 pub struct CaptureFeed {
     client: Client,
-    events: Receiver<Result<Event, rumqttc::ConnectionError>>,
+    events: Events,
     url: String,
     topics: Topics,
+    /// Acknowledgements queued and not yet written to the socket.
+    unwritten: usize,
     /// Whether the broker had this client id's session (captures queued while away).
     pub resumed: bool,
 }
@@ -37,7 +40,7 @@ impl CaptureFeed {
         let mut opts = cfg.options(client_id, false)?;
         opts.set_manual_acks(true);
         let (client, conn) = Client::new(opts, 256);
-        let events = crate::conn::forward_events(conn);
+        let events = Events::new(conn);
         let err = |reason: String| FleetError::Broker {
             url: cfg.url.clone(),
             reason,
@@ -61,6 +64,7 @@ impl CaptureFeed {
             url: cfg.url.clone(),
             topics,
             resumed,
+            unwritten: 0,
         })
     }
 
@@ -84,6 +88,9 @@ impl CaptureFeed {
                         capture,
                         publish: p,
                     }));
+                }
+                Ok(Ok(Event::Outgoing(Outgoing::PubAck(_)))) => {
+                    self.unwritten = self.unwritten.saturating_sub(1)
                 }
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => return Err(self.err(format!("connection lost: {e}"))),
@@ -119,16 +126,28 @@ impl CaptureFeed {
     }
 
     /// Acknowledges a message once it is stored (or refused for good).
-    pub fn ack(&self, r: &Received) -> Result<(), FleetError> {
+    pub fn ack(&mut self, r: &Received) -> Result<(), FleetError> {
         self.client
             .ack(&r.publish)
-            .map_err(|e| self.err(e.to_string()))
+            .map_err(|e| self.err(e.to_string()))?;
+        self.unwritten += 1;
+        Ok(())
     }
 
-    /// Lets queued acknowledgements reach the broker, then disconnects (the session stays).
-    pub fn close(self) {
-        std::thread::sleep(Duration::from_millis(300));
-        let _ = self.client.disconnect();
-        let _ = self.events.recv_timeout(Duration::from_millis(500));
+    /// Closes the connection (the session stays) once every queued acknowledgement is written
+    /// (waiting up to 5 s; one not written comes again, and the caller de-duplicates).
+    pub fn close(mut self) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.unwritten > 0 {
+            match self
+                .events
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            {
+                Ok(Ok(Event::Outgoing(Outgoing::PubAck(_)))) => self.unwritten -= 1,
+                Ok(Ok(_)) => {}
+                Ok(Err(_)) | Err(_) => break,
+            }
+        }
+        self.events.close();
     }
 }

@@ -8,37 +8,99 @@ use std::time::{Duration, Instant};
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::now_unix;
 use kestrel_shared::protocol::Topics;
-use rumqttc::{Client, Event, Outgoing, Packet, QoS};
+use rumqttc::{Client, Event, Packet, QoS};
 
 use crate::FleetError;
 
-/// The events of a connection, polled by a thread of its own until the receiver is dropped or
-/// the connection fails (reported, not retried).
-pub(crate) fn forward_events(
-    mut conn: rumqttc::Connection,
-) -> Receiver<Result<Event, rumqttc::ConnectionError>> {
-    let (tx, events) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for ev in conn.iter() {
-            let failed = ev.is_err();
-            if tx.send(ev).is_err() || failed {
-                break;
-            }
+/// The events of a connection, polled by a thread of its own (never cut short by a timeout: a
+/// cancelled poll can lose an acknowledgement, and rumqttd drops clients whose acknowledgements
+/// arrive out of order) until the connection fails (reported, not retried) or is closed.
+pub(crate) struct Events {
+    rx: Receiver<Result<Event, rumqttc::ConnectionError>>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Events {
+    pub(crate) fn new(mut conn: rumqttc::Connection) -> Events {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                let _ = tx.send(Err(rumqttc::ConnectionError::RequestsDone));
+                return;
+            };
+            rt.block_on(async {
+                loop {
+                    tokio::select! {
+                        biased;
+                        _ = &mut stopped => break,
+                        ev = conn.eventloop.poll() => {
+                            let failed = ev.is_err();
+                            if tx.send(ev).is_err() || failed {
+                                break;
+                            }
+                        }
+                    }
+                }
+            });
+            // `conn` (and its socket) is dropped here.
+        });
+        Events {
+            rx,
+            stop: Some(stop),
+            thread: Some(thread),
         }
-    });
-    events
+    }
+
+    pub(crate) fn recv_timeout(
+        &self,
+        timeout: Duration,
+    ) -> Result<Result<Event, rumqttc::ConnectionError>, RecvTimeoutError> {
+        self.rx.recv_timeout(timeout)
+    }
+
+    pub(crate) fn try_iter(
+        &self,
+    ) -> impl Iterator<Item = Result<Event, rumqttc::ConnectionError>> + '_ {
+        self.rx.try_iter()
+    }
+
+    /// Closes the socket, with no DISCONNECT packet: every request the callers made has been
+    /// acknowledged or written by then (they wait for that), and Kestrel's short connections
+    /// carry no will. A DISCONNECT would make rumqttd 0.20 drop the connection in its router
+    /// while the connection's network task still runs; that task can then report it (closed,
+    /// or ready for more data) after the router has forgotten it: the report either reaches a
+    /// new client given the same slot (which is dropped in its place) or panics the router
+    /// thread, and the broker answers nobody from then on. A closed socket ends the network task
+    /// first, so its last report is the last word on that connection.
+    pub(crate) fn close(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        self.close();
+    }
 }
 
 /// The longest [`Conn::retained`] reads (a fleet of thousands of retained statuses arrives in
 /// well under a second on loopback).
 pub const RETAINED_MAX_WAIT: Duration = Duration::from_secs(20);
 
-/// A connected blocking MQTT client. Its connection is driven by a thread of its own that
-/// forwards every event: polling is never cut short by a timeout (a cancelled poll can lose an
-/// acknowledgement, and rumqttd drops clients whose acknowledgements arrive out of order).
+/// A connected blocking MQTT client; its connection is driven by [`Events`].
 pub struct Conn {
     client: Client,
-    events: Receiver<Result<Event, rumqttc::ConnectionError>>,
+    events: Events,
     url: String,
     pub topics: Topics,
     /// Publishes received while waiting for something else, with their retain flag.
@@ -58,7 +120,7 @@ impl Conn {
         );
         let opts = cfg.options(&id, true)?;
         let (client, conn) = Client::new(opts, 512);
-        let events = forward_events(conn);
+        let events = Events::new(conn);
         let c = Self {
             client,
             events,
@@ -235,14 +297,8 @@ impl Conn {
         Ok(out)
     }
 
-    pub fn disconnect(self) {
-        let _ = self.client.disconnect();
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while Instant::now() < deadline {
-            match self.events.recv_timeout(Duration::from_millis(200)) {
-                Ok(Ok(Event::Outgoing(Outgoing::Disconnect))) | Ok(Err(_)) | Err(_) => break,
-                _ => {}
-            }
-        }
+    /// Closes the connection (see [`Events::close`]).
+    pub fn disconnect(mut self) {
+        self.events.close();
     }
 }

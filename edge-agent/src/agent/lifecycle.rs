@@ -517,7 +517,7 @@ impl Agent {
         Ok(())
     }
 
-    /// Marks the device offline (retained), delivers the outbox for up to 3 s and disconnects.
+    /// Marks the device offline (retained) and delivers the outbox, for up to 3 s.
     async fn stop(&mut self, mqtt_rx: &mut MqttRx) -> Result<()> {
         tracing::info!("{}: stopping", self.cfg.device_id);
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
@@ -535,8 +535,10 @@ impl Agent {
                 Err(_) => {}
             }
         }
-        let _ = self.client.disconnect().await;
-        let _ = tokio::time::timeout(Duration::from_millis(500), mqtt_rx.recv()).await;
+        // No DISCONNECT: the socket closes with the event loop (its will says "0" as well).
+        // A DISCONNECT makes rumqttd 0.20 forget the connection while its network task still
+        // runs, which can drop another client or stop its router (`kestrel_fleet::conn`'s
+        // `Events::close` says how).
         Ok(())
     }
 }

@@ -33,6 +33,7 @@ struct Cli {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     cli.verbosity.init();
+    exit_when_the_router_dies();
     tracing::info!(
         "kestrel broker (rumqttd) listening on mqtt://{}, payloads up to {} bytes",
         cli.listen,
@@ -54,6 +55,23 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// rumqttd routes every message through one thread; when it panics, the listener still accepts
+/// connections that nothing will ever answer. Ending the process instead lets a supervisor
+/// (systemd's `Restart=`) or the operator start a working broker.
+fn exit_when_the_router_dies() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default(info);
+        if std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("router-"))
+        {
+            tracing::error!("rumqttd's router thread stopped: exiting (nothing routes messages)");
+            std::process::exit(70);
+        }
+    }));
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -91,10 +91,10 @@ pub fn run(a: Args) -> Result<ExitCode> {
             .since
             .is_some_and(|t| t.elapsed() >= Duration::from_secs(2));
         if p.rows.len() >= a.commit_every || due {
-            commit(&a, &feed, &mut p, &mut s)?;
+            commit(&a, &mut feed, &mut p, &mut s)?;
         }
     }
-    commit(&a, &feed, &mut p, &mut s)?;
+    commit(&a, &mut feed, &mut p, &mut s)?;
     feed.close();
     tracing::info!(
         "collect: stored {}, duplicates {}, rejected {} ({} commits)",
@@ -152,7 +152,7 @@ fn row(c: &Capture, content: Vec<u8>) -> Result<CaptureRow> {
 }
 
 /// Commits the pending rows (if any), then acknowledges every pending message.
-fn commit(a: &Args, feed: &CaptureFeed, p: &mut Pending, s: &mut Summary) -> Result<()> {
+fn commit(a: &Args, feed: &mut CaptureFeed, p: &mut Pending, s: &mut Summary) -> Result<()> {
     if !p.rows.is_empty() {
         s.version = Some(delta_write::append(&a.out, &p.rows, Some(&a.client_id))?);
         s.stored += p.rows.len() as u64;
