@@ -50,6 +50,8 @@ if [ "${KESTREL_SKIP_FUZZ:-0}" != 1 ]; then
     exit "$rc"
   fi
 fi
+log "layers: no trainer module uses one that builds on it (scripts/layers.py)"
+python3 "$here/layers.py" --self-test
 log "function length: no function over 120 lines without a written reason"
 python3 "$here/long-functions.py" --max 120 --top 5
 # cargo-nextest (.config/nextest.toml): a process per test, a 5-minute deadline per test, no retries,

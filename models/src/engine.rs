@@ -7,7 +7,8 @@
 //!   smaller than `threads` (the edge agent's one image per request) instead runs its matrix
 //!   products on a `threads`-thread pool (tract's `multithread-mm`, cargo feature `tract-threads`);
 //! - ONNX Runtime: `intra_op_num_threads`;
-//! - candle: its CPU kernels use rayon, sized by `RAYON_NUM_THREADS` (see [`set_candle_threads`]).
+//! - candle: its CPU kernels run on rayon's global pool, which the caller sizes (the trainer does
+//!   from `--threads`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -446,11 +447,4 @@ mod ort_engine {
                 .collect()
         }
     }
-}
-
-/// Sets the thread count candle's CPU kernels use. Call before the first candle operation
-/// (the binaries do it first thing in `main`).
-pub fn set_candle_threads(threads: usize) {
-    // SAFETY: called from `main` before any other thread is started.
-    unsafe { std::env::set_var("RAYON_NUM_THREADS", threads.max(1).to_string()) };
 }

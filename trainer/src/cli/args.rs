@@ -10,7 +10,7 @@ use crate::distributed::{JobOpts, default_cache_root, default_threads};
 use crate::train::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule};
 use anyhow::{Context, Result, bail};
 use kestrel_models::backbone::{Backbone, OnnxOpts, is_onnx_graph};
-use kestrel_models::engine::{OrtDevice, set_candle_threads, set_ort_device};
+use kestrel_models::engine::{OrtDevice, set_ort_device};
 use kestrel_models::onnx_backbone::file_sha256;
 use kestrel_models::{Arch, EngineKind};
 use kestrel_shared::PreprocessSpec;
@@ -145,9 +145,14 @@ pub struct ThreadArgs {
 }
 
 impl ThreadArgs {
-    /// Sets candle's thread pool and returns the job settings with these threads.
+    /// The job settings with these threads. The first call in a process also sizes rayon's global
+    /// pool, where candle's CPU kernels run (a pool, not the environment: the Python package runs
+    /// commands in a process whose other threads may read it); it is built once per process.
     pub fn job_opts(&self) -> JobOpts {
-        set_candle_threads(self.threads);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(self.threads.max(1));
+        if let Err(e) = pool.build_global() {
+            tracing::debug!("candle's thread pool stays as it was: {e}");
+        }
         JobOpts {
             threads: self.threads,
             ..JobOpts::default()
@@ -402,17 +407,10 @@ impl FitArgs {
     pub fn params(&self, data: &DataArgs, engine: EngineKind, workers: usize) -> Result<FitParams> {
         let fine_tune = self.fine_tune.unwrap_or(0);
         let unfreeze_last = fine_tune.max(self.unfreeze_last);
-        // Chosen by what trains, never by which other flags were given: a flag that asks for more
-        // training must not switch a head from its solver to a worse first-order fit.
-        let optimizer = self.optimizer.unwrap_or(if unfreeze_last == 0 {
-            Optimizer::Lbfgs
-        } else {
-            Optimizer::Adamw
-        });
-        let lr = self.lr.unwrap_or(match optimizer {
-            Optimizer::Sgd => 0.01,
-            Optimizer::Adamw | Optimizer::Lbfgs => 1e-3,
-        });
+        let optimizer = self
+            .optimizer
+            .unwrap_or(Optimizer::default_for(unfreeze_last));
+        let lr = self.lr.unwrap_or(optimizer.default_lr());
         let early_stopping = match self.early_stopping {
             None if fine_tune > 0 => Some(3),
             e => e,

@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use crate::distributed::{Job, JobOpts};
-use crate::track::{self, KeyValue, Observer};
-use crate::train::{self, FitOutcome, FitParams};
-use anyhow::{Context, Result};
+use crate::track::{self, KeyValue};
+use crate::train::{self, FitOutcome, FitParams, Observer};
+use anyhow::Result;
 
 use super::args::{DataArgs, EngineArgs, FitArgs, TrackArgs, WorkerArgs};
 
@@ -127,9 +127,7 @@ pub fn tracked_fit(
 
 /// The parameters a run directory was trained with.
 pub fn saved_params(dir: &std::path::Path) -> Result<FitParams> {
-    let text = std::fs::read_to_string(dir.join("params.json"))
-        .with_context(|| format!("{}: not a run directory (no params.json)", dir.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("{}/params.json", dir.display()))
+    Ok(train::RunDir(dir).params()?)
 }
 
 /// The summary line and the validation table, or summary.json with `json`.

@@ -4,9 +4,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use crate::distributed::{Job, JobOpts};
-use crate::track::{self, Metric, Observer, Tracker, kv};
+use crate::track::{self, Metric, Tracker, kv};
 use crate::train::{FitParams, Optimizer};
-use crate::tune::{self, Space, TuneError, TuneOpts, TuneOutcome};
+use crate::tune::{self, Observer, Space, TuneError, TuneOpts, TuneOutcome};
 use anyhow::{Result, bail};
 
 use super::args::{DataArgs, EngineArgs, FitArgs, TrackArgs};

@@ -19,7 +19,6 @@ use std::path::Path;
 
 use kestrel_shared::PreprocessError;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use crate::distributed::{CollectiveError, ErrorScope, RankError, WorkerError};
 
@@ -110,8 +109,4 @@ pub(super) fn write_json<T: Serialize>(path: &Path, v: &T) -> Result<(), CacheEr
             .expect("serializable")
             .as_bytes(),
     )
-}
-
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
 }

@@ -60,7 +60,7 @@ impl Sample {
     pub fn in_memory(id: String, bytes: Vec<u8>, label: usize) -> Sample {
         Sample {
             id,
-            sha256: cache::sha256_hex(&bytes),
+            sha256: kestrel_shared::protocol::sha256_hex(&bytes),
             content: bytes.into(),
             label,
         }

@@ -11,7 +11,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use super::DataError;
-use super::cache::sha256_hex;
+use kestrel_shared::protocol::sha256_hex;
 
 /// The temporary file images are appended to.
 #[derive(Debug)]

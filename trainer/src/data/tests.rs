@@ -642,7 +642,7 @@ fn caches_built_in_one_pass_equal_two_passes() {
         assert_eq!(p1.meta.sample_labels[k], s.label, "{id}");
         assert_eq!(
             p1.meta.content_sha256[k],
-            super::cache::sha256_hex(&s.bytes().unwrap()),
+            kestrel_shared::protocol::sha256_hex(&s.bytes().unwrap()),
             "{id}"
         );
         let img = kestrel_shared::preprocess::decode(&s.bytes().unwrap(), id, &Default::default())

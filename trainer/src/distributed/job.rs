@@ -9,8 +9,6 @@ use std::time::Duration;
 
 use indicatif::ProgressBar;
 
-use crate::track::Observer;
-
 use super::{
     Collective, CollectiveError, DEFAULT_TIMEOUT, RankError, launched_by_mpi, run_workers,
 };
@@ -70,8 +68,6 @@ pub struct Rank<'a> {
     pub threads: usize,
     /// Whether this process logs (rank 0's process, not quiet).
     logs: bool,
-    /// Where the operation reports its progress besides its files (MLflow), on rank 0.
-    observer: &'a dyn Observer,
 }
 
 impl Job {
@@ -186,22 +182,12 @@ impl Job {
         &self,
         f: impl Fn(&Rank<'_>) -> Result<T, E> + Sync,
     ) -> Result<T, E> {
-        self.run_observed(&(), f)
-    }
-
-    /// [`Job::run`], with rank 0 reporting its progress to `observer` ([`Rank::observer`]).
-    pub fn run_observed<T: Send, E: RankError>(
-        &self,
-        observer: &dyn Observer,
-        f: impl Fn(&Rank<'_>) -> Result<T, E> + Sync,
-    ) -> Result<T, E> {
         let logs = self.logs();
         if let Some(comm) = self.procs() {
             return f(&Rank {
                 comm,
                 threads: self.opts.threads,
                 logs,
-                observer,
             });
         }
         let world = self.world();
@@ -211,7 +197,6 @@ impl Job {
                 comm,
                 threads,
                 logs,
-                observer,
             })
         })
     }
@@ -261,11 +246,6 @@ impl Rank<'_> {
         self.comm.rank() == 0
     }
 
-    /// Where rank 0 reports progress (epochs, trials); the other ranks report nowhere.
-    pub fn observer(&self) -> &dyn Observer {
-        if self.is_lead() { self.observer } else { &() }
-    }
-
     /// Logs a line on rank 0 only.
     pub fn log(&self, line: impl AsRef<str>) {
         if self.is_lead() && self.logs {
@@ -298,7 +278,7 @@ fn mpi_comm(timeout: Duration) -> Result<Box<dyn Collective>, JobError> {
     let id = format!(
         "{} {}",
         env!("CARGO_PKG_VERSION"),
-        crate::data::cache::sha256_hex(&bytes)
+        kestrel_shared::protocol::sha256_hex(&bytes)
     );
     drop(bytes);
     if let Err(e) = comm.check_same("trainer executables (version and sha256)", id.as_bytes()) {

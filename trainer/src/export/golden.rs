@@ -11,8 +11,8 @@ use kestrel_shared::manifest::{Golden, RuntimeCheck};
 use super::ExportError;
 use super::trained::Trained;
 use super::verify::{Engines, engine_logits};
-use crate::data::cache::sha256_hex;
 use crate::data::{self, Split};
+use kestrel_shared::protocol::sha256_hex;
 
 pub(super) struct GoldenSamples {
     /// The manifest's entries, expected outputs included.

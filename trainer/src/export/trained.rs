@@ -34,15 +34,7 @@ pub(super) struct Trained {
 impl Trained {
     pub fn load(run_dir: &Path, job: &Job) -> Result<Self, ExportError> {
         let (params, weights) = train::load_run(run_dir)?;
-        let summary_path = format!("{}/summary.json", run_dir.display());
-        let summary = serde_json::from_str(
-            &std::fs::read_to_string(run_dir.join("summary.json"))
-                .map_err(ExportError::io(&summary_path))?,
-        )
-        .map_err(|source| ExportError::Json {
-            path: summary_path,
-            source,
-        })?;
+        let summary = train::RunDir(run_dir).read_json(train::RunDir::SUMMARY)?;
         let pp = train::prepare(&params, job)?;
         let model = Trainable::new(
             &pp.backbone,

@@ -109,11 +109,7 @@ pub(super) fn verify(
 
 /// The share of rows whose top-1 is the true class.
 fn accuracy(rows: &[Vec<f32>], truth: &[usize]) -> f64 {
-    rows.iter()
-        .zip(truth)
-        .filter(|(r, t)| argmax(r) == **t)
-        .count() as f64
-        / truth.len() as f64
+    crate::report::accuracy(rows.iter().map(|r| argmax(r)), truth.iter().copied())
 }
 
 /// The tolerance (f32 form; relative to `scale`, the largest |reference logit| and at least 1)

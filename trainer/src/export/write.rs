@@ -21,7 +21,8 @@ use super::lower::Lowered;
 use super::trained::Trained;
 use super::verify::Verification;
 use super::{ExportError, ExportOpts, QuantForm};
-use crate::data::cache::{sha256_hex, write_atomic};
+use crate::data::cache::write_atomic;
+use kestrel_shared::protocol::sha256_hex;
 
 /// Writes the artifact into `out` (replacing it). Returns the manifest written.
 pub(super) fn write(

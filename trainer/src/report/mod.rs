@@ -15,9 +15,9 @@ use serde::{Deserialize, Serialize};
 
 mod plot;
 
-pub use plot::plot_curves;
 #[cfg(test)]
 use plot::plot_curves_with;
+pub use plot::{ACCURACY_PLOT, LOSS_PLOT, plot_curves};
 
 /// One line of `metrics.jsonl`: the metrics of one finished epoch.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -192,6 +192,21 @@ pub fn evaluate(
         confusion,
         most_confused,
     }
+}
+
+/// The share of predictions equal to the truth, pair by pair (0 with no pairs): the one
+/// accuracy of the reports, the export checks and the training logs.
+pub fn accuracy<P, T>(pred: P, truth: T) -> f64
+where
+    P: IntoIterator<Item = usize>,
+    T: IntoIterator<Item = usize>,
+{
+    let (mut pairs, mut hits) = (0, 0);
+    for (p, t) in pred.into_iter().zip(truth) {
+        pairs += 1;
+        hits += usize::from(p == t);
+    }
+    ratio(hits, pairs)
 }
 
 fn ratio(num: usize, den: usize) -> f64 {

@@ -5,6 +5,10 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+/// The curves' file names (in a run directory).
+pub const LOSS_PLOT: &str = "loss.png";
+pub const ACCURACY_PLOT: &str = "accuracy.png";
+
 use super::{EpochMetrics, ReportError, io_err, write_atomic};
 
 const PLOT_W: u32 = 800;
@@ -79,7 +83,7 @@ pub(super) fn plot_curves_with(
         legend_top: false,
     };
     let mut paths = Vec::new();
-    for (chart, name) in [(loss, "loss.png"), (accuracy, "accuracy.png")] {
+    for (chart, name) in [(loss, LOSS_PLOT), (accuracy, ACCURACY_PLOT)] {
         let path = dir.join(name);
         let rgb = chart
             .render(&epochs, text)

@@ -1,9 +1,9 @@
 //! Experiment tracking in MLflow: what `fit`, `tune` and `export` send to a tracking server, and
 //! what happens when it is down.
 //!
-//! - [`Observer`]: the events a training run reports as they happen (features ready, an epoch, a
-//!   trial); `()` ignores them, a [`Tracker`] sends them to MLflow.
-//! - [`Tracker`]: one MLflow run tied to a run directory (`mlflow.json` names it). Every call is
+//! - [`Tracker`]: hears what a training run or a tuning reports as it happens (features ready, an
+//!   epoch, a trial: [`crate::train::Observer`], [`crate::tune::Observer`]) and sends it to MLflow:
+//!   one MLflow run tied to a run directory (`mlflow.json` names it). Every call is
 //!   retried; one that still fails is appended, with everything after it, to
 //!   `RUN_DIR/mlflow-pending.jsonl`, so training never waits on or dies with the server and no
 //!   metric is lost. [`sync`] (`trainer mlflow sync RUN_DIR`) replays that file in order.
@@ -28,21 +28,11 @@ pub use run::{fit_metrics, flatten_params, run_tags, trial_run};
 use kestrel_shared::manifest::Manifest;
 
 use crate::report::EpochMetrics;
-use crate::train::{Prepped, Summary};
-use crate::tune::TrialResult;
+use crate::train::{self, Prepped, Summary};
+use crate::tune::{self, TrialResult};
 
 /// The files of a run directory logged as artifacts of its MLflow run.
-pub const FIT_ARTIFACTS: [&str; 9] = [
-    "params.json",
-    "split.json",
-    "metrics.jsonl",
-    "summary.json",
-    "confusion_matrix.json",
-    "loss.png",
-    "accuracy.png",
-    "best.safetensors",
-    "last.safetensors",
-];
+pub const FIT_ARTIFACTS: [&str; 9] = train::RunDir::RECORDS;
 
 /// The file of calls that could not be delivered, in a run (or tune) directory.
 pub const PENDING_FILE: &str = "mlflow-pending.jsonl";
@@ -105,18 +95,6 @@ impl TrackError {
         }
     }
 }
-
-/// What a training run reports as it goes. Called on rank 0 only; `()` ignores everything.
-pub trait Observer: Sync {
-    /// The samples and features are ready.
-    fn prepared(&self, _pp: &Prepped) {}
-    /// An epoch finished (the line just appended to `metrics.jsonl`).
-    fn epoch(&self, _m: &EpochMetrics) {}
-    /// A tuning trial finished (the line just appended to `trials.jsonl`).
-    fn trial(&self, _t: &TrialResult) {}
-}
-
-impl Observer for () {}
 
 /// One call to the tracking server, as kept in the pending file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -442,7 +420,7 @@ impl Tracker {
     /// the head's weights. Then ends the run.
     pub fn finish_fit(&self, dir: &Path, s: &Summary) -> Option<String> {
         self.log(run::fit_metrics(s), Vec::new(), Vec::new());
-        let confusion = dir.join("confusion_matrix.json");
+        let confusion = dir.join(train::RunDir::CONFUSION);
         let matrix = serde_json::json!({
             "split": "validation",
             "labels": s.validation.labels,
@@ -502,7 +480,7 @@ impl Tracker {
     }
 }
 
-impl Observer for Tracker {
+impl train::Observer for Tracker {
     fn prepared(&self, pp: &Prepped) {
         self.log(Vec::new(), Vec::new(), run::data_tags(pp));
         self.submit(Op::LogInputs {
@@ -514,7 +492,9 @@ impl Observer for Tracker {
     fn epoch(&self, m: &EpochMetrics) {
         self.log(run::epoch_metrics(m), Vec::new(), Vec::new());
     }
+}
 
+impl tune::Observer for Tracker {
     fn trial(&self, t: &TrialResult) {
         self.submit(trial_run(&self.link, t));
     }

@@ -1,6 +1,6 @@
-//! The run directory: `params.json`, `split.json`, `metrics.jsonl`, `checkpoints/epoch-NNNN.*`
-//! (weights + optimizer state, then the state JSON whose presence completes a checkpoint; the two
-//! latest are kept), `best.safetensors`, `last.safetensors`, `summary.json` and the curves.
+//! Writing the run directory ([`RunDir`] names its files) as training goes: its records, and
+//! `checkpoints/epoch-NNNN.*` (weights + optimizer state, then the state JSON whose presence
+//! completes a checkpoint; the two latest are kept).
 
 use std::path::{Path, PathBuf};
 
@@ -8,12 +8,13 @@ use kestrel_models::{Weights, torch};
 
 use super::model::Trainable;
 use super::optim::Opt;
-use super::prepare::{SPLIT_FILE, split_records};
+use super::prepare::split_records;
+use super::run_dir::RunDir;
 use super::{FitParams, Prepped, TrainError, TrainState};
 use crate::report::{self, EpochMetrics};
 
 fn ckpt_path(run: &Path, epoch: usize, ext: &str) -> PathBuf {
-    run.join("checkpoints")
+    run.join(RunDir::CHECKPOINTS)
         .join(format!("epoch-{epoch:04}.{ext}"))
 }
 
@@ -27,7 +28,7 @@ fn run_err(run: &Path, reason: String) -> TrainError {
 /// Creates the run directory (and its `checkpoints/`), removing the temporary files of writes
 /// that a kill cut short (so a run killed again and again leaves nothing growing).
 pub fn create(run: &Path) -> Result<(), TrainError> {
-    let ckpts = run.join("checkpoints");
+    let ckpts = run.join(RunDir::CHECKPOINTS);
     std::fs::create_dir_all(&ckpts)
         .and_then(|_| kestrel_shared::fsutil::remove_temp_files(run))
         .and_then(|_| kestrel_shared::fsutil::remove_temp_files(&ckpts))
@@ -37,7 +38,7 @@ pub fn create(run: &Path) -> Result<(), TrainError> {
 
 /// The latest complete checkpoint (its `.json` is written last).
 pub fn latest_checkpoint(run: &Path) -> Option<usize> {
-    let dir = std::fs::read_dir(run.join("checkpoints")).ok()?;
+    let dir = std::fs::read_dir(run.join(RunDir::CHECKPOINTS)).ok()?;
     dir.filter_map(|e| {
         let name = e.ok()?.file_name().to_string_lossy().into_owned();
         name.strip_prefix("epoch-")?
@@ -77,9 +78,9 @@ pub fn begin(
     pp: &Prepped,
     state: &TrainState,
 ) -> Result<(), TrainError> {
-    report::write_json_atomic(&run.join("params.json"), p)?;
-    report::write_json_atomic(&run.join(SPLIT_FILE), &split_records(pp))?;
-    let metrics = run.join("metrics.jsonl");
+    report::write_json_atomic(&run.join(RunDir::PARAMS), p)?;
+    report::write_json_atomic(&run.join(RunDir::SPLIT), &split_records(pp))?;
+    let metrics = run.join(RunDir::METRICS);
     let _ = std::fs::remove_file(&metrics);
     for m in &state.history {
         report::append_jsonl(&metrics, m)?;
@@ -101,7 +102,7 @@ pub fn save_epoch(
     ck.extend(opt.state(&model.vars)?);
     torch::write_safetensors(&ckpt_path(run, epoch, "safetensors"), &ck, None)?;
     report::write_json_atomic(&ckpt_path(run, epoch, "json"), state)?;
-    report::append_jsonl(&run.join("metrics.jsonl"), m)?;
+    report::append_jsonl(&run.join(RunDir::METRICS), m)?;
     if epoch > 2 {
         for ext in ["json", "safetensors"] {
             let _ = std::fs::remove_file(ckpt_path(run, epoch - 2, ext));
@@ -112,5 +113,5 @@ pub fn save_epoch(
 
 /// The best epoch's weights saved by an earlier process (a run resumed after its best epoch).
 pub fn best_weights(run: &Path) -> Result<Weights, TrainError> {
-    Ok(torch::read_safetensors(&run.join("best.safetensors"))?)
+    RunDir(run).best_weights()
 }

@@ -7,10 +7,10 @@
 
 use std::path::Path;
 
-use kestrel_models::torch;
 use serde::{Deserialize, Serialize};
 
 use super::TrainError;
+use super::run_dir::RunDir;
 
 /// Where a head started (in `summary.json`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -44,32 +44,22 @@ pub fn check(run_dir: &Path) -> Result<(), TrainError> {
     if !run_dir.is_dir() {
         return Err(init_err(run_dir, "no such run directory".into()));
     }
-    for file in ["best.safetensors", "summary.json"] {
-        if !run_dir.join(file).is_file() {
-            return Err(init_err(
-                run_dir,
-                format!("no {file} (not a finished `trainer fit` run)"),
-            ));
-        }
-    }
-    Ok(())
+    RunDir(run_dir)
+        .is_finished()
+        .map_err(|reason| init_err(run_dir, reason))
 }
 
 /// The head of the run in `run_dir` for classes `labels` on `dim` features.
 pub fn load(run_dir: &Path, labels: &[String], dim: usize) -> Result<StartHead, TrainError> {
     let err = |reason: String| init_err(run_dir, reason);
     check(run_dir)?;
-    let best = run_dir.join("best.safetensors");
     #[derive(Deserialize)]
     struct Labels {
         labels: Vec<String>,
     }
-    let summary = std::fs::read_to_string(run_dir.join("summary.json"))
-        .map_err(|e| err(format!("summary.json: {e}")))?;
-    let old_labels = serde_json::from_str::<Labels>(&summary)
-        .map_err(|e| err(format!("summary.json: {e}")))?
-        .labels;
-    let w = torch::read_safetensors(&best)?;
+    let run = RunDir(run_dir);
+    let old_labels = run.read_json::<Labels>(RunDir::SUMMARY)?.labels;
+    let w = run.best_weights()?;
     let (Some(wt), Some(b)) = (w.get("classifier.weight"), w.get("classifier.bias")) else {
         return Err(err("best.safetensors has no classifier".into()));
     };
@@ -120,14 +110,14 @@ pub fn load(run_dir: &Path, labels: &[String], dim: usize) -> Result<StartHead, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kestrel_models::Tensor;
+    use kestrel_models::{Tensor, torch};
 
     #[test]
     fn classes_map_by_name_and_dims_must_match() {
         let dir = tempfile::tempdir().unwrap();
         let run = dir.path();
         let summary = serde_json::json!({"labels": ["cat", "dog"]});
-        std::fs::write(run.join("summary.json"), summary.to_string()).unwrap();
+        std::fs::write(run.join(RunDir::SUMMARY), summary.to_string()).unwrap();
         let mut w = kestrel_models::Weights::new();
         w.insert(
             "classifier.weight".into(),
@@ -137,7 +127,7 @@ mod tests {
             "classifier.bias".into(),
             Tensor::new(vec![2], vec![0.5, -0.5]),
         );
-        torch::write_safetensors(&run.join("best.safetensors"), &w, None).unwrap();
+        torch::write_safetensors(&run.join(RunDir::BEST), &w, None).unwrap();
         let labels: Vec<String> = ["bird", "dog", "cat"].map(String::from).into();
         let h = load(run, &labels, 3).unwrap();
         assert_eq!(h.weight, [0.0, 0.0, 0.0, 4.0, 5.0, 6.0, 1.0, 2.0, 3.0]);

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::{D, Device, Tensor as CTensor};
-use kestrel_models::{Weights, torch};
+use kestrel_models::Weights;
 use serde::{Deserialize, Serialize};
 
 pub mod augment;
@@ -28,16 +28,36 @@ pub mod optim;
 pub mod params;
 pub mod prepare;
 pub mod rank;
+pub mod run_dir;
 
 pub use model::{Trainable, model_summary};
 pub use params::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule};
-pub use prepare::{Prepped, SPLIT_FILE, SplitRecord, prepare};
+pub use prepare::{Prepped, SplitRecord, prepare};
 pub use rank::train_rank;
+pub use run_dir::RunDir;
 
 use crate::data::{self, cache::CacheError};
 use crate::distributed::{CollectiveError, ErrorScope, Job, RankError, WorkerError};
 use crate::report::{self, EpochMetrics, Evaluation};
-use crate::track::Observer;
+
+/// What a training run reports as it goes, on rank 0 (MLflow's tracker listens); `()` ignores
+/// everything. Tuning adds its trials ([`crate::tune::Observer`]).
+pub trait Observer: Sync {
+    /// The samples and features are ready.
+    fn prepared(&self, _pp: &Prepped) {}
+    /// An epoch finished (the line just appended to `metrics.jsonl`).
+    fn epoch(&self, _m: &EpochMetrics) {}
+}
+
+impl Observer for () {}
+
+/// Where rank 0 records a run: its directory, whether to continue the run found there, and who
+/// hears of each epoch. Tuning trials record nothing.
+pub struct Recording<'a> {
+    pub dir: &'a Path,
+    pub resume: bool,
+    pub observer: &'a dyn Observer,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -174,9 +194,12 @@ pub fn fit(
     if job.is_lead() {
         observer.prepared(&pp);
     }
-    job.run_observed(observer, |rank| {
-        train_rank(&p, Some(run_dir), resume, &pp, rank, feature_seconds)
-    })
+    let rec = Recording {
+        dir: run_dir,
+        resume,
+        observer,
+    };
+    job.run(|rank| train_rank(&p, &pp, Some(&rec), rank, feature_seconds))
 }
 
 fn batch_tensor(
@@ -240,16 +263,8 @@ pub fn predict_sum(
 
 /// Loads a finished run's parameters and best weights.
 pub fn load_run(run_dir: &Path) -> Result<(FitParams, Weights), TrainError> {
-    let run_err = |reason: String| TrainError::Run {
-        path: run_dir.display().to_string(),
-        reason,
-    };
-    let text = std::fs::read_to_string(run_dir.join("params.json"))
-        .map_err(|e| run_err(format!("params.json: {e}")))?;
-    let params: FitParams =
-        serde_json::from_str(&text).map_err(|e| run_err(format!("params.json: {e}")))?;
-    let weights = torch::read_safetensors(&run_dir.join("best.safetensors"))?;
-    Ok((params, weights))
+    let run = RunDir(run_dir);
+    Ok((run.params()?, run.best_weights()?))
 }
 
 /// `trainer evaluate --run`: the run's best model over every sample of `data`.
@@ -289,14 +304,5 @@ pub fn evaluate_run(run_dir: &Path, data: &Path, job: &Job) -> Result<Evaluation
 }
 
 fn load_labels(run_dir: &Path) -> Result<Vec<String>, TrainError> {
-    let text =
-        std::fs::read_to_string(run_dir.join("summary.json")).map_err(|e| TrainError::Run {
-            path: run_dir.display().to_string(),
-            reason: format!("summary.json: {e}"),
-        })?;
-    let s: Summary = serde_json::from_str(&text).map_err(|e| TrainError::Run {
-        path: run_dir.display().to_string(),
-        reason: format!("summary.json: {e}"),
-    })?;
-    Ok(s.labels)
+    Ok(RunDir(run_dir).summary()?.labels)
 }

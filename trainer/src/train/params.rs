@@ -22,6 +22,29 @@ pub enum Optimizer {
     Lbfgs,
 }
 
+impl Optimizer {
+    /// The default for a run that trains the last `unfreeze_last` blocks: the solver for a head
+    /// alone, adamw when blocks train. Chosen by what trains, never by which other flags were
+    /// given: a flag that asks for more training must not switch a head from its solver to a
+    /// worse first-order fit.
+    pub fn default_for(unfreeze_last: usize) -> Optimizer {
+        if unfreeze_last == 0 {
+            Optimizer::Lbfgs
+        } else {
+            Optimizer::Adamw
+        }
+    }
+
+    /// The default learning rate of this optimizer (lbfgs: of the `--fine-tune` stage that
+    /// follows it).
+    pub fn default_lr(self) -> f64 {
+        match self {
+            Optimizer::Sgd => 0.01,
+            Optimizer::Adamw | Optimizer::Lbfgs => 1e-3,
+        }
+    }
+}
+
 /// Per-class loss weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]

@@ -45,7 +45,6 @@ impl Prepped {
 }
 
 /// Which sample went to which split, written into every run directory.
-pub const SPLIT_FILE: &str = "split.json";
 
 /// One sample's assignment: its id in the table, label, content hash and split.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -22,9 +22,10 @@ use super::init::{self, InitHead, StartHead};
 use super::loss::Loss;
 use super::model::{Trainable, model_summary};
 use super::optim::{self, Opt};
+use super::run_dir::RunDir;
 use super::{
-    FitOutcome, FitParams, LrScaling, Optimizer, Prepped, Summary, TrainError, TrainState,
-    batch_tensor, checkpoint, predict, predict_sum,
+    FitOutcome, FitParams, LrScaling, Optimizer, Prepped, Recording, Summary, TrainError,
+    TrainState, batch_tensor, checkpoint, predict, predict_sum,
 };
 use crate::data::split::{self, Split};
 use crate::distributed::{self, Collective, Rank};
@@ -37,19 +38,19 @@ struct Sets {
     test: Vec<usize>,
 }
 
-/// Trains `p` on this rank (see the module docs). With `run_dir`, rank 0 writes the run there
-/// (tuning trials pass `None`: nothing is written); with `resume`, it continues from the run's
-/// latest checkpoint.
+/// Trains `p` on this rank (see the module docs). With `rec`, rank 0 writes the run in its
+/// directory (tuning trials pass `None`: nothing is written), continuing from the run's latest
+/// checkpoint when it says so.
 pub fn train_rank(
     p: &FitParams,
-    run_dir: Option<&Path>,
-    resume: bool,
     pp: &Prepped,
+    rec: Option<&Recording<'_>>,
     r: &Rank<'_>,
     feature_seconds: f64,
 ) -> Result<Option<FitOutcome>, TrainError> {
-    // Where rank 0 writes the run.
-    let out = run_dir.filter(|_| r.is_lead());
+    // What rank 0 records.
+    let lead_rec = rec.filter(|_| r.is_lead());
+    let out = lead_rec.map(|rec| rec.dir);
     check_same_everywhere(p, pp, r.comm)?;
     r.log(format!(
         "split (seed {}):\n{}",
@@ -71,7 +72,7 @@ pub fn train_rank(
     let start = start_head(p, pp, r)?;
     if p.optimizer == Optimizer::Lbfgs {
         let start = start.as_ref();
-        return solve_head(p, run_dir, pp, &sets, &loss, r, feature_seconds, start);
+        return solve_head(p, rec, pp, &sets, &loss, r, feature_seconds, start);
     }
     let mut model = Trainable::new(&pp.backbone, pp.boundary, classes, None, p.seed, None)?;
     let first_stage = if p.head_first {
@@ -92,7 +93,8 @@ pub fn train_rank(
     };
     let init = start.map(|h| h.info);
     let mut opt = Opt::new(p, &model.vars)?;
-    let mut state = start_state(p, out.filter(|_| resume), &model, &mut opt, r)?;
+    let resume_from = lead_rec.filter(|rec| rec.resume).map(|rec| rec.dir);
+    let mut state = start_state(p, resume_from, &model, &mut opt, r)?;
     if let Some(dir) = out {
         checkpoint::begin(dir, p, pp, &state)?;
     }
@@ -131,9 +133,9 @@ pub fn train_rank(
             m.epoch, p.epochs, m.train_loss, m.train_accuracy, m.val_loss, m.val_accuracy, m.samples_per_s
         ));
         record_epoch(&mut state, &m, opt.step, &model, out, r, &mut best)?;
-        if let Some(dir) = out {
-            checkpoint::save_epoch(dir, &model, &opt, &state, &m)?;
-            r.observer().epoch(&m);
+        if let Some(rec) = lead_rec {
+            checkpoint::save_epoch(rec.dir, &model, &opt, &state, &m)?;
+            rec.observer.epoch(&m);
         }
     }
     let train_seconds = started.elapsed().as_secs_f64();
@@ -152,7 +154,7 @@ pub fn train_rank(
         init,
     )?;
     Ok(Some(FitOutcome {
-        run_dir: run_dir.map(Path::to_path_buf).unwrap_or_default(),
+        run_dir: rec.map(|rec| rec.dir.to_path_buf()).unwrap_or_default(),
         summary,
     }))
 }
@@ -388,7 +390,7 @@ fn record_epoch(
         if r.is_lead() {
             let w = model.weights()?;
             if let Some(dir) = out {
-                torch::write_safetensors(&dir.join("best.safetensors"), &w, None)?;
+                torch::write_safetensors(&dir.join(RunDir::BEST), &w, None)?;
             }
             *best = Some(w);
         }
@@ -414,7 +416,7 @@ fn finish(
     init: Option<InitHead>,
 ) -> Result<Summary, TrainError> {
     if let Some(dir) = out {
-        torch::write_safetensors(&dir.join("last.safetensors"), &model.weights()?, None)?;
+        torch::write_safetensors(&dir.join(RunDir::LAST), &model.weights()?, None)?;
     }
     let best = match (best, out) {
         (Some(w), _) => w,
@@ -462,7 +464,7 @@ fn finish(
         head: head.map(|h| h.0),
     };
     if let Some(dir) = out {
-        report::write_json_atomic(&dir.join("summary.json"), &summary)?;
+        report::write_json_atomic(&dir.join(RunDir::SUMMARY), &summary)?;
         report::plot_curves(&state.history, dir)?;
     }
     Ok(summary)
@@ -474,7 +476,7 @@ fn finish(
 #[allow(clippy::too_many_arguments)]
 fn solve_head(
     p: &FitParams,
-    run_dir: Option<&Path>,
+    rec: Option<&Recording<'_>>,
     pp: &Prepped,
     sets: &Sets,
     loss: &Loss,
@@ -482,7 +484,8 @@ fn solve_head(
     feature_seconds: f64,
     start: Option<&StartHead>,
 ) -> Result<Option<FitOutcome>, TrainError> {
-    let out = run_dir.filter(|_| r.is_lead());
+    let lead_rec = rec.filter(|_| r.is_lead());
+    let out = lead_rec.map(|rec| rec.dir);
     let started = Instant::now();
     let init = start.map(|h| (h.weight.as_slice(), h.bias.as_slice()));
     let head = head::fit_head(pp.rows(), &sets.train, p.l2, loss, p.seed, r, init)?;
@@ -500,11 +503,7 @@ fn solve_head(
     let (train_loss, train_pred) = predict(pp, &model, &sets.train)?;
     let (val_loss, val_pred) = predict(pp, &model, &sets.val)?;
     let acc = |pred: &[usize], idx: &[usize]| {
-        pred.iter()
-            .zip(idx)
-            .filter(|(a, i)| **a == pp.labels()[**i])
-            .count() as f64
-            / idx.len().max(1) as f64
+        report::accuracy(pred.iter().copied(), idx.iter().map(|&i| pp.labels()[i]))
     };
     let m = EpochMetrics {
         epoch: 1,
@@ -524,11 +523,11 @@ fn solve_head(
         history: vec![m.clone()],
         ..TrainState::default()
     };
-    if let Some(dir) = out {
-        checkpoint::begin(dir, p, pp, &TrainState::default())?;
-        torch::write_safetensors(&dir.join("best.safetensors"), &weights, None)?;
-        report::append_jsonl(&dir.join("metrics.jsonl"), &m)?;
-        r.observer().epoch(&m);
+    if let Some(rec) = lead_rec {
+        checkpoint::begin(rec.dir, p, pp, &TrainState::default())?;
+        torch::write_safetensors(&rec.dir.join(RunDir::BEST), &weights, None)?;
+        report::append_jsonl(&rec.dir.join(RunDir::METRICS), &m)?;
+        rec.observer.epoch(&m);
     }
     let summary = finish(
         pp,
@@ -542,7 +541,7 @@ fn solve_head(
         start.map(|h| h.info.clone()),
     )?;
     Ok(Some(FitOutcome {
-        run_dir: run_dir.map(Path::to_path_buf).unwrap_or_default(),
+        run_dir: rec.map(|rec| rec.dir.to_path_buf()).unwrap_or_default(),
         summary,
     }))
 }
@@ -588,23 +587,24 @@ fn head_first(
     model.set_standardizer(Standardizer::fit(rows, &sets.train))?;
     let shrink = |v: &[f32]| -> Vec<f32> { v.iter().map(|x| x * STAGE2_HEAD_SCALE).collect() };
     model.set_classifier(&shrink(&h.weight), &shrink(&h.bias))?;
-    let correct = sets
-        .val
-        .iter()
-        .filter(|&&i| {
-            let x = &pooled[i * dim..(i + 1) * dim];
-            let score = |c: usize| {
-                h.bias[c]
-                    + h.weight[c * dim..(c + 1) * dim]
-                        .iter()
-                        .zip(x)
-                        .map(|(w, v)| w * v)
-                        .sum::<f32>()
-            };
-            (0..h.bias.len()).max_by(|&a, &b| score(a).total_cmp(&score(b))) == Some(pp.labels()[i])
-        })
-        .count();
-    let acc = correct as f64 / sets.val.len() as f64;
+    let predicted = |i: usize| {
+        let x = &pooled[i * dim..(i + 1) * dim];
+        let score = |c: usize| {
+            h.bias[c]
+                + h.weight[c * dim..(c + 1) * dim]
+                    .iter()
+                    .zip(x)
+                    .map(|(w, v)| w * v)
+                    .sum::<f32>()
+        };
+        (0..h.bias.len())
+            .max_by(|&a, &b| score(a).total_cmp(&score(b)))
+            .unwrap_or(usize::MAX)
+    };
+    let acc = report::accuracy(
+        sets.val.iter().map(|&i| predicted(i)),
+        sets.val.iter().map(|&i| pp.labels()[i]),
+    );
     r.log(format!(
         "fine-tune stage 1: head alone (L-BFGS, l2 {:.2e}): val accuracy {acc:.4}; stage 2: the last {} blocks and the head (starting from it x{STAGE2_HEAD_SCALE}), {:?} lr {:.1e}",
         h.solve.l2, p.unfreeze_last, p.optimizer, p.lr

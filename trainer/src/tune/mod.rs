@@ -28,8 +28,15 @@ pub use tpe::Tpe;
 
 use crate::distributed::{self, CollectiveError, Job, WorkerError};
 use crate::report::{self, ReportError};
-use crate::track::Observer;
 use crate::train::{self, FitParams, Optimizer, Prepped, TrainError};
+
+/// What tuning reports as it goes, on rank 0: what a training run reports, and each trial.
+pub trait Observer: train::Observer {
+    /// A trial finished (the line just appended to `trials.jsonl`).
+    fn trial(&self, _t: &TrialResult) {}
+}
+
+impl Observer for () {}
 
 #[derive(Debug, thiserror::Error)]
 pub enum TuneError {
@@ -217,7 +224,7 @@ pub fn best_params(base: &FitParams, best: &TrialResult, seed: u64) -> FitParams
 
 /// Trains one trial's head on the prepared features on one quiet worker; nothing is written.
 pub fn run_trial(pp: &Prepped, p: &FitParams, job: &Job) -> Result<train::Summary, TrainError> {
-    let o = job.run(|rank| train::train_rank(p, None, false, pp, rank, 0.0))?;
+    let o = job.run(|rank| train::train_rank(p, pp, None, rank, 0.0))?;
     Ok(o.expect("rank 0 returns its outcome").summary)
 }
 

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use crate::data::{SourceOpts, Split};
-use crate::train::{SPLIT_FILE, SplitRecord};
+use crate::train::{RunDir, SplitRecord};
 use anyhow::{Context, Result, bail};
 use kestrel_fleet::infer::{Image, Outcome};
 use kestrel_shared::protocol::InferReply;
@@ -163,7 +163,7 @@ fn table_images(path: &Path, source: &SourceOpts, held_out: Option<&Path>) -> Re
 
 /// The sha256 of every image a run held out for testing (its split file).
 fn test_split(run: &Path) -> Result<HashSet<String>> {
-    let p = run.join(SPLIT_FILE);
+    let p = run.join(RunDir::SPLIT);
     let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
     let recs: Vec<SplitRecord> =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
