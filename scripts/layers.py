@@ -22,7 +22,7 @@ LAYERS = [
     ["report", "images"],  # progress bars, plots, metrics files; image decoding
     ["distributed"],  # ranks, collectives, jobs (local, MPI, TCP)
     ["data"],  # tables, samples, feature extraction over ranks, the cache
-    ["train", "classify", "predict"],  # training; inference of a trained model
+    ["train", "classify", "predict", "collect"],  # training; inference; captures from the fleet
     ["tune", "export"],  # trials of training; artifacts from a run
     ["track"],  # MLflow: runs, models, registry (observes train and tune)
     ["cli"],  # the commands
@@ -115,13 +115,12 @@ def main() -> int:
     if args.self_test and self_test(args.root):
         return 1
     found = list(violations(args.root))
-    for v in found:
-        print(v)
-    if found:
-        print(f"{len(found)} upward or sideways uses", file=sys.stderr)
-        return 1
-    print(f"layers: {args.root}: every module uses only the layers below it")
-    return 0
+    if not found:
+        print(f"layers: {args.root}: every module uses only the layers below it")
+        return 0
+    print("\n".join(found))
+    print(f"{len(found)} upward or sideways uses", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

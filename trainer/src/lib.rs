@@ -15,6 +15,7 @@
 
 pub mod classify;
 pub mod cli;
+pub mod collect;
 pub mod data;
 pub mod distributed;
 pub mod export;

@@ -513,33 +513,16 @@ impl TrackArgs {
     }
 
     /// The MLflow run of `dir` (started, or with `continued` the one `dir` is tracked as), when
-    /// tracking; a clear error when the server cannot be reached.
+    /// tracking ([`crate::track::TrackTo::open`]).
     pub fn start(
         &self,
         dir: &Path,
         command: &str,
         continued: bool,
     ) -> Result<Option<crate::track::Tracker>> {
-        let Some(to) = self.to() else {
-            return Ok(None);
-        };
-        let name = dir
-            .file_name()
-            .map_or("run".into(), |n| n.to_string_lossy().to_string());
-        let tags = crate::track::run_tags(command);
-        let t =
-            crate::track::Tracker::start(&to, dir, &name, &tags, continued).with_context(|| {
-                format!(
-                    "MLflow tracking ({}, experiment {:?})",
-                    to.uri, to.experiment
-                )
-            })?;
-        tracing::info!(
-            "MLflow: run {} in experiment {:?} at {}",
-            t.run_id(),
-            to.experiment,
-            to.uri
-        );
-        Ok(Some(t))
+        match self.to() {
+            Some(to) => Ok(Some(to.open(dir, command, continued)?)),
+            None => Ok(None),
+        }
     }
 }

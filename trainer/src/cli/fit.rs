@@ -1,12 +1,12 @@
 //! `trainer fit`: a new head (and optionally the last blocks) on cached features, into a run
 //! directory; `--resume` continues one.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use crate::distributed::{Job, JobOpts};
-use crate::track::{self, KeyValue};
-use crate::train::{self, FitOutcome, FitParams, Observer};
+use crate::track;
+use crate::train::{self, FitOutcome, FitParams};
 use anyhow::Result;
 
 use super::args::{DataArgs, EngineArgs, FitArgs, TrackArgs, WorkerArgs};
@@ -86,7 +86,9 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
             (p, a.out.expect("clap requires --out"), false)
         }
     };
-    let (fitted, pending) = tracked_fit(&params, &dir, resuming, job, &a.track, Vec::new())?;
+    let to = a.track.to();
+    let (fitted, pending) =
+        track::tracked_fit(&params, &dir, resuming, job, to.as_ref(), Vec::new())?;
     let Some(o) = fitted else {
         return Ok(ExitCode::SUCCESS); // ranks other than 0 print nothing
     };
@@ -95,34 +97,6 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         tracing::info!("{line}");
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// [`train::fit`], tracked in MLflow when `track` says so (rank 0; a resumed run continues its
-/// MLflow run): params and `tags` first, each epoch as it ends, then the results and artifacts.
-/// Also returns the line saying what is left to `trainer mlflow sync`, if anything.
-pub fn tracked_fit(
-    p: &FitParams,
-    dir: &Path,
-    resuming: bool,
-    job: &Job,
-    track: &TrackArgs,
-    tags: Vec<KeyValue>,
-) -> Result<(Option<FitOutcome>, Option<String>)> {
-    let tracker = match job.is_lead() {
-        true => track.start(dir, "fit", resuming)?,
-        false => None,
-    };
-    if let Some(t) = &tracker {
-        t.log(Vec::new(), track::flatten_params("", p), tags);
-    }
-    let observer: &dyn Observer = tracker.as_ref().map_or(&(), |t| t);
-    let fitted = train::fit(p, dir, resuming, job, observer);
-    let pending = match (&tracker, &fitted) {
-        (Some(t), Ok(Some(o))) => t.finish_fit(&o.run_dir, &o.summary),
-        (Some(t), _) => t.end("FAILED"),
-        (None, _) => None,
-    };
-    Ok((fitted?, pending))
 }
 
 /// The parameters a run directory was trained with.

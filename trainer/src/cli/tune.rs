@@ -138,7 +138,8 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
                 .iter()
                 .map(|t| kv("kestrel.tune_run", t.run_id()))
                 .collect();
-            let (fitted, left) = super::fit::tracked_fit(&p, dir, false, job, &a.track, tags)?;
+            let to = a.track.to();
+            let (fitted, left) = track::tracked_fit(&p, dir, false, job, to.as_ref(), tags)?;
             pending.extend(left);
             fitted
         }

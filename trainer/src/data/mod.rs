@@ -24,6 +24,7 @@ pub mod delta;
 pub mod delta_write;
 pub mod extract;
 pub mod features;
+pub mod label;
 mod manifest;
 pub mod samples;
 pub mod split;

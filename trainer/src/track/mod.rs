@@ -41,6 +41,13 @@ pub const RUN_FILE: &str = "mlflow.json";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrackError {
+    #[error("MLflow tracking ({uri}, experiment {experiment:?})")]
+    Open {
+        uri: String,
+        experiment: String,
+        #[source]
+        source: Box<TrackError>,
+    },
     #[error("MLflow tracking server {uri} unreachable: {reason}")]
     Unreachable { uri: String, reason: String },
     #[error("MLflow {what}: HTTP {status} {code}: {message}")]
@@ -219,6 +226,66 @@ pub struct TrackTo {
     pub uri: String,
     pub experiment: String,
     pub run_id: Option<String>,
+}
+
+impl TrackTo {
+    /// The MLflow run of `dir` for `command` (started, or with `continued` the one `dir` is
+    /// tracked as); an error names the server and the experiment.
+    pub fn open(&self, dir: &Path, command: &str, continued: bool) -> Result<Tracker, TrackError> {
+        let name = dir
+            .file_name()
+            .map_or("run".into(), |n| n.to_string_lossy().to_string());
+        let tags = run_tags(command);
+        let t =
+            Tracker::start(self, dir, &name, &tags, continued).map_err(|e| TrackError::Open {
+                uri: self.uri.clone(),
+                experiment: self.experiment.clone(),
+                source: Box::new(e),
+            })?;
+        tracing::info!(
+            "MLflow: run {} in experiment {:?} at {}",
+            t.run_id(),
+            self.experiment,
+            self.uri
+        );
+        Ok(t)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrackedFitError {
+    #[error(transparent)]
+    Track(#[from] TrackError),
+    #[error(transparent)]
+    Fit(#[from] train::TrainError),
+}
+
+/// [`train::fit`], tracked in MLflow when `to` says where (rank 0; a resumed run continues its
+/// MLflow run): params and `tags` first, each epoch as it ends, then the results and artifacts.
+/// Also returns the line saying what is left to `trainer mlflow sync`, if anything.
+pub fn tracked_fit(
+    p: &train::FitParams,
+    dir: &Path,
+    resuming: bool,
+    job: &crate::distributed::Job,
+    to: Option<&TrackTo>,
+    tags: Vec<KeyValue>,
+) -> Result<(Option<train::FitOutcome>, Option<String>), TrackedFitError> {
+    let tracker = match (job.is_lead(), to) {
+        (true, Some(to)) => Some(to.open(dir, "fit", resuming)?),
+        _ => None,
+    };
+    if let Some(t) = &tracker {
+        t.log(Vec::new(), flatten_params("", p), tags);
+    }
+    let observer: &dyn train::Observer = tracker.as_ref().map_or(&(), |t| t);
+    let fitted = train::fit(p, dir, resuming, job, observer);
+    let pending = match (&tracker, &fitted) {
+        (Some(t), Ok(Some(o))) => t.finish_fit(&o.run_dir, &o.summary),
+        (Some(t), _) => t.end("FAILED"),
+        (None, _) => None,
+    };
+    Ok((fitted?, pending))
 }
 
 /// One MLflow run tied to a directory, with retries and the pending file (see the module docs).
