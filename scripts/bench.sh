@@ -13,6 +13,13 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 trainer="$KESTREL_BIN/trainer"
 images=("$KESTREL_HOME"/photos/{chelsea,coffee,astronaut,rocket,motorcycle_left,hubble_deep_field}.*)
+# images/s of the model alone: `edge-agent predict` (1 thread) on ENGINE ARTIFACT IMAGES..., from the
+# sum of its per-image latencies (decode and preprocessing included, as in the agent's).
+predict_rate() {
+  local engine=$1 art=$2; shift 2
+  "$KESTREL_BIN/edge-agent" --engine "$engine" --threads 1 predict --model "$art" --json "$@" |
+    python3 -c 'import json, sys; ms = [json.loads(l)["latency_ms"] for l in sys.stdin]; print(len(ms) / (sum(ms) / 1000))'
+}
 
 echo "# Backbone feature extraction: EfficientNet-Lite0, batch 32, $threads threads, decode + preprocess included"
 echo "# $(date -u +%Y-%m-%d) on $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'))"
@@ -217,9 +224,11 @@ active=$(date +%s.%N)
 lfw=("$KESTREL_HOME"/datasets/lfw/imagefolder/*/*.png)
 "$trainer" infer --broker "$broker" --device bench-pi --json "${lfw[@]}" > "$work/infer.jsonl"
 p=$("$KESTREL_PY" "$here/bench_peer.py" --latency --model "$work/art-int8-weights/model.onnx" --threads 1 --rounds 50 "${lfw[0]}")
-python3 - "$work/publish.json" "$start" "$active" "$work/infer.jsonl" "$p" <<'PY'
+own=$(predict_rate tract "$work/art-int8-weights" "${lfw[@]}")
+python3 - "$work/publish.json" "$start" "$active" "$work/infer.jsonl" "$p" "$own" <<'PY'
 import json, sys
-pub, start, active, infer, peer = sys.argv[1:]
+pub, start, active, infer, peer, own = sys.argv[1:]
+own = float(own)
 pub = json.load(open(pub))
 s = [json.loads(l) for l in open(infer)][-1]
 peer_ms = json.loads(peer)["ms"]
@@ -230,6 +239,8 @@ print(f"{'path':<36}{'images/s':>10}{'ms/image':>10}{'vs peer':>10}")
 print(f"{'MQTT round trip (window 8)':<36}{rate:>10.1f}{1000 / rate:>10.1f}{rate * peer_ms / 1000:>9.2f}x")
 print(f"{'  of which device inference p50':<36}{'':>10}{s['device_latency_p50_ms']:>10.1f}")
 print(f"{'python onnxruntime, batch 1':<36}{1000 / peer_ms:>10.1f}{peer_ms:>10.1f}{1:>9.2f}x")
+print(f"{'edge-agent predict (the model alone)':<36}{own:>10.1f}{1000 / own:>10.1f}")
+print(f"MQTT round trip / edge-agent predict (tract): {rate / own:.2f}x (target >= 0.9)")
 PY
 
 echo
@@ -255,7 +266,8 @@ cat "$work/quality.txt"
 echo
 echo "# Edge over MQTT with the agent on ONNX Runtime ([inference] engine = \"ort\", 1 thread), one agent at a time;"
 echo "# the peer: Python ONNX Runtime's batch-1 inference alone on the same model.onnx, 1 thread"
-printf '%-14s%12s%12s%14s%10s\n' form "images/s" "device p50" "python ms" "vs peer"
+echo "# and the model alone: edge-agent --engine ort --threads 1 predict on the same images (images/s from its latencies)"
+printf '%-14s%12s%12s%14s%10s%12s%14s\n' form "images/s" "device p50" "python ms" "vs peer" "predict/s" "MQTT/predict"
 for form in int8-weights int8; do
   kill "${pids[-1]}" 2>/dev/null || true
   dev="bench-ort-$form"
@@ -268,13 +280,16 @@ for form in int8-weights int8; do
   "$trainer" status --broker "$broker" --device "$dev" --wait-active 1 --timeout 120 >/dev/null
   "$trainer" infer --broker "$broker" --device "$dev" --json "${lfw[@]}" > "$work/infer-$dev.jsonl"
   p=$("$KESTREL_PY" "$here/bench_peer.py" --latency --model "$work/art-$form/model.onnx" --threads 1 --rounds 50 "${lfw[0]}")
-  python3 - "$form" "$work/infer-$dev.jsonl" "$p" <<'PY'
+  own=$(predict_rate ort "$work/art-$form" "${lfw[@]}")
+  python3 - "$form" "$work/infer-$dev.jsonl" "$p" "$own" <<'PY'
 import json, sys
-form, infer, peer = sys.argv[1:]
+form, infer, peer, own = sys.argv[1:]
+own = float(own)
 s = [json.loads(l) for l in open(infer)][-1]
 peer_ms = json.loads(peer)["ms"]
 rate = s["requests"] / s["seconds"]
-print(f"{form:<14}{rate:>12.1f}{s['device_latency_p50_ms']:>10.1f}ms{peer_ms:>12.1f}ms{rate * peer_ms / 1000:>9.2f}x")
+print(f"{form:<14}{rate:>12.1f}{s['device_latency_p50_ms']:>10.1f}ms{peer_ms:>12.1f}ms{rate * peer_ms / 1000:>9.2f}x"
+      f"{own:>12.1f}{rate / own:>13.2f}x")
 PY
 done
 

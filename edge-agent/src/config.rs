@@ -51,8 +51,8 @@ pub struct Limits {
     /// Inference requests waiting at most; more get a "busy" error reply.
     #[serde(default = "default_queue")]
     pub queue: usize,
-    /// Disk budget of the outbox (`store/outbox/`): inference replies beyond it are dropped,
-    /// oldest first; the device's events are never dropped.
+    /// Memory budget of the inference replies waiting for the broker (`crate::replies`): beyond
+    /// it the oldest are dropped; the device's events (the on-disk outbox) are never dropped.
     #[serde(default = "default_max_outbox")]
     pub max_outbox_bytes: u64,
     /// Decode BMP, GIF and TIFF requests too (default: JPEG and PNG only). Images are decoded

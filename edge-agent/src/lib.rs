@@ -10,6 +10,7 @@ pub mod cli;
 pub mod config;
 pub mod desired;
 pub mod outbox;
+pub mod replies;
 pub mod serve;
 pub mod store;
 pub mod trust;

@@ -1,9 +1,10 @@
 //! Everything the agent publishes at QoS 1 goes through one queue with one message in flight:
-//! events and inference results are first written to `outbox/<seq>.json` (so they survive a
-//! restart and a broker outage) and deleted when the broker acknowledges them; status and
+//! events are first written to `outbox/<seq>.json` (so they survive a restart and a broker
+//! outage) and deleted when the broker acknowledges them; status and
 //! presence are kept in memory, latest value only (they are re-sent on every connect).
 //! One message in flight at a time makes the acknowledgement unambiguous (its packet id is
-//! matched) at a small cost in throughput.
+//! matched) at a small cost in throughput. Inference replies do not come here
+//! ([`crate::replies`]).
 
 use std::collections::VecDeque;
 use std::fs;
@@ -129,25 +130,6 @@ impl Outbox {
         self.in_flight.as_ref().and_then(|(_, id)| *id)
     }
 
-    /// Queues an inference reply within a disk budget of `max_bytes` for the whole outbox: the
-    /// oldest queued replies (never events or captures, never the one in flight) are dropped
-    /// until it fits, else the reply itself is. Returns how many replies were dropped (a
-    /// requester that gets none asks again or times out; the device's own events are kept).
-    pub fn push_reply(&mut self, msg: Message, max_bytes: u64) -> io::Result<u64> {
-        let size = serde_json::to_vec(&msg).map_err(io::Error::other)?.len() as u64;
-        let mut dropped = 0;
-        while self.disk_bytes + size > max_bytes {
-            let Some(i) = self.queue.iter().position(|i| is_reply(&i.msg)) else {
-                return Ok(dropped + 1); // only what must not be lost is queued: this one goes
-            };
-            let old = self.queue.remove(i).expect("found");
-            self.forget(old)?;
-            dropped += 1;
-        }
-        self.push_durable(msg)?;
-        Ok(dropped)
-    }
-
     /// Queues a message that must not be lost (written to disk first). When the disk write fails
     /// (a full store) the message is still queued, in memory only, and the error returned.
     pub fn push_durable(&mut self, msg: Message) -> io::Result<()> {
@@ -235,9 +217,6 @@ impl Outbox {
 }
 
 /// An inference reply (`P/devices/<id>/result/<request>`): what a full outbox gives up first.
-fn is_reply(m: &Message) -> bool {
-    m.topic.rsplit('/').nth(1) == Some("result")
-}
 
 #[cfg(test)]
 mod tests {

@@ -23,6 +23,7 @@ use super::{Agent, Done, Job, Journal, KEYS_FILE, Observed, ShadowRun};
 use crate::config::Config;
 use crate::desired::DesiredStates;
 use crate::outbox::{Message, Outbox};
+use crate::replies::Replies;
 use crate::serve::{ModelCache, ShadowModel, Shared};
 use crate::store::Store;
 use crate::trust::Trust;
@@ -430,6 +431,7 @@ impl Agent {
             candidate: None,
             models,
             outbox,
+            replies: Replies::default(),
             client,
             done_tx,
             jobs,

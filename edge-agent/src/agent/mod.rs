@@ -34,6 +34,7 @@ use tokio::sync::mpsc;
 use crate::config::Config;
 use crate::desired::DesiredStates;
 use crate::outbox::{Message, Outbox};
+use crate::replies::Replies;
 use crate::serve::{ModelCache, Shared};
 use crate::store::Store;
 use crate::trust::Trust;
@@ -119,6 +120,8 @@ pub struct Agent {
     candidate: Option<(u64, Arc<LoadedModel>)>,
     models: Arc<ModelCache>,
     outbox: Outbox,
+    /// Inference replies not yet handed to the MQTT client (QoS 0, memory only).
+    replies: Replies,
     client: AsyncClient,
     done_tx: mpsc::UnboundedSender<Done>,
     jobs: lifecycle::Jobs,
@@ -514,23 +517,17 @@ impl Agent {
         }
     }
 
-    /// An inference reply, through the outbox's bounded reply queue.
+    /// An inference reply, queued in memory for the MQTT client ([`crate::replies`]).
     fn send_reply(&mut self, reply: &InferReply) -> Result<()> {
         let msg = Message {
             topic: self.topics.result(&self.cfg.device_id, &reply.request),
             retain: false,
             payload: serde_json::to_string(reply)?,
         };
-        match self
-            .outbox
-            .push_reply(msg, self.cfg.limits.max_outbox_bytes)
-        {
-            Ok(0) => {}
-            Ok(n) => tracing::warn!(
-                "outbox over its {} bytes: {n} inference replies dropped",
-                self.cfg.limits.max_outbox_bytes
-            ),
-            Err(e) => tracing::error!("outbox: {e}"),
+        let max = usize::try_from(self.cfg.limits.max_outbox_bytes).unwrap_or(usize::MAX);
+        let dropped = self.replies.push(msg, max);
+        if dropped > 0 {
+            tracing::warn!("inference replies over {max} bytes waiting: {dropped} dropped");
         }
         Ok(())
     }

@@ -1,6 +1,7 @@
-//! Publishing: the outbox (events, results, status) and the capture queue, each with one message
-//! in flight, share one MQTT client; only one of their publishes waits for its packet id at a
-//! time, so every `Outgoing::Publish(pkid)` and PUBACK is matched to its queue.
+//! Publishing: the outbox (events, status) and the capture queue, each with one message in flight
+//! at QoS 1, share one MQTT client; only one of their publishes waits for its packet id at a
+//! time, so every `Outgoing::Publish(pkid)` and PUBACK is matched to its queue. Inference replies
+//! go beside them at QoS 0 ([`crate::replies`]: no packet id, nothing to match).
 
 use anyhow::Result;
 use rumqttc::QoS;
@@ -10,8 +11,9 @@ use crate::outbox::Message;
 
 impl Agent {
     /// Publishes the next message of the outbox and of the capture queue (within its upload
-    /// cap), each with one in flight. Only one publish at a time waits for its packet id, so
-    /// the client's `Outgoing::Publish(pkid)` belongs to it.
+    /// cap), each with one in flight, and hands the waiting inference replies to the client.
+    /// Only one QoS 1 publish at a time waits for its packet id, so the client's
+    /// `Outgoing::Publish(pkid)` belongs to it.
     pub(super) async fn flush(&mut self) {
         if !self.connected {
             return;
@@ -29,6 +31,17 @@ impl Agent {
             && let Some(m) = c.outbox.next().cloned()
         {
             self.publish(m).await;
+        }
+        while let Some(m) = self.replies.pop() {
+            let (topic, payload) = (m.topic.clone(), m.payload.clone());
+            if self
+                .client
+                .try_publish(topic, QoS::AtMostOnce, false, payload)
+                .is_err()
+            {
+                self.replies.push_front(m); // the client's queue is full: the next turn
+                break;
+            }
         }
     }
 
