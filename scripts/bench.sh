@@ -100,6 +100,11 @@ PY
 echo "(Kestrel: the whole command, table load and caches included; the peer: its decode and inference loop only)"
 
 echo
+# The same photos from Spark (issue 37): the package built as a user builds it, then a standalone cluster.
+PATH="$KESTREL_HOME/venv/bin:$PATH" "$KESTREL_PY" -m pip install --quiet --no-build-isolation --no-deps "$here/../python" >&2
+"$KESTREL_PY" "$here/bench_spark.py" "$work/camera" 2>/dev/null
+
+echo
 echo "# Head training on cached features (EfficientNet-Lite0 features): the default L-BFGS solve, and SGD"
 echo "# (momentum, batch 32, 30 epochs, candle); samples/s = training samples x iterations (or epochs) / seconds"
 printf '%-10s%-12s%10s%12s%14s%12s\n' dataset recipe val_acc seconds samples/s "peak MB"

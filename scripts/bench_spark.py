@@ -1,0 +1,94 @@
+"""Bench rows for `kestrel.spark` (scripts/bench.sh runs it): Spark's overhead on feature
+extraction and training, against the CLI on the same images.
+
+- `kestrel.spark.features` on 2 executors (a standalone cluster on this machine, one core each)
+  against `trainer prepare --workers 2 --threads 2` (fresh cache), on the same photos;
+- `kestrel.spark.fit(num_workers=2)` against `trainer fit --workers 2`, on the same staged table;
+- `kestrel.fit` (the Python API, in-process) against `trainer fit`.
+
+    python scripts/bench_spark.py PHOTO_DIR   # an ImageFolder (scripts/camera_photos.py writes one)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python" / "tests"))
+from cluster import BIN, session, standalone  # noqa: E402
+
+
+def timed(f):
+    start = time.perf_counter()
+    out = f()
+    return out, time.perf_counter() - start
+
+
+def trainer(*args: str) -> str:
+    r = subprocess.run([str(BIN / "trainer"), *args], capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        sys.exit(f"trainer {' '.join(args)}: {r.stderr}")
+    return r.stdout
+
+
+def row(what: str, kestrel_s: float, peer: str, peer_s: float) -> None:
+    print(f"{what:<44}{kestrel_s:>9.2f} s  {peer:<34}{peer_s:>9.2f} s  {kestrel_s / peer_s:>6.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("photos", type=Path)
+    args = ap.parse_args()
+    import kestrel
+    import kestrel.spark as ks
+    from pyspark.sql import functions as F
+
+    work = Path(tempfile.mkdtemp(prefix="kestrel-bench-spark-"))
+    n = sum(1 for p in args.photos.rglob("*") if p.is_file())
+    _, prep_s = timed(
+        lambda: trainer("prepare", "--data", str(args.photos), "--workers", "2", "--threads", "2",
+                        "--engine", "tract", "--cache", str(work / "cache"), "--json")
+    )
+    with standalone(2) as (master, _):
+        spark = session(master, 2, app="kestrel-bench")
+        df = (
+            spark.read.format("binaryFile").option("recursiveFileLookup", "true")
+            .load(str(args.photos))
+            .withColumn("label", F.element_at(F.split("path", "/"), -2))
+            .repartition(4)
+        )
+        df.cache().count()  # the files read once, outside the timed part
+        rows, feat_s = timed(lambda: ks.features(df, engine="tract").select("path", "features").count())
+        assert rows == n, (rows, n)
+        staged = str(work / "staged")
+        ks.stage(df, staged)
+        spark_fit, sfit_s = timed(
+            lambda: ks.fit(staged, out=str(work / "run-spark"), num_workers=2, no_mlflow=True,
+                           cache=str(work / "cache-spark"))
+        )
+        spark.stop()
+    cli_fit, cfit_s = timed(
+        lambda: json.loads(trainer("fit", "--data", staged, "--workers", "2", "--out", str(work / "run-cli"),
+                                   "--cache", str(work / "cache-cli"), "--no-mlflow", "--json"))
+    )
+    py_fit, pfit_s = timed(
+        lambda: kestrel.fit(staged, out=str(work / "run-py"), workers=2, no_mlflow=True,
+                            cache=str(work / "cache-py"))
+    )
+    print(f"# kestrel.spark on a standalone cluster (2 workers, 1 core each) vs the CLI, {n} photos; "
+          "fresh caches (each fit extracts its features)")
+    print(f"{'kestrel':<44}{'':>11}  {'peer':<34}{'':>11}  {'ratio':>7}")
+    row("kestrel.spark.features, 2 executors", feat_s, "trainer prepare --workers 2", prep_s)
+    row("kestrel.spark.fit(num_workers=2)", sfit_s, "trainer fit --workers 2", cfit_s)
+    row("kestrel.fit(workers=2), in-process", pfit_s, "trainer fit --workers 2", cfit_s)
+    print(f"val_loss: spark {spark_fit['val_loss']:.6f}, python {py_fit['val_loss']:.6f}, "
+          f"cli {cli_fit['val_loss']:.6f}")
+
+
+if __name__ == "__main__":
+    main()
