@@ -1,5 +1,6 @@
-//! Serving models: the model cache shared by the devices of one process, and the watched
-//! directory. (Inference over MQTT is driven by the agent's event loop.)
+//! The loaded models: the active one behind a lock the inference workers share, the shadow
+//! candidate, the cache shared by the devices of one process, and the watched directory.
+//! (Inference over MQTT is driven by the agent's event loop.)
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -13,7 +14,7 @@ use kestrel_shared::manifest::MANIFEST_FILE;
 use kestrel_shared::protocol::sha256_hex;
 
 /// The active model of a device, swapped atomically for readers.
-pub type Shared<T> = Arc<RwLock<Option<Arc<T>>>>;
+pub type ModelSlot<T> = Arc<RwLock<Option<Arc<T>>>>;
 
 /// A shadow model as the inference workers see it: it runs on every `every`-th request the
 /// active model answered (`turn` counts them), after the reply is on its way.
@@ -68,7 +69,7 @@ impl ModelCache {
 
 /// Classifies images dropped into `dir` (one JSON line each in `dir/results.jsonl`, the image
 /// moved to `dir/done/`), with whatever model is active.
-pub fn watch_dir(dir: PathBuf, model: Shared<LoadedModel>, top_k: usize) {
+pub fn watch_dir(dir: PathBuf, model: ModelSlot<LoadedModel>, top_k: usize) {
     use std::io::Write;
     let done = dir.join("done");
     let _ = std::fs::create_dir_all(&done);

@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 
 use crate::outbox::Message;
 
-/// Inference replies waiting for room in the window, bounded in bytes (the oldest go first).
+/// Inference replies waiting for the MQTT client, bounded in bytes (the oldest go first).
 #[derive(Debug, Default)]
 pub struct Replies {
     queue: VecDeque<Message>,

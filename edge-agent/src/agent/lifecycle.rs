@@ -19,12 +19,12 @@ use rumqttc::{AsyncClient, Event as MqttEvent, LastWill, QoS};
 use tokio::sync::mpsc;
 
 use super::shadow::ShadowSlot;
-use super::{Agent, Done, Job, Journal, KEYS_FILE, Observed, ShadowRun};
+use super::{Agent, Done, InferJob, Journal, KEYS_FILE, Observed, ShadowRun};
 use crate::config::Config;
 use crate::desired::DesiredStates;
+use crate::models::{ModelCache, ModelSlot, ShadowModel};
 use crate::outbox::{Message, Outbox};
 use crate::replies::Replies;
-use crate::serve::{ModelCache, ShadowModel, Shared};
 use crate::store::Store;
 use crate::trust::Trust;
 use crate::update::Updater;
@@ -47,12 +47,12 @@ pub fn inference_plan(engine: EngineKind, threads: usize) -> (usize, usize) {
 /// when none do).
 #[derive(Clone)]
 pub(super) struct Jobs {
-    tx: SyncSender<Job>,
+    tx: SyncSender<InferJob>,
     waiting: Arc<AtomicUsize>,
 }
 
 impl Jobs {
-    pub(super) fn try_send(&self, job: Job) -> Result<(), TrySendError<Job>> {
+    pub(super) fn try_send(&self, job: InferJob) -> Result<(), TrySendError<InferJob>> {
         self.waiting.fetch_add(1, Ordering::SeqCst);
         self.tx.try_send(job).inspect_err(|_| {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -62,10 +62,10 @@ impl Jobs {
 
 /// What an inference worker works with.
 struct Worker {
-    rx: Arc<Mutex<Receiver<Job>>>,
+    rx: Arc<Mutex<Receiver<InferJob>>>,
     waiting: Arc<AtomicUsize>,
-    model: Shared<LoadedModel>,
-    shadow: Shared<ShadowModel>,
+    model: ModelSlot<LoadedModel>,
+    shadow: ModelSlot<ShadowModel>,
     done: mpsc::UnboundedSender<Done>,
     device: String,
     top_k: usize,
@@ -172,7 +172,7 @@ impl Feed {
             .collect()
     }
 
-    fn spawn(&self, device: &str, jobs: Jobs, model: Shared<LoadedModel>) -> Result<()> {
+    fn spawn(&self, device: &str, jobs: Jobs, model: ModelSlot<LoadedModel>) -> Result<()> {
         let mut images = self.images()?;
         // A stable order of the device's own (a seeded Fisher-Yates).
         let mut state = u64::from_str_radix(&sha256_hex(device.as_bytes())[..16], 16).unwrap_or(1);
@@ -192,7 +192,7 @@ impl Feed {
             for (n, bytes) in images.iter().cycle().take(count).enumerate() {
                 next += period;
                 std::thread::sleep(next.saturating_duration_since(Instant::now()));
-                let mut job = Job {
+                let mut job = InferJob {
                     request: format!("feed-{n}"),
                     bytes: bytes.clone(),
                     reply: false,
@@ -383,8 +383,8 @@ impl Agent {
             tx,
             waiting: Arc::new(AtomicUsize::new(0)),
         };
-        let model: Shared<LoadedModel> = Arc::new(RwLock::new(None));
-        let shadow: Shared<ShadowModel> = Arc::new(RwLock::new(None));
+        let model: ModelSlot<LoadedModel> = Arc::new(RwLock::new(None));
+        let shadow: ModelSlot<ShadowModel> = Arc::new(RwLock::new(None));
         let jobs_rx = Arc::new(Mutex::new(jobs_rx));
         let (workers, _) = inference_plan(cfg.inference.engine, cfg.inference.threads);
         for _ in 0..workers {
@@ -413,7 +413,7 @@ impl Agent {
             std::fs::create_dir_all(&dir)
                 .with_context(|| format!("watch dir {}", dir.display()))?;
             let (model, k) = (model.clone(), cfg.inference.top_k);
-            std::thread::spawn(move || crate::serve::watch_dir(dir, model, k));
+            std::thread::spawn(move || crate::models::watch_dir(dir, model, k));
         }
         let outbox = Outbox::open(&cfg.store.join("outbox"))?;
         let captures = super::capture::Captures::open(&cfg)?;

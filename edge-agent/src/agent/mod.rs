@@ -33,9 +33,9 @@ use tokio::sync::mpsc;
 
 use crate::config::Config;
 use crate::desired::DesiredStates;
+use crate::models::{ModelCache, ModelSlot};
 use crate::outbox::{Message, Outbox};
 use crate::replies::Replies;
-use crate::serve::{ModelCache, Shared};
 use crate::store::Store;
 use crate::trust::Trust;
 use crate::update::{Action, Event, Phase, Report, Updater};
@@ -94,7 +94,8 @@ struct ShadowRun {
     shadow: (Vec<f32>, f64),
 }
 
-struct Job {
+/// One image to classify (the inference workers' queue; not the trainer's `Job`, a run context).
+struct InferJob {
     request: String,
     bytes: Vec<u8>,
     /// Answer over MQTT (a request from `P/devices/<id>/infer/+`), or only observe (fed traffic).
@@ -116,7 +117,7 @@ pub struct Agent {
     refused: Option<String>,
     /// The accepted offer of the version being downloaded.
     offer: Option<(ArtifactOffer, Manifest)>,
-    model: Shared<LoadedModel>,
+    model: ModelSlot<LoadedModel>,
     candidate: Option<(u64, Arc<LoadedModel>)>,
     models: Arc<ModelCache>,
     outbox: Outbox,
@@ -540,7 +541,7 @@ impl Agent {
                 payload.len()
             )
         } else {
-            match self.jobs.try_send(Job {
+            match self.jobs.try_send(InferJob {
                 request: request.clone(),
                 bytes: payload,
                 reply: true,

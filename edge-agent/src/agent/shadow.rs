@@ -2,7 +2,7 @@
 //! from the same retained artifact topics and passes the same checks as an update (signed offer,
 //! chunk hashes, signature and file hashes once assembled, golden samples), in a store of its
 //! own (`<store>/shadow`); then the inference workers run it on the same live requests after the
-//! active model has answered ([`crate::serve::ShadowModel`]), and its agreement with the active
+//! active model has answered ([`crate::models::ShadowModel`]), and its agreement with the active
 //! model goes into the quality report. It never answers a request and never becomes active.
 
 use std::collections::BTreeSet;
@@ -18,7 +18,7 @@ use rumqttc::QoS;
 
 use super::{Agent, Done, ShadowRun};
 use crate::desired::Verdict;
-use crate::serve::{ShadowModel, Shared};
+use crate::models::{ModelSlot, ShadowModel};
 use crate::store::Store;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -38,13 +38,13 @@ pub(super) struct ShadowSlot {
     have: BTreeSet<u32>,
     tally: Option<ShadowTally>,
     /// What the inference workers run.
-    pub(super) shared: Shared<ShadowModel>,
+    pub(super) shared: ModelSlot<ShadowModel>,
     /// Comparisons came in since the last quality report.
     pub(super) dirty: bool,
 }
 
 impl ShadowSlot {
-    pub(super) fn new(store: Store, shared: Shared<ShadowModel>) -> Self {
+    pub(super) fn new(store: Store, shared: ModelSlot<ShadowModel>) -> Self {
         Self {
             store,
             want: None,

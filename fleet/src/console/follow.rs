@@ -14,7 +14,7 @@ use super::view::{FleetView, filters};
 use crate::{Conn, FleetError};
 
 /// What the follower shares with the server.
-pub struct Shared {
+pub struct ConsoleState {
     pub view: Mutex<FleetView>,
     /// Whether the broker is connected now.
     pub connected: AtomicBool,
@@ -23,7 +23,7 @@ pub struct Shared {
 }
 
 /// Starts the follower thread.
-pub fn start(cfg: BrokerConfig, shared: Arc<Shared>) {
+pub fn start(cfg: BrokerConfig, shared: Arc<ConsoleState>) {
     std::thread::spawn(move || {
         loop {
             if let Err(e) = follow(&cfg, &shared) {
@@ -37,7 +37,7 @@ pub fn start(cfg: BrokerConfig, shared: Arc<Shared>) {
 }
 
 /// One connection: subscribe, then apply messages until it fails.
-fn follow(cfg: &BrokerConfig, shared: &Shared) -> Result<(), FleetError> {
+fn follow(cfg: &BrokerConfig, shared: &ConsoleState) -> Result<(), FleetError> {
     let mut conn = Conn::connect(cfg, "console")?;
     // QoS 0: a late console gets every retained status, not rumqttd's first 100 (see
     // `Conn::subscribe_qos`); each message is a device's latest state, which the next replaces.

@@ -22,7 +22,7 @@ use kestrel_shared::mqtt::BrokerConfig;
 use serde::Deserialize;
 use tokio::sync::watch;
 
-use super::follow::{self, Shared};
+use super::follow::{self, ConsoleState};
 use super::guard::{Refusal, SECURITY_HEADERS, Sessions, Site, without_token};
 use super::listen::{self, Counts, Over, Peer, RefusalLog};
 use super::view::{DeviceFilter, FleetView};
@@ -42,7 +42,7 @@ const MAX_SESSIONS: usize = 10_000;
 const PUSH_EVERY: Duration = Duration::from_millis(500);
 
 struct App {
-    shared: Arc<Shared>,
+    shared: Arc<ConsoleState>,
     broker: BrokerConfig,
     token: Option<String>,
     actions: Option<SigningKey>,
@@ -79,7 +79,7 @@ pub async fn run(opts: Options, ready: impl FnOnce(&str)) -> Result<(), ConsoleE
     let site =
         Site::new(addr, opts.public_url.as_deref(), tls.is_some()).map_err(ConsoleError::Config)?;
     let (changed, _) = watch::channel(0);
-    let shared = Arc::new(Shared {
+    let shared = Arc::new(ConsoleState {
         view: Mutex::new(FleetView::new(&opts.broker.prefix)),
         connected: AtomicBool::new(false),
         changed,

@@ -21,7 +21,7 @@ struct State {
     failed: Option<(usize, String)>,
 }
 
-struct Shared {
+struct Rendezvous {
     world: usize,
     timeout: Duration,
     state: Mutex<State>,
@@ -32,14 +32,14 @@ struct Shared {
 pub struct LocalComm {
     rank: usize,
     seq: AtomicU64,
-    shared: Arc<Shared>,
+    shared: Arc<Rendezvous>,
 }
 
 /// `world` connected ranks for `world` threads; a collective that waits longer than `timeout`
 /// fails naming the ranks that did not arrive.
 pub fn local_group(world: usize, timeout: Duration) -> Vec<LocalComm> {
     assert!(world > 0);
-    let shared = Arc::new(Shared {
+    let shared = Arc::new(Rendezvous {
         world,
         timeout,
         state: Mutex::new(State {

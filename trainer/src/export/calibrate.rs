@@ -107,7 +107,7 @@ struct Calibration {
 /// Runs the network (quantized as `quant`) with probes in tract over `samples` (on `threads`
 /// cores), recording each Conv/Gemm input's range and per-channel mean.
 fn calibrate(
-    pp: &crate::train::Prepped,
+    pp: &crate::train::TrainingData,
     folded: &[FoldedConv],
     head: &Linear,
     quant: &Quant,

@@ -11,7 +11,7 @@ use kestrel_models::weights::FoldedConv;
 
 use super::ExportError;
 use crate::distributed::Job;
-use crate::train::{self, FitParams, Prepped, Trainable};
+use crate::train::{self, FitParams, Trainable, TrainingData};
 
 pub(super) struct Trained {
     pub run_dir: PathBuf,
@@ -20,7 +20,7 @@ pub(super) struct Trained {
     pub weights: Weights,
     /// The run's `summary.json`.
     pub summary: serde_json::Value,
-    pub pp: Prepped,
+    pub pp: TrainingData,
     /// The trainer's model: cached features → logits, in candle.
     pub model: Trainable,
     /// Folded weights of the whole network as trained.
@@ -97,7 +97,10 @@ impl Trained {
 
 /// Folded weights of the whole network as trained: pretrained folded convs with the run's
 /// unfrozen blocks substituted, and the run's classifier.
-fn trained_network(pp: &Prepped, w: &Weights) -> Result<(Vec<FoldedConv>, Linear), ExportError> {
+fn trained_network(
+    pp: &TrainingData,
+    w: &Weights,
+) -> Result<(Vec<FoldedConv>, Linear), ExportError> {
     let mut folded = pp.backbone.folded()?;
     for (c, f) in pp.backbone.net.convs().zip(folded.iter_mut()) {
         if let Some(t) = w.get(&c.weight_name()) {

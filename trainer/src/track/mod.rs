@@ -28,7 +28,7 @@ pub use run::{fit_metrics, flatten_params, run_tags, trial_run};
 use kestrel_shared::manifest::Manifest;
 
 use crate::report::EpochMetrics;
-use crate::train::{self, Prepped, Summary};
+use crate::train::{self, Summary, TrainingData};
 use crate::tune::{self, TrialResult};
 
 /// The files of a run directory logged as artifacts of its MLflow run.
@@ -548,7 +548,7 @@ impl Tracker {
 }
 
 impl train::Observer for Tracker {
-    fn prepared(&self, pp: &Prepped) {
+    fn prepared(&self, pp: &TrainingData) {
         self.log(Vec::new(), Vec::new(), run::data_tags(pp));
         self.submit(Op::LogInputs {
             run_id: self.run_id().to_string(),

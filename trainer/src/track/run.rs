@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::{KeyValue, Metric, Op, RunLink, kv};
 use crate::report::EpochMetrics;
-use crate::train::{Prepped, Summary};
+use crate::train::{Summary, TrainingData};
 use crate::tune::TrialResult;
 
 /// A serializable value as MLflow params: nested objects flattened with `.` (`source.label_column`),
@@ -65,7 +65,7 @@ pub fn run_tags(command: &str) -> Vec<KeyValue> {
 }
 
 /// Tags of the data a run trained on: the source (with a Delta table's version) and the caches.
-pub fn data_tags(pp: &Prepped) -> Vec<KeyValue> {
+pub fn data_tags(pp: &TrainingData) -> Vec<KeyValue> {
     let m = &pp.prepared.meta;
     let name = |d: &std::path::Path| {
         d.file_name()
@@ -84,7 +84,7 @@ pub fn data_tags(pp: &Prepped) -> Vec<KeyValue> {
 /// table's last path segment, the digest the sample cache's key (truncated to MLflow's 36
 /// characters; the whole key is the `kestrel.cache.samples` tag), the source the table's path or
 /// URL, and for a Delta table the version read (`delta_table`, as MLflow's own Delta source).
-pub fn dataset_inputs(pp: &Prepped) -> Vec<Value> {
+pub fn dataset_inputs(pp: &TrainingData) -> Vec<Value> {
     let key = &pp.prepared.meta.key;
     let digest = &key[..key.len().min(36)];
     pp.tables

@@ -5,7 +5,7 @@ use indicatif::ProgressBar;
 use kestrel_models::Engine;
 use rand::{Rng, rngs::StdRng};
 
-use super::{FitParams, Prepped, TrainError};
+use super::{FitParams, TrainError, TrainingData};
 use crate::data::features::{frozen_opts, run_frozen};
 
 /// One sample's random augmentation: the crop origin (7/8 of each side) and whether to flip.
@@ -55,7 +55,11 @@ pub struct Augmenter {
 
 impl Augmenter {
     /// `None` when the run does not augment.
-    pub fn new(p: &FitParams, pp: &Prepped, threads: usize) -> Result<Option<Self>, TrainError> {
+    pub fn new(
+        p: &FitParams,
+        pp: &TrainingData,
+        threads: usize,
+    ) -> Result<Option<Self>, TrainError> {
         if !(p.augment_flip || p.augment_crop) {
             return Ok(None);
         }
@@ -74,7 +78,7 @@ impl Augmenter {
     /// worker would.
     pub fn features(
         &self,
-        pp: &Prepped,
+        pp: &TrainingData,
         batch: &[usize],
         mine: std::ops::Range<usize>,
         rng: &mut StdRng,

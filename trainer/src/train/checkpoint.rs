@@ -10,7 +10,7 @@ use super::model::Trainable;
 use super::optim::Opt;
 use super::prepare::split_records;
 use super::run_dir::RunDir;
-use super::{FitParams, Prepped, TrainError, TrainState};
+use super::{FitParams, TrainError, TrainState, TrainingData};
 use crate::report::{self, EpochMetrics};
 
 fn ckpt_path(run: &Path, epoch: usize, ext: &str) -> PathBuf {
@@ -75,7 +75,7 @@ pub fn load_latest(
 pub fn begin(
     run: &Path,
     p: &FitParams,
-    pp: &Prepped,
+    pp: &TrainingData,
     state: &TrainState,
 ) -> Result<(), TrainError> {
     report::write_json_atomic(&run.join(RunDir::PARAMS), p)?;

@@ -32,7 +32,7 @@ pub mod run_dir;
 
 pub use model::{Trainable, model_summary};
 pub use params::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule};
-pub use prepare::{Prepped, SplitRecord, prepare};
+pub use prepare::{SplitRecord, TrainingData, prepare};
 pub use rank::train_rank;
 pub use run_dir::RunDir;
 
@@ -44,7 +44,7 @@ use crate::report::{self, EpochMetrics, Evaluation};
 /// everything. Tuning adds its trials ([`crate::tune::Observer`]).
 pub trait Observer: Sync {
     /// The samples and features are ready.
-    fn prepared(&self, _pp: &Prepped) {}
+    fn prepared(&self, _pp: &TrainingData) {}
     /// An epoch finished (the line just appended to `metrics.jsonl`).
     fn epoch(&self, _m: &EpochMetrics) {}
 }
@@ -203,7 +203,7 @@ pub fn fit(
 }
 
 fn batch_tensor(
-    pp: &Prepped,
+    pp: &TrainingData,
     idx: &[usize],
     feats: Option<&[f32]>,
 ) -> Result<(CTensor, CTensor), TrainError> {
@@ -228,7 +228,7 @@ fn batch_tensor(
 
 /// Loss and predictions of `model` over `idx` (batched).
 pub fn predict(
-    pp: &Prepped,
+    pp: &TrainingData,
     model: &Trainable,
     idx: &[usize],
 ) -> Result<(f64, Vec<usize>), TrainError> {
@@ -238,7 +238,7 @@ pub fn predict(
 
 /// Summed (not averaged) loss and predictions of `model` over `idx`.
 pub fn predict_sum(
-    pp: &Prepped,
+    pp: &TrainingData,
     model: &Trainable,
     idx: &[usize],
 ) -> Result<(f64, Vec<usize>), TrainError> {

@@ -9,7 +9,7 @@ use kestrel_models::{Tensor, Weights};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::train::head::Standardizer;
-use crate::train::{Prepped, TrainError};
+use crate::train::{TrainError, TrainingData};
 
 /// The trainable part: unfrozen blocks (if any) + pooled features → linear classifier.
 ///
@@ -186,7 +186,7 @@ pub(crate) fn to_plain(t: &CTensor) -> Result<Tensor, TrainError> {
 }
 
 /// Keras/BigDL-style summary of the model being trained.
-pub fn model_summary(pp: &Prepped, t: &Trainable) -> String {
+pub fn model_summary(pp: &TrainingData, t: &Trainable) -> String {
     let net = &pp.backbone.net;
     let mut s = format!(
         "{:<28}{:<18}{:>12}  {}\n",

@@ -10,7 +10,7 @@ use crate::data::{self, Dataset, Features, Prepared, SamplePlan, features};
 use crate::distributed::Job;
 
 /// Data ready for training: cached samples and features, labels and split.
-pub struct Prepped {
+pub struct TrainingData {
     pub dataset_labels: Vec<String>,
     pub prepared: Prepared,
     pub features: Features,
@@ -23,7 +23,7 @@ pub struct Prepped {
     pub tables: Vec<data::TableRef>,
 }
 
-impl Prepped {
+impl TrainingData {
     pub fn indices(&self, s: Split) -> Vec<usize> {
         (0..self.splits.len())
             .filter(|&i| self.splits[i] == s)
@@ -55,7 +55,7 @@ pub struct SplitRecord {
     pub sha256: String,
 }
 
-pub fn split_records(pp: &Prepped) -> Vec<SplitRecord> {
+pub fn split_records(pp: &TrainingData) -> Vec<SplitRecord> {
     let m = &pp.prepared.meta;
     (0..pp.splits.len())
         .map(|i| SplitRecord {
@@ -69,7 +69,7 @@ pub fn split_records(pp: &Prepped) -> Vec<SplitRecord> {
 
 /// Loads the tables (one dataset), builds or reuses the sample cache (rank 0 first under MPI) and
 /// the feature cache (extracted by the job's ranks together), and splits.
-pub fn prepare(p: &FitParams, job: &Job) -> Result<Prepped, TrainError> {
+pub fn prepare(p: &FitParams, job: &Job) -> Result<TrainingData, TrainError> {
     let ds: Dataset = data::load_all(&p.data_paths(), &p.source)?;
     for (source, n) in &ds.unlabelled {
         job.log(format!("{n} unlabelled rows skipped from {source}"));
@@ -163,7 +163,7 @@ pub fn prepare(p: &FitParams, job: &Job) -> Result<Prepped, TrainError> {
     let labels = prepared.meta.sample_labels.clone();
     let classes = prepared.meta.labels.len();
     let splits = split::stratified(&labels, classes, p.val_fraction, p.test_fraction, p.seed);
-    Ok(Prepped {
+    Ok(TrainingData {
         dataset_labels: prepared.meta.labels.clone(),
         prepared,
         features,

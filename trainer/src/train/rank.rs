@@ -24,8 +24,8 @@ use super::model::{Trainable, model_summary};
 use super::optim::{self, Opt};
 use super::run_dir::RunDir;
 use super::{
-    FitOutcome, FitParams, LrScaling, Optimizer, Prepped, Recording, Summary, TrainError,
-    TrainState, batch_tensor, checkpoint, predict, predict_sum,
+    FitOutcome, FitParams, LrScaling, Optimizer, Recording, Summary, TrainError, TrainState,
+    TrainingData, batch_tensor, checkpoint, predict, predict_sum,
 };
 use crate::data::split::{self, Split};
 use crate::distributed::{self, Collective, Rank};
@@ -43,7 +43,7 @@ struct Sets {
 /// checkpoint when it says so.
 pub fn train_rank(
     p: &FitParams,
-    pp: &Prepped,
+    pp: &TrainingData,
     rec: Option<&Recording<'_>>,
     r: &Rank<'_>,
     feature_seconds: f64,
@@ -160,7 +160,11 @@ pub fn train_rank(
 }
 
 /// The head `--init-from` names, mapped onto this run's classes (logged once).
-fn start_head(p: &FitParams, pp: &Prepped, r: &Rank<'_>) -> Result<Option<StartHead>, TrainError> {
+fn start_head(
+    p: &FitParams,
+    pp: &TrainingData,
+    r: &Rank<'_>,
+) -> Result<Option<StartHead>, TrainError> {
     let Some(dir) = &p.init_from else {
         return Ok(None);
     };
@@ -185,7 +189,7 @@ fn start_head(p: &FitParams, pp: &Prepped, r: &Rank<'_>) -> Result<Option<StartH
 /// Same parameters and data on every rank (the table and cache paths may differ between hosts).
 fn check_same_everywhere(
     p: &FitParams,
-    pp: &Prepped,
+    pp: &TrainingData,
     comm: &dyn Collective,
 ) -> Result<(), TrainError> {
     let same = FitParams {
@@ -288,7 +292,7 @@ fn lr_factor(p: &FitParams, r: &Rank<'_>) -> f64 {
 #[allow(clippy::too_many_arguments)]
 fn run_epoch(
     p: &FitParams,
-    pp: &Prepped,
+    pp: &TrainingData,
     model: &Trainable,
     opt: &mut Opt,
     sets: &Sets,
@@ -405,7 +409,7 @@ fn record_epoch(
 /// test), `summary.json` and the curves.
 #[allow(clippy::too_many_arguments)]
 fn finish(
-    pp: &Prepped,
+    pp: &TrainingData,
     model: &Trainable,
     state: &TrainState,
     best: Option<Weights>,
@@ -477,7 +481,7 @@ fn finish(
 fn solve_head(
     p: &FitParams,
     rec: Option<&Recording<'_>>,
-    pp: &Prepped,
+    pp: &TrainingData,
     sets: &Sets,
     loss: &Loss,
     r: &Rank<'_>,
@@ -561,7 +565,7 @@ const STAGE2_HEAD_SCALE: f32 = 0.1;
 /// diverge). Returns the solve and the head's validation accuracy.
 fn head_first(
     p: &FitParams,
-    pp: &Prepped,
+    pp: &TrainingData,
     sets: &Sets,
     loss: &Loss,
     model: &mut Trainable,

@@ -28,7 +28,7 @@ pub use tpe::Tpe;
 
 use crate::distributed::{self, CollectiveError, Job, WorkerError};
 use crate::report::{self, ReportError};
-use crate::train::{self, FitParams, Optimizer, Prepped, TrainError};
+use crate::train::{self, FitParams, Optimizer, TrainError, TrainingData};
 
 /// What tuning reports as it goes, on rank 0: what a training run reports, and each trial.
 pub trait Observer: train::Observer {
@@ -223,7 +223,11 @@ pub fn best_params(base: &FitParams, best: &TrialResult, seed: u64) -> FitParams
 }
 
 /// Trains one trial's head on the prepared features on one quiet worker; nothing is written.
-pub fn run_trial(pp: &Prepped, p: &FitParams, job: &Job) -> Result<train::Summary, TrainError> {
+pub fn run_trial(
+    pp: &TrainingData,
+    p: &FitParams,
+    job: &Job,
+) -> Result<train::Summary, TrainError> {
     let o = job.run(|rank| train::train_rank(p, pp, None, rank, 0.0))?;
     Ok(o.expect("rank 0 returns its outcome").summary)
 }
@@ -348,7 +352,7 @@ struct Proposal {
 
 /// Trains this process's trials of a round, each on its own thread.
 fn run_round(
-    pp: &Prepped,
+    pp: &TrainingData,
     base: &FitParams,
     opts: &TuneOpts,
     mine: &[Proposal],
