@@ -180,6 +180,13 @@ fn limits_hold_and_nothing_is_stored_twice(kind: BrokerKind) {
 /// exported CSV with its label column filled in labels every row.
 fn labels_go_in_or_are_refused(table: &Path, dir: &Path, rows: u64) {
     let t = s(table);
+    let version_before = {
+        let o = python(
+            "import sys, deltalake\nprint(deltalake.DeltaTable(sys.argv[1]).version())",
+            &[table],
+        );
+        stdout(&o).trim().to_string()
+    };
     let todo = dir.join("todo.csv");
     run_ok("trainer", &["label", "--table", &t, "--export", &s(&todo)]);
     let text = std::fs::read_to_string(&todo).unwrap();
@@ -222,6 +229,17 @@ fn labels_go_in_or_are_refused(table: &Path, dir: &Path, rows: u64) {
         (v["labelled"].as_u64(), v["unlabelled"].as_u64()),
         (Some(rows), Some(0))
     );
+    // Python's deltalake reads the labels table; the capture table kept its version (labelling
+    // copied no image).
+    let o = python(
+        "import sys, deltalake\n\
+         t = deltalake.DeltaTable(sys.argv[1] + '/_labels').to_pyarrow_table()\n\
+         print(t.num_rows, sorted(set(t.column('label').to_pylist())), deltalake.DeltaTable(sys.argv[1]).version())",
+        &[table],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let expected = format!("{rows} ['face'] {version_before}");
+    assert_eq!(stdout(&o).trim(), expected);
 }
 
 #[test]

@@ -337,14 +337,17 @@ fn captures_on(server: &Server, tmp: &Path) {
         (v["labelled"].as_u64(), v["unlabelled"].as_u64()),
         (Some(24), Some(0))
     );
-    assert_eq!(v["version"], 1, "{v}");
+    assert_eq!(v["labels_version"], 1, "{v}");
     let cache = tmp.join("cache-captures");
     let p = prepare(server, &url, &cache, &[]);
     assert_eq!(p["samples"], 24, "{p}");
     assert_eq!(p["labels"], serde_json::json!(["face", "nonface"]), "{p}");
-    // The version before the labels still reads (time travel), without them.
-    let v0 = server.trainer(&["prepare", "--data", &url, "--data-version", "0"]);
-    assert!(!v0.status.success() && stderr(&v0).contains("--skip-unlabelled"));
+    // The labels went to the labels table on the store: the images were not copied (the
+    // capture table is still at the version Python wrote).
+    let tables = &p["tables"];
+    assert_eq!(tables[0]["version"], 0, "{p}");
+    assert_eq!(tables[1]["location"], format!("{url}/_labels"), "{p}");
+    assert_eq!(tables[1]["version"], 1, "{p}");
 }
 
 #[test]

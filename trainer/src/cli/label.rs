@@ -1,6 +1,7 @@
 //! `trainer label`: labels into a capture table (`trainer collect`'s), or its unlabelled rows out
 //! to a CSV and image files for whatever labelling tool is at hand ([`crate::data::label`]).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -43,13 +44,17 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let summary = match (&a.from, &a.export) {
         (Some(csv), _) => {
             let n = apply_labels(&mut rows, csv, a.add_classes)?;
-            let v = delta_write::replace(&a.table, &rows)?;
-            let left = rows.iter().filter(|r| r.label.is_none()).count();
+            let labels: BTreeMap<String, String> = rows
+                .iter()
+                .filter_map(|r| Some((r.path.clone(), r.label.clone()?)))
+                .collect();
+            let v = delta_write::write_labels(&a.table, &labels)?;
+            let left = rows.len() - labels.len();
             tracing::info!(
-                "labelled {n} rows of {} ({left} still unlabelled), version {v}",
+                "labelled {n} rows of {} ({left} still unlabelled), labels table version {v}",
                 a.table.display()
             );
-            serde_json::json!({"labelled": n, "unlabelled": left, "version": v})
+            serde_json::json!({"labelled": n, "unlabelled": left, "labels_version": v})
         }
         (None, Some(csv)) => {
             let n = export_todo(&rows, csv)?;

@@ -58,6 +58,7 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
             "feature_seconds": pp.features.meta.seconds,
             "feature_workers": pp.features.meta.workers,
             "features_cache": pp.features.dir,
+            "tables": pp.tables,
         });
         outln!("{v}");
     } else {

@@ -8,9 +8,13 @@
 //! `--data-version N`, or `--data-timestamp T` for the last version committed at or before T (as
 //! Spark's `timestampAsOf`).
 
+use std::collections::HashMap;
+use std::path::Path;
 use std::sync::Arc;
 
-use delta_kernel::arrow::array::RecordBatch;
+use delta_kernel::arrow::array::{AsArray, RecordBatch};
+use delta_kernel::arrow::compute::cast;
+use delta_kernel::arrow::datatypes::DataType;
 use delta_kernel::engine::arrow_data::ArrowEngineData;
 use delta_kernel::history_manager;
 use delta_kernel::snapshot::Snapshot;
@@ -18,7 +22,7 @@ use delta_kernel::snapshot::Snapshot;
 use super::spool::Rows;
 use super::store::Location;
 use super::table::Roles;
-use super::{DataError, SourceOpts};
+use super::{DataError, SourceOpts, TableRef};
 
 /// A read Delta table: its rows and the snapshot's version.
 pub(super) struct DeltaRows {
@@ -26,6 +30,120 @@ pub(super) struct DeltaRows {
     /// Rows left out for having no label (`--skip-unlabelled`).
     pub unlabelled: usize,
     pub version: u64,
+    /// The labels table the labels came from, if the table names one.
+    pub labels: Option<TableRef>,
+}
+
+/// A capture table's labels, read from its labels table (see [`super::delta_write`]).
+pub(super) struct Labels {
+    pub by_path: HashMap<String, String>,
+    /// How messages name the labels table (the table's path or URL and the directory).
+    pub origin: std::path::PathBuf,
+    /// Its version read.
+    pub version: u64,
+}
+
+/// Checks a labels table's name from a table property: one directory inside the table.
+pub(super) fn labels_dir(name: &str) -> Result<&str, String> {
+    let ok = !name.is_empty()
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b));
+    match ok {
+        true => Ok(name),
+        false => Err(format!(
+            "labels table `{name}` (property `{}`) is not a directory name inside the table",
+            super::delta_write::LABELS_TABLE_KEY
+        )),
+    }
+}
+
+/// The name of the labels table of the table `snapshot`: its `kestrel.labelsTable` property,
+/// else `_labels` (for capture tables written by others), checked to be a directory name.
+pub(super) fn labels_name(snapshot: &Snapshot) -> Result<&str, String> {
+    let key = super::delta_write::LABELS_TABLE_KEY;
+    let name = snapshot.table_properties().unknown_properties.get(key);
+    labels_dir(name.map_or(super::delta_write::LABELS_TABLE, String::as_str))
+}
+
+/// The labels of the table `snapshot` (at `url`) from its labels table ([`labels_name`]),
+/// `None` when it has none; with `as_of` (milliseconds since the epoch), the labels table's last
+/// version at or before it (`None` when it had none yet).
+pub(super) fn labels_of(
+    snapshot: &Snapshot,
+    url: &url::Url,
+    engine: Arc<dyn delta_kernel::Engine>,
+    origin: &Path,
+    as_of: Option<i64>,
+) -> Result<Option<Labels>, DataError> {
+    let err = |message: String| DataError::Delta {
+        path: origin.to_path_buf(),
+        message,
+    };
+    let name = labels_name(snapshot).map_err(err)?;
+    let url = url
+        .join(&format!("{name}/"))
+        .map_err(|e| err(format!("labels table {name}: {e}")))?;
+    let labels_origin = origin.join(name);
+    let kernel = |e: delta_kernel::KernelError| err(format!("labels table {name}: {e}"));
+    // No labels given yet: no labels table.
+    let log = url.join("_delta_log/").map_err(|e| err(e.to_string()))?;
+    match engine.storage_handler().list_from(&log) {
+        Ok(mut files) => {
+            if files.next().transpose().map_err(kernel)?.is_none() {
+                return Ok(None);
+            }
+        }
+        Err(delta_kernel::KernelError::FileNotFound(_)) => return Ok(None),
+        Err(e) => return Err(kernel(e)),
+    }
+    let latest = Snapshot::builder_for(url.as_str())
+        .build(engine.as_ref())
+        .map_err(kernel)?;
+    let snapshot = match as_of {
+        None => latest,
+        Some(ms) => {
+            use delta_kernel::history_manager::error::LogHistoryError;
+            let kind = history_manager::HistoryCommitType::Recreatable;
+            match history_manager::latest_version_as_of(&latest, engine.as_ref(), ms, kind) {
+                Ok(at) if at.version == latest.version() => latest,
+                Ok(at) => Snapshot::builder_for(url.as_str())
+                    .at_version(at.version)
+                    .build(engine.as_ref())
+                    .map_err(kernel)?,
+                // Labelled only after that time.
+                Err(delta_kernel::KernelError::LogHistory(e))
+                    if matches!(*e, LogHistoryError::TimestampOutOfRange { .. }) =>
+                {
+                    return Ok(None);
+                }
+                Err(e) => return Err(kernel(e)),
+            }
+        }
+    };
+    let version = snapshot.version();
+    let mut by_path = HashMap::new();
+    let columns = ["path", "label"];
+    scan_snapshot(snapshot, engine, &labels_origin, Some(&columns), |batch| {
+        let utf8 = |i: usize| {
+            cast(batch.column(i), &DataType::Utf8)
+                .map_err(|e| err(format!("labels table {name}: {}: {e}", columns[i])))
+        };
+        let (paths, labels) = (utf8(0)?, utf8(1)?);
+        let (paths, labels) = (paths.as_string::<i32>(), labels.as_string::<i32>());
+        for (p, l) in paths.iter().zip(labels.iter()) {
+            if let (Some(p), Some(l)) = (p, l) {
+                by_path.insert(p.to_string(), l.to_string());
+            }
+        }
+        Ok(())
+    })?;
+    Ok(Some(Labels {
+        by_path,
+        origin: labels_origin,
+        version,
+    }))
 }
 
 /// Parses `--data-timestamp`: RFC 3339 (`2026-12-01T06:00:00Z`), `YYYY-MM-DD HH:MM:SS` or
@@ -54,18 +172,39 @@ pub fn parse_timestamp(s: &str) -> Result<i64, String> {
     ))
 }
 
-/// Reads the rows of the Delta table at `loc`: the current snapshot, or the one `opts` names.
+/// Reads the rows of the Delta table at `loc`: the current snapshot, or the one `opts` names,
+/// with the labels of its labels table where it has one: the latest, or those as of
+/// `--data-timestamp` (`--data-version` names a version of the table itself, not of its labels:
+/// the labels known now are used for the images it held then).
 pub(super) fn read(loc: &Location, opts: &SourceOpts) -> Result<DeltaRows, DataError> {
     let dir = loc.origin.as_path();
+    let snapshot = snapshot(loc, opts)?;
+    let version = snapshot.version();
+    let as_of = opts.data_timestamp.as_deref().map(parse_timestamp).transpose();
+    let as_of = as_of.map_err(|message| DataError::Delta {
+        path: loc.origin.clone(),
+        message,
+    })?;
+    let labels = labels_of(&snapshot, &loc.url, loc.engine.clone(), dir, as_of)?;
     let columns = [&opts.content_column, &opts.label_column, &opts.path_column];
-    let columns: Vec<&str> = columns.into_iter().map(String::as_str).collect();
+    let schema = snapshot.schema();
+    let table_columns: Vec<String> = schema.fields().map(|f| f.name().clone()).collect();
+    let wanted: Vec<&str> = columns
+        .into_iter()
+        .map(String::as_str)
+        .filter(|c| schema.contains(c))
+        .collect();
     let mut rows = Rows::new()?;
     let (mut row, mut unlabelled) = (0, 0);
     let mut roles: Option<Roles> = None;
-    let mut table_columns = Vec::new();
-    let version = scan(loc, opts, &columns, &mut table_columns, |batch| {
+    let by_path = labels.as_ref().map(|l| &l.by_path);
+    scan_snapshot(snapshot, loc.engine.clone(), dir, Some(&wanted), |batch| {
         if roles.is_none() {
-            roles = Some(Roles::resolve(&batch.schema(), &[], opts, dir)?);
+            let r = Roles::resolve(&batch.schema(), &[], opts, dir)?;
+            roles = Some(match by_path {
+                Some(by_path) => r.with_labels(by_path, opts, dir)?,
+                None => r,
+            });
         }
         let r = roles.as_ref().expect("resolved");
         r.batch_rows(&batch, opts, dir, &mut row, &mut rows, &mut unlabelled)
@@ -91,12 +230,18 @@ pub(super) fn read(loc: &Location, opts: &SourceOpts) -> Result<DeltaRows, DataE
         rows,
         unlabelled,
         version,
+        labels: labels.map(|l| TableRef {
+            location: l.origin.display().to_string(),
+            format: "delta",
+            version: Some(l.version),
+        }),
     })
 }
 
 /// Calls `f` with each record batch of the table's rows (those of `columns` the table has, by
 /// their logical names), after deletion vectors; returns the snapshot's version. `table_columns`
 /// receives the names of all the table's columns first.
+#[cfg(test)]
 pub(super) fn scan(
     loc: &Location,
     opts: &SourceOpts,

@@ -1,6 +1,12 @@
-//! Capture tables: Delta tables that `trainer collect` appends to and `trainer label` rewrites,
-//! on local disk or an object store (the URLs `--data` takes: `s3://`, `az://`, `abfss://`,
-//! `gs://`), read like any other table (`--data`, through delta-kernel-rs).
+//! Kestrel's own Delta tables, on local disk or an object store (the URLs `--data` takes:
+//! `s3://`, `az://`, `abfss://`, `gs://`), read like any other table (`--data`, through
+//! delta-kernel-rs):
+//! - **capture tables**, which `trainer collect` appends to: the images and what the device
+//!   predicted; never rewritten;
+//! - their **labels tables** (`<table>/_labels`, named by the capture table's
+//!   `kestrel.labelsTable` property), which `trainer label` rewrites: a `path` and a `label` per
+//!   labelled row, so labelling never copies an image. A reader of the capture table (`--data`)
+//!   takes each row's label from there (the capture table's own `label` column otherwise).
 //!
 //! Appends and rewrites go through delta_kernel's public transaction API: its default engine
 //! writes each data file (Parquet) with its column statistics (min/max/null counts) and builds the
@@ -15,7 +21,7 @@
 //! replays stays short however long `collect` runs. The kernel reads every commit back in the
 //! tests, and so does Python's `deltalake`.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -57,7 +63,10 @@ pub struct CaptureRow {
     pub label: Option<String>,
 }
 
-/// The columns, in order: (name, Arrow type, Delta type, nullable).
+/// A table's columns, in order: (name, Delta type, nullable).
+type Columns = [(&'static str, &'static str, bool)];
+
+/// The capture table's columns.
 const COLUMNS: [(&str, &str, bool); 10] = [
     ("content", "binary", false),
     ("path", "string", false),
@@ -81,17 +90,57 @@ fn arrow_type(delta: &str) -> DataType {
     }
 }
 
-pub fn schema() -> Arc<Schema> {
+/// The labels table's columns: the capture row's `path`, its label and when it was given.
+const LABEL_COLUMNS: [(&str, &str, bool); 3] = [
+    ("path", "string", false),
+    ("label", "string", false),
+    ("labelled_at", "timestamp", false),
+];
+
+/// The capture table's property naming its labels table (a directory name inside the table:
+/// Delta readers see only the files its log names, and VACUUM skips names starting with `_`).
+pub const LABELS_TABLE_KEY: &str = "kestrel.labelsTable";
+
+/// The labels table's directory inside a capture table (also where it is looked for in a table
+/// without the property, such as one written by Spark).
+pub const LABELS_TABLE: &str = "_labels";
+
+/// What one of Kestrel's tables holds.
+struct Kind {
+    what: &'static str,
+    columns: &'static Columns,
+    /// Version 0's `configuration`.
+    configuration: fn() -> serde_json::Value,
+}
+
+const CAPTURES: Kind = Kind {
+    what: "capture table",
+    columns: &COLUMNS,
+    configuration: || json!({ LABELS_TABLE_KEY: LABELS_TABLE }),
+};
+
+const LABELS: Kind = Kind {
+    what: "labels table",
+    columns: &LABEL_COLUMNS,
+    configuration: || json!({}),
+};
+
+/// The capture table's Arrow schema.
+fn schema() -> Arc<Schema> {
+    arrow_schema(&COLUMNS)
+}
+
+fn arrow_schema(columns: &Columns) -> Arc<Schema> {
     Arc::new(Schema::new(
-        COLUMNS
+        columns
             .iter()
             .map(|(n, t, null)| Field::new(*n, arrow_type(t), *null))
             .collect::<Vec<_>>(),
     ))
 }
 
-fn delta_schema_string() -> String {
-    let fields: Vec<_> = COLUMNS
+fn delta_schema_string(columns: &Columns) -> String {
+    let fields: Vec<_> = columns
         .iter()
         .map(|(n, t, nullable)| json!({"name": n, "type": t, "nullable": nullable, "metadata": {}}))
         .collect();
@@ -105,7 +154,7 @@ fn delta_err(dir: &Path, message: impl std::fmt::Display) -> DataError {
     }
 }
 
-pub fn to_batch(rows: &[CaptureRow]) -> RecordBatch {
+fn to_batch(rows: &[CaptureRow]) -> RecordBatch {
     let s = |f: fn(&CaptureRow) -> &str| -> ArrayRef {
         Arc::new(StringArray::from_iter_values(rows.iter().map(f)))
     };
@@ -134,25 +183,60 @@ pub fn to_batch(rows: &[CaptureRow]) -> RecordBatch {
 }
 
 /// The live rows of the capture table at `dir` (a path or object URL; none if it does not exist
-/// yet) and its version.
+/// yet), each with its label from the labels table where it has one, and the table's version.
 pub fn read(dir: &Path) -> Result<(Vec<CaptureRow>, Option<u64>), DataError> {
-    let t = Table::open(dir)?;
+    let t = Table::open(dir, &CAPTURES)?;
     let Some(snapshot) = t.snapshot()? else {
         return Ok((Vec::new(), None));
     };
     let version = snapshot.version();
+    let labels = super::delta::labels_of(&snapshot, &t.url, t.engine.clone(), &t.origin, None)?;
     let mut rows = Vec::new();
     scan_snapshot(snapshot, t.engine.clone(), &t.origin, None, |batch| {
         rows.extend(from_batch(&batch).map_err(|e| t.err(e))?);
         Ok(())
     })?;
+    if let Some(labels) = labels {
+        for r in &mut rows {
+            if let Some(l) = labels.by_path.get(&r.path) {
+                r.label = Some(l.clone());
+            }
+        }
+    }
     Ok((rows, Some(version)))
+}
+
+/// Replaces the labels of the capture table at `dir` with `labels` (path → label): one commit
+/// of its labels table, which is created on first use. The capture table is not written.
+/// Returns the labels table's new version.
+pub fn write_labels(dir: &Path, labels: &BTreeMap<String, String>) -> Result<u64, DataError> {
+    let captures = Table::open(dir, &CAPTURES)?;
+    let snapshot = captures.snapshot()?.ok_or_else(|| {
+        captures.err("no capture table there (trainer collect creates it)")
+    })?;
+    let name = super::delta::labels_name(&snapshot).map_err(|e| captures.err(e))?;
+    let sub = PathBuf::from(format!(
+        "{}/{name}",
+        dir.display().to_string().trim_end_matches('/'),
+    ));
+    let at = chrono::Utc::now().timestamp_micros();
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(StringArray::from_iter_values(labels.keys())),
+        Arc::new(StringArray::from_iter_values(labels.values())),
+        Arc::new(
+            TimestampMicrosecondArray::from_iter_values(labels.iter().map(|_| at))
+                .with_timezone("UTC"),
+        ),
+    ];
+    let batch = RecordBatch::try_new(arrow_schema(&LABEL_COLUMNS), columns)
+        .expect("columns match the schema");
+    Table::open(&sub, &LABELS)?.write(batch, true, None)
 }
 
 /// The `path` of every live row of the capture table at `dir` (the identities `collect`
 /// de-duplicates by; the image bytes are not read) and its version.
 pub fn read_paths(dir: &Path) -> Result<(HashSet<String>, Option<u64>), DataError> {
-    let t = Table::open(dir)?;
+    let t = Table::open(dir, &CAPTURES)?;
     let Some(snapshot) = t.snapshot()? else {
         return Ok((HashSet::new(), None));
     };
@@ -213,8 +297,9 @@ const ENGINE_INFO: &str = concat!("kestrel-trainer/", env!("CARGO_PKG_VERSION"))
 /// Commits between checkpoints (Delta's default `delta.checkpointInterval`).
 pub const CHECKPOINT_INTERVAL: u64 = 10;
 
-/// A capture table's place and the kernel engine that reads and writes it.
+/// One of Kestrel's tables: its kind, its place and the kernel engine that reads and writes it.
 struct Table {
+    kind: &'static Kind,
     /// The table's directory URL (ending in `/`).
     url: Url,
     /// How messages name it: the path or URL as given.
@@ -226,7 +311,7 @@ struct Table {
 }
 
 impl Table {
-    fn open(dir: &Path) -> Result<Table, DataError> {
+    fn open(dir: &Path, kind: &'static Kind) -> Result<Table, DataError> {
         let err = |e: &dyn std::fmt::Display| delta_err(dir, e);
         let (url, store): (Url, Arc<DynObjectStore>) = match store::object_url(dir) {
             Some(mut url) => {
@@ -250,6 +335,7 @@ impl Table {
             .with_task_executor(exec.clone())
             .build();
         Ok(Table {
+            kind,
             url,
             origin: dir.to_path_buf(),
             exec,
@@ -261,7 +347,7 @@ impl Table {
         delta_err(&self.origin, e)
     }
 
-    /// The latest snapshot, checked to be a capture table's; `None` when there is no table yet
+    /// The latest snapshot, checked to be of the table's kind; `None` when there is no table yet
     /// (no commit in `_delta_log/`).
     fn snapshot(&self) -> Result<Option<Arc<Snapshot>>, DataError> {
         let first = self.url.join("_delta_log/").map_err(|e| self.err(e))?;
@@ -276,13 +362,17 @@ impl Table {
         let snapshot = Snapshot::builder_for(self.url.as_str())
             .build(self.engine.as_ref())
             .map_err(|e| self.err(e))?;
-        let missing: Vec<&str> = COLUMNS
+        let missing: Vec<&str> = (self.kind.columns)
             .iter()
             .map(|c| c.0)
             .filter(|c| !snapshot.schema().contains(c))
             .collect();
         if !missing.is_empty() {
-            let message = format!("not a capture table: no column(s) {}", missing.join(", "));
+            let message = format!(
+                "not a {}: no column(s) {}",
+                self.kind.what,
+                missing.join(", ")
+            );
             return Err(self.err(message));
         }
         Ok(Some(snapshot))
@@ -297,7 +387,7 @@ impl Table {
             "engineInfo": ENGINE_INFO,
         }})
         .to_string();
-        for a in create_actions() {
+        for a in create_actions(self.kind) {
             text.push('\n');
             text.push_str(&a.to_string());
         }
@@ -310,12 +400,12 @@ impl Table {
         }
     }
 
-    /// Commits `rows` as one new data file (after removing every live file when `replace`),
-    /// creating the table first when there is none; `app` adds a transaction id (its next
-    /// sequence number). Returns the new version.
+    /// Commits `batch` (rows of the table's kind) as one new data file (after removing every
+    /// live file when `replace`), creating the table first when there is none; `app` adds a
+    /// transaction id (its next sequence number). Returns the new version.
     fn write(
         &self,
-        rows: &[CaptureRow],
+        batch: RecordBatch,
         replace: bool,
         app: Option<&str>,
     ) -> Result<u64, DataError> {
@@ -352,7 +442,7 @@ impl Table {
             .write_state()
             .and_then(|w| w.write_context_builder().build())
             .map_err(kernel)?;
-        let data = ArrowEngineData::new(to_batch(rows));
+        let data = ArrowEngineData::new(batch);
         let writer = self.engine.clone();
         let adds = self
             .exec
@@ -415,23 +505,18 @@ impl Table {
 /// Appends rows to the capture table at `dir` (a path or object URL), creating it when there is
 /// none; `app` (the collector's id) records a transaction id. Returns the new version.
 pub fn append(dir: &Path, rows: &[CaptureRow], app: Option<&str>) -> Result<u64, DataError> {
-    Table::open(dir)?.write(rows, false, app)
+    Table::open(dir, &CAPTURES)?.write(to_batch(rows), false, app)
 }
 
-/// Replaces every row with `rows` (one commit: every live file removed, one added).
-pub fn replace(dir: &Path, rows: &[CaptureRow]) -> Result<u64, DataError> {
-    Table::open(dir)?.write(rows, true, None)
-}
-
-fn create_actions() -> Vec<serde_json::Value> {
+fn create_actions(kind: &Kind) -> Vec<serde_json::Value> {
     vec![
         json!({"protocol": {"minReaderVersion": 1, "minWriterVersion": 2}}),
         json!({"metaData": {
             "id": uuid(),
             "format": {"provider": "parquet", "options": {}},
-            "schemaString": delta_schema_string(),
+            "schemaString": delta_schema_string(kind.columns),
             "partitionColumns": [],
-            "configuration": {},
+            "configuration": (kind.configuration)(),
             "createdTime": now_ms(),
         }}),
     ]

@@ -294,6 +294,8 @@ struct Read {
     source: String,
     format: &'static str,
     version: Option<u64>,
+    /// The labels table the labels came from (a capture table's).
+    labels: Option<TableRef>,
 }
 
 /// [`load`] without its check for labelled rows: a source of only unlabelled rows (left out with
@@ -312,6 +314,7 @@ fn load_source(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
         source,
         format,
         version,
+        labels: labels_table,
     } = read;
     if rows.is_empty() && unlabelled == 0 {
         return Err(DataError::EmptyDataset {
@@ -327,11 +330,13 @@ fn load_source(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
             n => vec![(source.clone(), n)],
         },
         source,
-        tables: vec![TableRef {
+        tables: std::iter::once(TableRef {
             location: path.display().to_string(),
             format,
             version,
-        }],
+        })
+        .chain(labels_table)
+        .collect(),
     })
 }
 
@@ -347,12 +352,21 @@ fn check_time_travel(delta: bool, origin: &Path, opts: &SourceOpts) -> Result<()
 
 fn read_delta(loc: &Location, opts: &SourceOpts) -> Result<Read, DataError> {
     let t = delta::read(loc, opts)?;
+    let labels = match &t.labels {
+        Some(l) => format!(", labels version {}", l.version.unwrap_or(0)),
+        None => String::new(),
+    };
     Ok(Read {
         rows: t.rows,
         unlabelled: t.unlabelled,
-        source: format!("delta {} (version {})", loc.origin.display(), t.version),
+        source: format!(
+            "delta {} (version {}{labels})",
+            loc.origin.display(),
+            t.version
+        ),
         format: "delta",
         version: Some(t.version),
+        labels: t.labels,
     })
 }
 
@@ -385,6 +399,7 @@ fn read_local(path: &Path, opts: &SourceOpts) -> Result<Option<Read>, DataError>
             source,
             format,
             version: None,
+            labels: None,
         }))
     };
     if delta {
@@ -445,6 +460,7 @@ fn read_object(loc: &Location, opts: &SourceOpts) -> Result<Read, DataError> {
             source,
             format: "csv",
             version: None,
+            labels: None,
         });
     }
     let parts: Vec<(String, Vec<(String, String)>)> = match loc.is_dir() {
@@ -483,6 +499,7 @@ fn read_object(loc: &Location, opts: &SourceOpts) -> Result<Read, DataError> {
         source,
         format: "parquet",
         version: None,
+        labels: None,
     })
 }
 
@@ -596,6 +613,7 @@ fn image_folder(root: &Path) -> Result<Read, DataError> {
         source: format!("imagefolder {}", root.display()),
         format: "imagefolder",
         version: None,
+        labels: None,
     })
 }
 

@@ -1,6 +1,7 @@
 //! Arrow tables of images (Parquet files, Hive-partitioned directories, Delta tables): which
 //! column plays which role, checked once per schema, and the rows of each record batch.
 
+use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -44,6 +45,9 @@ enum Label<'a> {
 pub(super) struct Roles<'a> {
     label: Label<'a>,
     has_path: bool,
+    /// Labels by path that take precedence over the label column (a capture table's labels
+    /// table).
+    labels: Option<&'a HashMap<String, String>>,
     /// The columns to read, in schema order.
     pub read: Vec<usize>,
 }
@@ -136,7 +140,30 @@ impl<'a> Roles<'a> {
         Ok(Self {
             label,
             has_path: path.is_some(),
+            labels: None,
             read,
+        })
+    }
+
+    /// Takes each row's label from `labels` by its path where it has one there (the label column
+    /// otherwise); the table must have the path column.
+    pub fn with_labels(
+        self,
+        labels: &'a HashMap<String, String>,
+        opts: &SourceOpts,
+        origin: &Path,
+    ) -> Result<Self, DataError> {
+        if !self.has_path {
+            return Err(DataError::MissingColumn {
+                file: origin.to_path_buf(),
+                role: "path (the labels table's key)",
+                column: opts.path_column.clone(),
+                found: Vec::new(),
+            });
+        }
+        Ok(Self {
+            labels: Some(labels),
+            ..self
         })
     }
 
@@ -178,7 +205,13 @@ impl<'a> Roles<'a> {
                 (None, Label::Partition(v)) => Some(v).filter(|v| *v != HIVE_NULL),
                 (None, Label::Column) => unreachable!("a label column is read"),
             };
-            let name = name.filter(|n| !n.is_empty());
+            let given = match (self.labels, &paths) {
+                (Some(by_path), Some(p)) if !p.is_null(i) => {
+                    by_path.get(p.as_string::<i32>().value(i))
+                }
+                _ => None,
+            };
+            let name = given.map(String::as_str).or(name).filter(|n| !n.is_empty());
             let Some(name) = name else {
                 if opts.skip_unlabelled {
                     *unlabelled += 1;

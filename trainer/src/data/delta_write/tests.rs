@@ -1,6 +1,7 @@
 //! The capture table writer against the kernel: appends, rewrites, conflicts, checkpoints.
 
 use super::*;
+use std::collections::BTreeMap;
 
 fn row(path: &str, label: Option<&str>) -> CaptureRow {
     CaptureRow {
@@ -17,8 +18,10 @@ fn row(path: &str, label: Option<&str>) -> CaptureRow {
     }
 }
 
+/// Labels go to the labels table: the capture table keeps its files and version (no image is
+/// copied), and every reader (`read`, the general table reader) takes the labels from there.
 #[test]
-fn appends_and_a_rewrite_read_back_through_the_kernel() {
+fn appends_and_labels_read_back_through_the_kernel() {
     let dir = tempfile::tempdir().unwrap();
     let t = dir.path().join("captures");
     assert_eq!(read(&t).unwrap(), (vec![], None));
@@ -34,38 +37,72 @@ fn appends_and_a_rewrite_read_back_through_the_kernel() {
     let (paths, v) = read_paths(&t).unwrap();
     assert_eq!(v, Some(2));
     assert_eq!(paths, ["a", "b", "c"].map(String::from).into());
-    let labelled: Vec<_> = rows
-        .iter()
-        .map(|r| CaptureRow {
-            label: Some(format!("L{}", r.path)),
-            ..r.clone()
-        })
-        .collect();
-    assert_eq!(replace(&t, &labelled).unwrap(), 3);
+    let files = Table::open(&t, &CAPTURES).unwrap().live_files().unwrap();
+    let labels = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+        pairs.iter().map(|(p, l)| (p.to_string(), l.to_string())).collect()
+    };
+    assert_eq!(write_labels(&t, &labels(&[("a", "La"), ("b", "Lb")])).unwrap(), 1);
+    assert_eq!(
+        write_labels(&t, &labels(&[("a", "La"), ("b", "Lb"), ("c", "Lc")])).unwrap(),
+        2
+    );
+    let captures = Table::open(&t, &CAPTURES).unwrap();
+    assert_eq!(captures.live_files().unwrap(), files, "the images stay where they were");
+    assert_eq!(captures.snapshot().unwrap().unwrap().version(), 2);
+    let labels_table = Table::open(&t.join(LABELS_TABLE), &LABELS).unwrap();
+    assert_eq!(labels_table.live_files().unwrap().len(), 1, "a rewrite");
     let (mut back, _) = read(&t).unwrap();
-    let mut labelled = labelled;
     back.sort_by(|a, b| a.path.cmp(&b.path));
-    labelled.sort_by(|a, b| a.path.cmp(&b.path));
-    assert_eq!(back, labelled, "one live file: the rewrite");
-    // The general table reader sees the same rows (labels and content).
+    let mut expected = rows.clone();
+    expected.sort_by(|a, b| a.path.cmp(&b.path));
+    for r in &mut expected {
+        r.label = Some(format!("L{}", r.path));
+    }
+    assert_eq!(back, expected);
+    // The general table reader sees the same rows and names both tables it read.
     let ds = crate::data::load(&t, &Default::default()).unwrap();
     assert_eq!(ds.labels, ["La", "Lb", "Lc"]);
     assert_eq!(ds.samples.len(), 3);
-    // Time travel still shows the unlabelled version.
-    let (old, _) = (
-        crate::data::load(
-            &t,
-            &crate::data::SourceOpts {
-                data_version: Some(1),
-                ..Default::default()
-            },
-        ),
-        (),
-    );
+    assert_eq!(ds.tables.len(), 2, "{:?}", ds.tables);
+    assert_eq!(ds.tables[1].version, Some(2));
+    assert!(ds.tables[1].location.ends_with("_labels"), "{:?}", ds.tables);
+    // Time travel: a version of the table gets the labels known now; a time before the labels
+    // (the labels commits' times moved a minute on: the kernel takes a commit's time from its
+    // file) gets none.
+    let at_v2 = captures.snapshot().unwrap().unwrap().get_timestamp(captures.engine.as_ref());
+    let at_v2 = chrono::DateTime::from_timestamp_millis(at_v2.unwrap()).unwrap();
+    let later = std::time::SystemTime::from(at_v2) + std::time::Duration::from_secs(60);
+    for e in std::fs::read_dir(t.join("_labels/_delta_log")).unwrap() {
+        let f = std::fs::File::options().append(true).open(e.unwrap().path()).unwrap();
+        f.set_modified(later).unwrap();
+    }
+    let at = |data_version, data_timestamp: Option<String>| {
+        let opts = crate::data::SourceOpts {
+            data_version,
+            data_timestamp,
+            ..Default::default()
+        };
+        crate::data::load(&t, &opts)
+    };
+    assert_eq!(at(Some(1), None).unwrap().labels, ["La", "Lb"]);
+    let before = at(None, Some(at_v2.to_rfc3339()));
     assert!(
-        old.unwrap_err().to_string().contains("null"),
-        "version 1 has no labels"
+        before.unwrap_err().to_string().contains("null"),
+        "no labels before they were given"
     );
+    let after = (at_v2 + chrono::Duration::seconds(61)).to_rfc3339();
+    assert_eq!(at(None, Some(after)).unwrap().labels, ["La", "Lb", "Lc"]);
+}
+
+/// A table whose labels table property is not a plain directory name inside it is refused
+/// (a table from elsewhere must not make the reader look outside it).
+#[test]
+fn a_labels_table_outside_the_table_is_refused() {
+    assert!(super::super::delta::labels_dir("_labels").is_ok());
+    for bad in ["../other", "/etc", "", ".hidden", "a/b", "s3://b/t"] {
+        let e = super::super::delta::labels_dir(bad).unwrap_err();
+        assert!(e.contains("not a directory name"), "{bad}: {e}");
+    }
 }
 
 /// Commits are put-if-absent: a writer that read version 1 and commits after another writer
@@ -75,7 +112,7 @@ fn a_second_writer_of_one_version_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let t = dir.path().join("captures");
     assert_eq!(append(&t, &[row("a", None)], None).unwrap(), 1);
-    let table = Table::open(&t).unwrap();
+    let table = Table::open(&t, &CAPTURES).unwrap();
     let stale = table.snapshot().unwrap().unwrap();
     assert_eq!(append(&t, &[row("b", None)], None).unwrap(), 2);
     let engine = table.engine.as_ref();
@@ -105,7 +142,7 @@ fn long_collects_are_checkpointed_and_files_carry_statistics() {
     let timed_read = |commits: usize| {
         let start = std::time::Instant::now();
         assert_eq!(
-            Table::open(&t).unwrap().live_files().unwrap().len(),
+            Table::open(&t, &CAPTURES).unwrap().live_files().unwrap().len(),
             commits
         );
         let replay = start.elapsed();
@@ -136,7 +173,7 @@ fn long_collects_are_checkpointed_and_files_carry_statistics() {
     let last = std::fs::read_to_string(log.join("_last_checkpoint")).unwrap();
     assert!(last.contains("\"version\":200"), "{last}");
     // Every append carried the collector's transaction id, numbered from 0.
-    let table = Table::open(&t).unwrap();
+    let table = Table::open(&t, &CAPTURES).unwrap();
     let snapshot = table.snapshot().unwrap().unwrap();
     let app = snapshot.get_app_id_version("collect-a", table.engine.as_ref());
     assert_eq!(app.unwrap(), Some(199));
