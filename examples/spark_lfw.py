@@ -23,13 +23,15 @@ spark = SparkSession.builder.master(os.environ.get("SPARK_MASTER", "local[2]")).
 df = spark.read.format("binaryFile").option("recursiveFileLookup", "true").load(folder)
 df = df.withColumn("label", F.element_at(F.split("path", "/"), -2))
 
-# Cell 2: the frozen backbone's features, on the executors.
-feats = ks.features(df)
+# Cell 2: the frozen backbone's features, on the executors, also stored as Kestrel's feature
+# cache (a directory every node sees: here one machine; on Databricks /dbfs/... or /Volumes/...).
+cache = f"{work}/cache"
+feats = ks.features(df, cache=cache).cache()
 print("features:", feats.count(), "rows of", len(feats.first().features))
 
-# Cell 3: training, one rank per task of a barrier stage.
-summary = ks.fit(df, out=f"{work}/run", num_workers=2, no_mlflow=True)
-print("validation accuracy:", summary["val_accuracy"])
+# Cell 3: training, one rank per task of a barrier stage; the backbone does not run again.
+summary = ks.fit(df, out=f"{work}/run", num_workers=2, cache=cache, no_mlflow=True)
+print("validation accuracy:", summary["val_accuracy"], "backbone runs:", summary["backbone_runs"])
 
 # Cell 4: the artifact the devices run.
 kestrel.export(f"{work}/run", out=f"{work}/artifact", no_mlflow=True)

@@ -32,6 +32,9 @@ class Extractor:
         self, names: List[str], images: List[bytes]
     ) -> Tuple[bytes, int, List[Optional[str]]]:
         """(little-endian f32 rows of the images that decoded, dims, per-image error or None)."""
+    def store(self, cache: str, content: List[str], features: bytes, seconds: float) -> str:
+        """Stores rows (as `extract` returns them) of the images whose bytes have the sha256s
+        `content` as a feature cache under `cache`; returns the directory written."""
 
 class Predictor:
     """An exported artifact, loaded and health-checked as the edge agent loads it."""

@@ -21,6 +21,7 @@ import hashlib
 import os
 import secrets
 import tempfile
+import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from kestrel import KestrelError, _native, flags, parse_json_output
@@ -67,6 +68,7 @@ def features(
     content: str = "content",
     on_error: str = "raise",
     batch_rows: int = BATCH_ROWS,
+    cache: Optional[str] = None,
     **kwargs: Any,
 ):
     """The frozen backbone's pooled features of every image, computed on the executors.
@@ -77,6 +79,13 @@ def features(
     such rows with null features and the reason in ``error``. Other keyword arguments are
     ``trainer prepare``'s engine and backbone flags (``engine="ort"``, ``threads=2``, ``arch=``...).
     The features equal those of ``trainer prepare`` (same decoding, preprocessing and network).
+
+    ``cache``: a directory every executor and the later ``fit`` see (``/dbfs/...``,
+    ``/Volumes/...``, a shared mount): each task also stores its rows there as Kestrel's feature
+    cache (by the images' sha256), so ``trainer fit --cache DIR`` / :func:`kestrel.fit` /
+    :func:`fit` with that cache and the same backbone flags do not run the backbone on these
+    images. The rows are stored when the DataFrame is computed (an action such as ``collect``,
+    ``count`` or a write); a retried task stores the same rows again.
     """
     import pyarrow as pa
     from pyspark.sql.types import ArrayType, FloatType, StringType, StructField, StructType
@@ -84,6 +93,8 @@ def features(
     if on_error not in ("raise", "keep"):
         raise ValueError(f"on_error must be 'raise' or 'keep', not {on_error!r}")
     _require(df, path, content)
+    if cache is not None:
+        cache = os.path.abspath(cache)
     flag_list = tuple(flags(backbone=backbone, **kwargs))
     _small_batches(_session(df), batch_rows)
     kept = [f for f in df.schema.fields if f.name != content]
@@ -100,10 +111,18 @@ def features(
         import numpy as np
 
         ex = _extractor(flag_list)
+        stored: List[str] = []
+        stored_rows: List[bytes] = []
+        started = time.monotonic()
         for batch in batches:
             ids = [str(p) for p in batch.column(path).to_pylist()]
             images = [b if b is not None else b"" for b in batch.column(content).to_pylist()]
             data, dims, errors = ex.extract(ids, images)
+            if cache is not None:
+                stored.extend(
+                    hashlib.sha256(b).hexdigest() for b, e in zip(images, errors) if e is None
+                )
+                stored_rows.append(data)
             if on_error == "raise":
                 for i, e in zip(ids, errors):
                     if e is not None:
@@ -120,6 +139,8 @@ def features(
             feats = pa.array(rows, type=pa.list_(pa.float32()))
             cols = [batch.column(n) for n in names] + [feats, pa.array(errors, type=pa.string())]
             yield pa.RecordBatch.from_arrays(cols, names=names + ["features", "error"])
+        if cache is not None and stored:
+            ex.store(cache, stored, b"".join(stored_rows), time.monotonic() - started)
 
     return df.mapInArrow(run, schema)
 

@@ -204,6 +204,31 @@ impl Extractor {
         }
         Ok((PyBytes::new(py, &out), dims, errors))
     }
+
+    /// Stores feature rows (little-endian f32, one after another, as `extract` returns them) of
+    /// the images whose encoded bytes have the sha256s `content` as a feature cache under
+    /// `cache`, which `trainer fit`/`prepare --cache` (and `kestrel.fit`) reuse instead of
+    /// running the backbone on those images. Returns the directory written.
+    fn store(
+        &self,
+        py: Python<'_>,
+        cache: PathBuf,
+        content: Vec<String>,
+        features: Vec<u8>,
+        seconds: f64,
+    ) -> PyResult<String> {
+        let data: Vec<f32> = features
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        py.detach(|| {
+            self.inner
+                .store(&cache, content, &data, seconds)
+                .map(|d| d.display().to_string())
+                .map_err(|e| format!("{}: {:#}", cache.display(), anyhow::Error::new(e)))
+        })
+        .map_err(py_err)
+    }
 }
 
 /// An exported artifact, loaded and health-checked as the edge agent loads it (tract).

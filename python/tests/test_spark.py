@@ -33,14 +33,16 @@ def cached_features(summary: dict) -> dict:
 
 def test_features_on_two_executors_equal_trainer_prepare(spark, lfw, tmp_path):
     before = tasks_per_executor(spark)
-    rows = ks.features(lfw, engine="tract", threads=1).select("path", "features", "error").collect()
+    stored = tmp_path / "from-spark"
+    rows = (
+        ks.features(lfw, engine="tract", threads=1, cache=str(stored))
+        .select("path", "features", "error")
+        .collect()
+    )
     after = tasks_per_executor(spark)
     assert len(rows) == 200 and all(r.error is None for r in rows)
-    expected = cached_features(
-        json.loads(
-            trainer("prepare", "--data", str(LFW), "--engine", "tract", "--cache", str(tmp_path), "--json")
-        )
-    )
+    prepare = ("prepare", "--data", str(LFW), "--engine", "tract", "--json", "--cache")
+    expected = cached_features(json.loads(trainer(*prepare, str(tmp_path / "fresh"))))
     worst = max(
         float(np.abs(np.asarray(r.features, dtype=np.float32) - expected[local(r.path)]).max())
         for r in rows
@@ -49,6 +51,14 @@ def test_features_on_two_executors_equal_trainer_prepare(spark, lfw, tmp_path):
     assert worst <= 1e-5, worst
     worked = [e for e in after if after[e] > before.get(e, 0)]
     assert len(worked) == 2, f"both executors ran tasks: before {before}, after {after}"
+    # The tasks stored their rows as a feature cache: prepare with it runs no backbone and
+    # reads the executors' rows.
+    summary = json.loads(trainer(*prepare, str(stored)))
+    assert summary["backbone_runs"] == 0, summary
+    reused = cached_features(summary)
+    assert all(
+        np.array_equal(np.asarray(r.features, dtype=np.float32), reused[local(r.path)]) for r in rows
+    )
 
 
 def test_a_bad_row_names_itself_or_is_kept(spark, lfw):

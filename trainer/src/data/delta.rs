@@ -180,7 +180,11 @@ pub(super) fn read(loc: &Location, opts: &SourceOpts) -> Result<DeltaRows, DataE
     let dir = loc.origin.as_path();
     let snapshot = snapshot(loc, opts)?;
     let version = snapshot.version();
-    let as_of = opts.data_timestamp.as_deref().map(parse_timestamp).transpose();
+    let as_of = opts
+        .data_timestamp
+        .as_deref()
+        .map(parse_timestamp)
+        .transpose();
     let as_of = as_of.map_err(|message| DataError::Delta {
         path: loc.origin.clone(),
         message,

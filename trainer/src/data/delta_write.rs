@@ -211,9 +211,9 @@ pub fn read(dir: &Path) -> Result<(Vec<CaptureRow>, Option<u64>), DataError> {
 /// Returns the labels table's new version.
 pub fn write_labels(dir: &Path, labels: &BTreeMap<String, String>) -> Result<u64, DataError> {
     let captures = Table::open(dir, &CAPTURES)?;
-    let snapshot = captures.snapshot()?.ok_or_else(|| {
-        captures.err("no capture table there (trainer collect creates it)")
-    })?;
+    let snapshot = captures
+        .snapshot()?
+        .ok_or_else(|| captures.err("no capture table there (trainer collect creates it)"))?;
     let name = super::delta::labels_name(&snapshot).map_err(|e| captures.err(e))?;
     let sub = PathBuf::from(format!(
         "{}/{name}",

@@ -2,6 +2,7 @@
 //! what a Spark executor runs for `kestrel.spark.features` on its Arrow batches. The pipeline is
 //! `trainer prepare`'s (decode with the same limits, the backbone's preprocessing to 8-bit pixels,
 //! normalisation, the frozen network with pooling), so the features equal the feature cache's.
+//! [`Extractor::store`] writes rows it computed as a feature cache that later fits reuse.
 
 use image::RgbImage;
 use indicatif::ProgressBar;
@@ -19,12 +20,15 @@ pub enum ExtractError {
     Backbone(#[from] BackboneError),
     #[error("running the backbone")]
     Run(#[source] CacheError),
+    #[error("storing features")]
+    Store(#[source] CacheError),
 }
 
 /// A backbone's frozen network (every block, pooled) on one engine.
 pub struct Extractor {
     backbone: Backbone,
     engine: Box<dyn Engine>,
+    kind: EngineKind,
     limits: ImageLimits,
 }
 
@@ -35,6 +39,7 @@ impl Extractor {
         Ok(Extractor {
             backbone,
             engine,
+            kind,
             limits: ImageLimits::default(),
         })
     }
@@ -75,5 +80,20 @@ impl Extractor {
             .into_iter()
             .map(|p| p.map(|_| rows.next().expect("a row per decoded image").to_vec()))
             .collect())
+    }
+
+    /// Stores rows this extractor computed (`data`, one after another, for the images whose
+    /// encoded bytes have the sha256s `content`) as a feature cache under `root`, which a later
+    /// `trainer fit`/`prepare` with that `--cache` reuses instead of running the backbone
+    /// ([`super::features::store_rows`]).
+    pub fn store(
+        &self,
+        root: &std::path::Path,
+        content: Vec<String>,
+        data: &[f32],
+        seconds: f64,
+    ) -> Result<std::path::PathBuf, ExtractError> {
+        super::features::store_rows(root, &self.backbone, content, data, self.kind, seconds)
+            .map_err(ExtractError::Store)
     }
 }

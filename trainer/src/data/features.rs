@@ -2,7 +2,9 @@
 //! sample, computed once per (samples, backbone weights, boundary) and shared by every fit and trial.
 //! A new sample set (a table with rows added, several tables together) copies the rows other
 //! caches of the same backbone, boundary and preprocessing already hold, by content hash, and runs
-//! the backbone only on the samples none has.
+//! the backbone only on the samples none has. Rows computed elsewhere (a Spark task of
+//! `kestrel.spark.features(..., cache=)`) are stored the same way ([`store_rows`]): a feature
+//! cache whose meta names its rows' contents itself, found by content like any other.
 
 use std::collections::HashMap;
 use std::fs::{self, File};
@@ -59,6 +61,18 @@ pub struct FeatureMeta {
     /// others; older caches: 0).
     #[serde(default)]
     pub reused: usize,
+    /// Rows stored apart from any sample cache ([`store_rows`]): what they are; `None` for a
+    /// sample cache's features (its `samples_key` names them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows: Option<RowsMeta>,
+}
+
+/// What the rows of a feature cache stored by [`store_rows`] are.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RowsMeta {
+    /// Each row's image: the sha256 of its encoded bytes, in row order.
+    pub content_sha256: Vec<String>,
+    pub spec: PreprocessSpec,
 }
 
 fn one() -> usize {
@@ -135,6 +149,66 @@ pub fn run_frozen(
 fn feature_dir(root: &Path, samples_key: &str, bid: &str, boundary: usize) -> PathBuf {
     root.join("features")
         .join(format!("{}-{}-b{boundary}", &samples_key[..16], &bid[..16]))
+}
+
+/// Stores feature rows the backbone computed elsewhere (the pooled features of `backbone`, for
+/// images whose encoded bytes have the sha256s `content`, `data` their rows one after another)
+/// as a feature cache under `root` that later fits find by content ([`Reusable`]) and do not
+/// run the backbone for. The directory is named by a hash of the contents, so storing the same
+/// rows again (a retried task) rewrites the same files. Returns the directory.
+pub fn store_rows(
+    root: &Path,
+    backbone: &Backbone,
+    content: Vec<String>,
+    data: &[f32],
+    engine: EngineKind,
+    seconds: f64,
+) -> Result<PathBuf, CacheError> {
+    let target = Target::new(
+        root,
+        "0000000000000000",
+        backbone,
+        backbone.net.blocks.len(),
+    );
+    let per = target.per_sample();
+    if data.len() != content.len() * per {
+        return Err(CacheError::Meta {
+            path: root.display().to_string(),
+            reason: format!(
+                "{} feature values for {} images of {per}",
+                data.len(),
+                content.len()
+            ),
+        });
+    }
+    let spec = backbone.net.preprocess.clone();
+    let mut h = Sha256::new();
+    h.update(b"kestrel-feature-rows-v1\0");
+    h.update(serde_json::to_vec(&spec).expect("spec serializes"));
+    for sha in &content {
+        h.update(sha.as_bytes());
+        h.update([0]);
+    }
+    let key = hex::encode(h.finalize());
+    let dir = feature_dir(root, &key, &target.bid, target.boundary);
+    let meta = FeatureMeta {
+        samples_key: key,
+        backbone_id: target.bid,
+        arch: target.arch,
+        boundary: target.boundary,
+        dims: target.dims,
+        engine,
+        seconds,
+        workers: 1,
+        reused: 0,
+        rows: Some(RowsMeta {
+            content_sha256: content,
+            spec,
+        }),
+    };
+    write_f32s(&dir.join("features.f32"), data)?;
+    write_json(&dir.join("meta.json"), &meta)?;
+    Ok(dir)
 }
 
 /// Opens or computes the feature cache of `prepared` at `boundary` on the job's ranks: the ranks
@@ -291,6 +365,7 @@ impl Target {
             seconds: ran.start.elapsed().as_secs_f64(),
             workers: ran.workers,
             reused,
+            rows: None,
         };
         if write {
             write_f32s(&self.dir.join("features.f32"), &data)?;
@@ -463,15 +538,24 @@ fn candidate_rows(
     {
         return None;
     }
-    let key = meta.samples_key.get(..32)?;
-    let samples: PreparedMeta =
-        read_json(&root.join("samples").join(key).join("meta.json")).ok()?;
-    if samples.key != meta.samples_key || samples.spec != *spec {
+    let (content, their_spec) = match meta.rows {
+        Some(r) => (r.content_sha256, r.spec),
+        None => {
+            let key = meta.samples_key.get(..32)?;
+            let samples: PreparedMeta =
+                read_json(&root.join("samples").join(key).join("meta.json")).ok()?;
+            if samples.key != meta.samples_key {
+                return None;
+            }
+            (samples.content_sha256, samples.spec)
+        }
+    };
+    if their_spec != *spec {
         return None;
     }
     let mut rows: Vec<(usize, Vec<usize>)> = Vec::new();
     let mut seen = std::collections::HashSet::new();
-    for (j, sha) in samples.content_sha256.iter().enumerate() {
+    for (j, sha) in content.iter().enumerate() {
         if let Some(dst) = wanted
             .get(sha.as_str())
             .filter(|_| seen.insert(sha.as_str()))
@@ -481,7 +565,7 @@ fn candidate_rows(
     }
     let bytes = fs::metadata(dir.join("features.f32")).ok()?.len();
     let per = target.per_sample();
-    let complete = bytes == (samples.content_sha256.len() * per * 4) as u64;
+    let complete = bytes == (content.len() * per * 4) as u64;
     (complete && !rows.is_empty()).then_some(rows)
 }
 

@@ -694,6 +694,83 @@ fn caches_built_in_one_pass_equal_two_passes() {
     assert!(!plan3.is_built());
 }
 
+/// Rows an [`Extractor`](super::extract::Extractor) computed outside any cache (what a Spark task
+/// of `kestrel.spark.features(..., cache=)` does) and stored are found by content: the backbone
+/// runs only on the other samples, and the features equal a cache built from scratch.
+#[test]
+fn stored_feature_rows_spare_the_backbone() {
+    use crate::distributed::{Job, JobOpts};
+    use kestrel_models::backbone::Backbone;
+    let samples: Vec<Sample> = (0..12u8)
+        .map(|i| Sample::in_memory(format!("img-{i}.png"), png(i), usize::from(i % 2 == 0)))
+        .collect();
+    let ds = Dataset {
+        samples,
+        labels: vec!["a".into(), "b".into()],
+        source: "test".into(),
+        unlabelled: Vec::new(),
+        tables: Vec::new(),
+    };
+    let backbone = || Backbone::resolve("random:3", Some(kestrel_models::Arch::EfficientnetLite0));
+    let tract = kestrel_models::EngineKind::Tract;
+    let built = |root: &Path| {
+        let b = backbone().unwrap();
+        let job = Job::local(JobOpts {
+            threads: 1,
+            cache_root: root.to_path_buf(),
+            ..JobOpts::default()
+        })
+        .quiet();
+        let plan = SamplePlan::new(root, &ds, &b.net.preprocess);
+        let p = Prepared::open_or_build(&plan, &ds, 1, 1, false, &mut |_| Ok(())).unwrap();
+        let f = features::features(&job, &p, &b, b.net.blocks.len(), tract).unwrap();
+        (p, f)
+    };
+    let (fresh, stored) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (_, want) = built(fresh.path());
+    // Eight of the twelve images, in another order, from an extractor.
+    let ex = super::extract::Extractor::new(backbone().unwrap(), tract, 1).unwrap();
+    let some: Vec<&Sample> = ds.samples.iter().rev().take(8).collect();
+    let bytes: Vec<Vec<u8>> = some
+        .iter()
+        .map(|s| s.bytes().unwrap().into_owned())
+        .collect();
+    let items: Vec<(&str, &[u8])> = some
+        .iter()
+        .zip(&bytes)
+        .map(|(s, b)| (s.id.as_str(), &b[..]))
+        .collect();
+    let rows = ex.extract(&items).unwrap();
+    let data: Vec<f32> = rows.into_iter().flat_map(|r| r.unwrap()).collect();
+    let content = bytes
+        .iter()
+        .map(|b| kestrel_shared::protocol::sha256_hex(b))
+        .collect();
+    let dir = ex.store(stored.path(), content, &data, 0.1).unwrap();
+    assert!(
+        dir.starts_with(stored.path().join("features")),
+        "{}",
+        dir.display()
+    );
+    let (p, got) = built(stored.path());
+    assert_eq!((got.computed, got.reused), (4, 8));
+    assert_eq!(got.meta.dims, want.meta.dims);
+    for k in 0..p.len() {
+        let diff = got
+            .row(k)
+            .iter()
+            .zip(want.row(k))
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(diff <= 1e-5, "{}: {diff}", p.meta.ids[k]);
+    }
+    // A row count that does not match the values is refused, naming the numbers.
+    let e = ex
+        .store(stored.path(), vec!["x".into()], &data, 0.1)
+        .unwrap_err();
+    assert!(format!("{:#}", anyhow::Error::new(e)).contains("for 1 images"));
+}
+
 /// The Delta kernel's own test tables as Delta on Spark wrote them (`tests/fixtures/delta/`): an
 /// on-disk deletion vector over one file, one over one of two files, none, and column mapping
 /// (`id`, `name`) over a partitioned table's log. Each reads its documented rows.

@@ -39,15 +39,25 @@ fn appends_and_labels_read_back_through_the_kernel() {
     assert_eq!(paths, ["a", "b", "c"].map(String::from).into());
     let files = Table::open(&t, &CAPTURES).unwrap().live_files().unwrap();
     let labels = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
-        pairs.iter().map(|(p, l)| (p.to_string(), l.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(p, l)| (p.to_string(), l.to_string()))
+            .collect()
     };
-    assert_eq!(write_labels(&t, &labels(&[("a", "La"), ("b", "Lb")])).unwrap(), 1);
+    assert_eq!(
+        write_labels(&t, &labels(&[("a", "La"), ("b", "Lb")])).unwrap(),
+        1
+    );
     assert_eq!(
         write_labels(&t, &labels(&[("a", "La"), ("b", "Lb"), ("c", "Lc")])).unwrap(),
         2
     );
     let captures = Table::open(&t, &CAPTURES).unwrap();
-    assert_eq!(captures.live_files().unwrap(), files, "the images stay where they were");
+    assert_eq!(
+        captures.live_files().unwrap(),
+        files,
+        "the images stay where they were"
+    );
     assert_eq!(captures.snapshot().unwrap().unwrap().version(), 2);
     let labels_table = Table::open(&t.join(LABELS_TABLE), &LABELS).unwrap();
     assert_eq!(labels_table.live_files().unwrap().len(), 1, "a rewrite");
@@ -65,15 +75,26 @@ fn appends_and_labels_read_back_through_the_kernel() {
     assert_eq!(ds.samples.len(), 3);
     assert_eq!(ds.tables.len(), 2, "{:?}", ds.tables);
     assert_eq!(ds.tables[1].version, Some(2));
-    assert!(ds.tables[1].location.ends_with("_labels"), "{:?}", ds.tables);
+    assert!(
+        ds.tables[1].location.ends_with("_labels"),
+        "{:?}",
+        ds.tables
+    );
     // Time travel: a version of the table gets the labels known now; a time before the labels
     // (the labels commits' times moved a minute on: the kernel takes a commit's time from its
     // file) gets none.
-    let at_v2 = captures.snapshot().unwrap().unwrap().get_timestamp(captures.engine.as_ref());
+    let at_v2 = captures
+        .snapshot()
+        .unwrap()
+        .unwrap()
+        .get_timestamp(captures.engine.as_ref());
     let at_v2 = chrono::DateTime::from_timestamp_millis(at_v2.unwrap()).unwrap();
     let later = std::time::SystemTime::from(at_v2) + std::time::Duration::from_secs(60);
     for e in std::fs::read_dir(t.join("_labels/_delta_log")).unwrap() {
-        let f = std::fs::File::options().append(true).open(e.unwrap().path()).unwrap();
+        let f = std::fs::File::options()
+            .append(true)
+            .open(e.unwrap().path())
+            .unwrap();
         f.set_modified(later).unwrap();
     }
     let at = |data_version, data_timestamp: Option<String>| {
@@ -142,7 +163,11 @@ fn long_collects_are_checkpointed_and_files_carry_statistics() {
     let timed_read = |commits: usize| {
         let start = std::time::Instant::now();
         assert_eq!(
-            Table::open(&t, &CAPTURES).unwrap().live_files().unwrap().len(),
+            Table::open(&t, &CAPTURES)
+                .unwrap()
+                .live_files()
+                .unwrap()
+                .len(),
             commits
         );
         let replay = start.elapsed();
