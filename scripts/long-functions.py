@@ -110,7 +110,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max", type=int, help="fail when a function without a written reason is longer")
     ap.add_argument("--top", type=int, default=15, help="how many to list")
-    ap.add_argument("paths", nargs="*", default=["shared", "models", "trainer", "fleet", "edge-agent", "tests"])
+    ap.add_argument("paths", nargs="*", default=["shared", "runtime", "models", "trainer", "fleet", "edge-agent", "tests"])
     a = ap.parse_args()
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     found = []

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use kestrel_models::EngineKind;
-use kestrel_models::artifact::LoadedModel;
+use kestrel_runtime::EngineKind;
+use kestrel_runtime::artifact::LoadedModel;
 
 #[derive(Parser)]
 #[command(
@@ -62,7 +62,7 @@ impl ModelArgs {
                     )?)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            kestrel_models::artifact::verify_signature(&self.model, &keys).with_context(ctx)?;
+            kestrel_runtime::artifact::verify_signature(&self.model, &keys).with_context(ctx)?;
         }
         LoadedModel::load(&self.model, self.max_bytes, engine, threads).with_context(ctx)
     }

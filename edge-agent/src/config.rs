@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use kestrel_models::EngineKind;
+use kestrel_runtime::EngineKind;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::check_name;
 use serde::Deserialize;
@@ -370,7 +370,7 @@ impl Config {
         }
         match c.inference.engine {
             EngineKind::Tract => {}
-            EngineKind::Ort if kestrel_models::engine::ORT_COMPILED => {}
+            EngineKind::Ort if kestrel_runtime::engine::ORT_COMPILED => {}
             EngineKind::Ort => {
                 return Err(invalid(
                     "[inference] engine = \"ort\": this edge-agent is built without ONNX Runtime \
@@ -463,11 +463,11 @@ mod tests {
         .unwrap();
         match Config::load(&p) {
             Ok(c) => {
-                assert!(kestrel_models::engine::ORT_COMPILED);
+                assert!(kestrel_runtime::engine::ORT_COMPILED);
                 assert_eq!(c.inference.ort_library, Some(dir.path().join("lib/x.so")));
             }
             Err(e) => {
-                assert!(!kestrel_models::engine::ORT_COMPILED);
+                assert!(!kestrel_runtime::engine::ORT_COMPILED);
                 assert!(e.to_string().contains("without ONNX Runtime"), "{e}");
             }
         }

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use kestrel_models::EngineKind;
-use kestrel_models::artifact::{self, LoadedModel};
+use kestrel_runtime::EngineKind;
+use kestrel_runtime::artifact::{self, LoadedModel};
 use kestrel_shared::ImageLimits;
 use kestrel_shared::manifest::MANIFEST_FILE;
 use kestrel_shared::protocol::sha256_hex;

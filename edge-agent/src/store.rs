@@ -7,7 +7,7 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use kestrel_models::artifact;
+use kestrel_runtime::artifact;
 use kestrel_shared::fsutil::{remove_temp_files, write_atomic};
 use kestrel_shared::manifest::{MANIFEST_FILE, Manifest};
 use kestrel_shared::protocol::{ArtifactOffer, device_files, sha256_hex};

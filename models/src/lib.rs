@@ -1,20 +1,20 @@
 //! Kestrel `models`: architecture descriptions (one per network), lowered to ONNX and to candle,
-//! weight import from PyTorch checkpoints and safetensors, and inference engines.
+//! weight import from PyTorch checkpoints and safetensors, quantization; the artifact loader and
+//! the inference engines come from `kestrel-runtime` (what the device links) and are re-exported.
 //!
 //! Features: `candle` (candle lowering, PyTorch import) and `ort` (ONNX Runtime engine, loaded at
-//! run time). Without them the crate is tract-only, which is what the edge agent builds.
+//! run time).
 
 pub mod arch;
-pub mod artifact;
-pub mod dequant;
-pub mod engine;
 pub mod onnx;
 pub mod onnx_backbone;
 pub mod onnx_weights;
 pub mod quant;
-pub mod tensor;
-mod tract_conv;
 pub mod weights;
+pub use kestrel_runtime::{artifact, dequant, engine, tensor};
+
+#[cfg(test)]
+mod dequant_tests;
 
 #[cfg(feature = "candle")]
 pub mod backbone;

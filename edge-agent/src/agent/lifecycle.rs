@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use kestrel_models::EngineKind;
-use kestrel_models::artifact::LoadedModel;
+use kestrel_runtime::EngineKind;
+use kestrel_runtime::artifact::LoadedModel;
 use kestrel_shared::manifest::Manifest;
 use kestrel_shared::protocol::{
     ArtifactOffer, Desired, DeviceCounters, InferReply, LatencyHistogram, Topics, sha256_hex,
@@ -237,9 +237,9 @@ pub fn run(
         .build()?;
     if cfg.inference.engine == EngineKind::Ort {
         if let Some(lib) = &cfg.inference.ort_library {
-            kestrel_models::engine::set_ort_library(lib.clone());
+            kestrel_runtime::engine::set_ort_library(lib.clone());
         }
-        kestrel_models::engine::ort_ready().context("[inference] engine = \"ort\"")?;
+        kestrel_runtime::engine::ort_ready().context("[inference] engine = \"ort\"")?;
     }
     let (_, engine_threads) = inference_plan(cfg.inference.engine, cfg.inference.threads);
     let models = Arc::new(ModelCache::new(

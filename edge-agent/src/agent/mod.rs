@@ -17,7 +17,7 @@ use std::sync::mpsc::TrySendError;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use kestrel_models::artifact::{self, LoadedModel};
+use kestrel_runtime::artifact::{self, LoadedModel};
 use kestrel_shared::fsutil::write_atomic;
 use kestrel_shared::manifest::Manifest;
 use kestrel_shared::now_rfc3339;

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use anyhow::Result;
-use kestrel_models::artifact::{self, LoadedModel};
+use kestrel_runtime::artifact::{self, LoadedModel};
 use kestrel_shared::manifest::Manifest;
 use kestrel_shared::protocol::{ArtifactOffer, ModelRef, ShadowStatus, Topics, parse, sha256_hex};
 use kestrel_shared::quality::{ShadowReport, ShadowTally};
