@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod augment;
 pub mod checkpoint;
+pub mod fit;
 pub mod head;
 pub mod init;
 pub mod loss;
@@ -27,13 +28,13 @@ pub mod model;
 pub mod optim;
 pub mod params;
 pub mod prepare;
-pub mod rank;
 pub mod run_dir;
+mod solve;
 
+pub use fit::train_rank;
 pub use model::{Trainable, model_summary};
 pub use params::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule};
 pub use prepare::{SplitRecord, TrainingData, prepare};
-pub use rank::train_rank;
 pub use run_dir::RunDir;
 
 use crate::data::{self, cache::CacheError};
