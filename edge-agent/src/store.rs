@@ -50,6 +50,11 @@ impl Store {
         })
     }
 
+    /// The store's directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
     /// Where the chunks of `version` and its offer are journaled while downloading.
     pub fn download_dir(&self, version: u64) -> PathBuf {
         self.root.join("downloads").join(version.to_string())

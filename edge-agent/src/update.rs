@@ -12,6 +12,11 @@
 //! The whole [`Updater`] is serde-serializable: the IO layer journals it after every event, and
 //! after a crash [`Updater::resume`] says how to continue from the journaled phase (re-fetch the
 //! missing chunks, re-verify staged files, or redo the idempotent atomic activation).
+//!
+//! A shadow model (a candidate run beside the active one) goes through a second `Updater` of
+//! [`Role::Shadow`]: every rule of an update (signed offer, chunk hashes and the corrupt-chunk
+//! limit, verification, staging, health check, journal and resume) with its last step "run
+//! beside" ([`Action::RunBeside`]) instead of the atomic activation.
 
 use std::collections::BTreeSet;
 
@@ -87,6 +92,10 @@ pub enum Action {
         version: u64,
     },
     Activate {
+        version: u64,
+    },
+    /// A shadow's last step: run the checked model beside the active one ([`Role::Shadow`]).
+    RunBeside {
         version: u64,
     },
     /// Delete everything downloaded or staged for this version.
@@ -167,8 +176,22 @@ impl Phase {
 /// Corrupt deliveries of chunks tolerated per update before it is rejected.
 pub const MAX_CORRUPT_CHUNKS: u32 = 3;
 
+/// What an [`Updater`] installs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// The model that answers requests: activated atomically, the previous one kept.
+    #[default]
+    Install,
+    /// A candidate run beside the active model, never answering: `active` is the version
+    /// running beside it.
+    Shadow,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Updater {
+    #[serde(default)]
+    pub role: Role,
     pub active: Option<u64>,
     pub previous: Option<u64>,
     pub phase: Phase,
@@ -183,12 +206,21 @@ pub struct Updater {
 impl Updater {
     pub fn new(max_bytes: u64) -> Self {
         Self {
+            role: Role::Install,
             active: None,
             previous: None,
             phase: Phase::Idle,
             last_error: None,
             last_failed: None,
             max_bytes,
+        }
+    }
+
+    /// An updater for a shadow model ([`Role::Shadow`]).
+    pub fn shadow(max_bytes: u64) -> Self {
+        Self {
+            role: Role::Shadow,
+            ..Self::new(max_bytes)
         }
     }
 
@@ -225,8 +257,17 @@ impl Updater {
                 vec![Action::HealthCheck { version }]
             }
             Event::HealthPassed { version } if self.phase == (Phase::Checking { version }) => {
-                self.phase = Phase::Activating { version };
-                vec![Action::Activate { version }]
+                match self.role {
+                    Role::Install => {
+                        self.phase = Phase::Activating { version };
+                        vec![Action::Activate { version }]
+                    }
+                    Role::Shadow => {
+                        let mut out = vec![Action::RunBeside { version }];
+                        out.extend(self.activated(version));
+                        out
+                    }
+                }
             }
             Event::HealthFailed { version, reason }
                 if self.phase == (Phase::Checking { version }) =>

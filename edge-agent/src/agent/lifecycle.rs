@@ -321,7 +321,7 @@ fn saved_trust(cfg: &Config) -> Result<Trust> {
 }
 
 /// The accepted offer of the update in progress, as saved beside its download.
-fn saved_offer(store: &Store, updater: &Updater) -> Option<(ArtifactOffer, Manifest)> {
+pub(super) fn saved_offer(store: &Store, updater: &Updater) -> Option<(ArtifactOffer, Manifest)> {
     updater.phase.target().and_then(|v| {
         let p = store.offer_path(v);
         let o: ArtifactOffer = serde_json::from_slice(&std::fs::read(p).ok()?).ok()?;
@@ -404,10 +404,11 @@ impl Agent {
             f.spawn(&cfg.device_id, jobs.clone(), model.clone())?;
         }
         let shadow_store = cfg.store.join("shadow");
-        let shadow = ShadowSlot::new(
+        let shadow = ShadowSlot::open(
             Store::open(&shadow_store)
                 .with_context(|| format!("store {}", shadow_store.display()))?,
             shadow,
+            cfg.limits.max_artifact_bytes,
         );
         if let Some(dir) = watch {
             std::fs::create_dir_all(&dir)
@@ -461,6 +462,7 @@ impl Agent {
         }
         let shadow = self.wanted.as_ref().and_then(|w| w.shadow.clone());
         self.set_shadow(shadow).await?;
+        self.resume_shadow().await?;
         let resumed = self.updater.resume();
         self.save_journal();
         for a in resumed {

@@ -72,6 +72,7 @@ enum Done {
     Reply(Option<InferReply>, Option<Observed>),
     /// The shadow model's turn on a request the active model answered (`None`: skipped).
     Shadow(u64, Option<ShadowRun>),
+    ShadowVerified(u64, Result<(), String>),
     ShadowLoaded(u64, Result<Arc<LoadedModel>, String>),
 }
 
@@ -437,6 +438,8 @@ impl Agent {
                 }
                 Ok(Some(Event::Activated { version }))
             }
+            // Only a shadow's updater runs a model beside the active one (agent/shadow.rs).
+            Action::RunBeside { .. } => Ok(None),
             Action::Discard { version } => {
                 self.store.discard(version)?;
                 if self
@@ -511,10 +514,8 @@ impl Agent {
                 self.shadow.record(version, run);
                 Ok(())
             }
-            Done::ShadowLoaded(version, r) => {
-                self.shadow_loaded(version, r);
-                Ok(())
-            }
+            Done::ShadowVerified(version, r) => self.shadow_verified(version, r).await,
+            Done::ShadowLoaded(version, r) => self.shadow_loaded(version, r).await,
         }
     }
 
@@ -651,6 +652,7 @@ impl Agent {
             })
             .await?;
         }
+        self.shadow_tick().await?;
         self.publish_quality_when_due();
         if self.status_dirty {
             self.publish_status();

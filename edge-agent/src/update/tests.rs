@@ -303,3 +303,88 @@ fn refusals_are_reported_and_keep_the_active_model() {
         Some("manifest signed by unknown key abc")
     );
 }
+
+/// A shadow goes through every step of an update and ends running beside the active model:
+/// no atomic activation, and the same corrupt-chunk limit, refusals and resume.
+#[test]
+fn a_shadow_takes_every_step_but_runs_beside() {
+    let mut u = Updater::shadow(MB);
+    let s = install(&mut u, 7, 2);
+    assert_eq!(s[2], vec![Action::Verify { version: 7 }]);
+    assert_eq!(s[3], vec![Action::Stage { version: 7 }]);
+    assert_eq!(s[4], vec![Action::HealthCheck { version: 7 }]);
+    assert_eq!(
+        s[5],
+        vec![
+            Action::RunBeside { version: 7 },
+            Action::Report(Report::Active {
+                version: 7,
+                previous: None
+            })
+        ]
+    );
+    assert_eq!(s[6], vec![], "no activation to confirm");
+    assert_eq!((u.active, &u.phase), (Some(7), &Phase::Idle));
+    // The journaled state survives a round trip and a running shadow resumes with nothing to do.
+    let back: Updater = serde_json::from_str(&serde_json::to_string(&u).unwrap()).unwrap();
+    assert_eq!(back, u);
+    assert_eq!(u.clone().resume(), vec![]);
+
+    // Corrupt chunks: refetched, then rejected at the limit, as for an update.
+    let mut u = Updater::shadow(MB);
+    u.handle(Event::Offered(offer(8, 2)));
+    for n in 1..MAX_CORRUPT_CHUNKS {
+        let a = u.handle(Event::ChunkCorrupt {
+            version: 8,
+            index: 1,
+        });
+        assert_eq!(
+            a,
+            vec![Action::Fetch {
+                version: 8,
+                chunks: vec![1]
+            }],
+            "{n}"
+        );
+    }
+    let a = u.handle(Event::ChunkCorrupt {
+        version: 8,
+        index: 1,
+    });
+    assert!(
+        matches!(
+            &a[..],
+            [
+                Action::Discard { version: 8 },
+                Action::Report(Report::Rejected { .. })
+            ]
+        ),
+        "{a:?}"
+    );
+    // Too large, and a download cut short resumes with the missing chunks only.
+    let mut u = Updater::shadow(1000);
+    let a = u.handle(Event::Offered(offer(9, 2)));
+    assert!(
+        matches!(&a[..], [Action::Report(Report::Rejected { .. })]),
+        "{a:?}"
+    );
+    let mut u = Updater::shadow(MB);
+    u.handle(Event::Offered(offer(9, 3)));
+    u.handle(Event::ChunkStored {
+        version: 9,
+        index: 1,
+    });
+    assert_eq!(
+        u.resume(),
+        vec![Action::Fetch {
+            version: 9,
+            chunks: vec![0, 2]
+        }]
+    );
+    // A journal written before roles existed reads as an update's.
+    let old = r#"{"active":3,"previous":null,"phase":"Idle","last_error":null,"max_bytes":10}"#;
+    assert_eq!(
+        serde_json::from_str::<Updater>(old).unwrap().role,
+        Role::Install
+    );
+}
