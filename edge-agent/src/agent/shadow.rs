@@ -85,9 +85,13 @@ impl ShadowSlot {
             (u.phase == Phase::Idle && u.last_failed == Some(w.version))
                 .then(|| u.last_error.clone().unwrap_or_default())
         });
+        let loaded = self.shared.read().expect("lock").is_some();
         let state = match (&failed, &u.phase) {
             (Some(_), _) => "failed",
-            (None, Phase::Idle) if u.active == Some(w.version) => "running",
+            // Checked and running beside the active model (loading again after a restart:
+            // still "verifying").
+            (None, Phase::Idle) if u.active == Some(w.version) && loaded => "running",
+            (None, Phase::Idle) if u.active == Some(w.version) => "verifying",
             (None, Phase::Idle | Phase::Downloading { .. }) => "downloading",
             (None, _) => "verifying",
         };

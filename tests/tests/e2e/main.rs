@@ -36,6 +36,7 @@ mod quality;
 mod rollout;
 mod secure_broker;
 mod service;
+mod shadow;
 mod tables;
 mod training;
 mod tune;
