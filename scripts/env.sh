@@ -11,11 +11,12 @@ have_mpi() {
   command -v mpirun >/dev/null 2>&1 && pkg-config --exists ompi-c 2>/dev/null \
     && ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1
 }
-# edge-agent/docs: the host tool that writes the agent's man pages and completions for its .deb.
+# edge-agent/docs: the host tool that writes the agent's man pages and completions for its .deb;
+# edge-agent/test-hooks: the agent's test hook (a pause before activating), in this build only.
 if have_mpi; then
-  KESTREL_FEATURES="--features kestrel-trainer/mpi,kestrel-tests/mpi,edge-agent/docs"
+  KESTREL_FEATURES="--features kestrel-trainer/mpi,kestrel-tests/mpi,edge-agent/docs,edge-agent/test-hooks"
 else
-  KESTREL_FEATURES="--features edge-agent/docs"
+  KESTREL_FEATURES="--features edge-agent/docs,edge-agent/test-hooks"
 fi
 KESTREL_PY="$KESTREL_HOME/venv/bin/python"
 # Pinned versions of what comes from PyPI.

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kestrel_fleet::Conn;
+use kestrel_fleet::{Bundle, Conn};
 use kestrel_shared::issued_now;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{Desired, SignedDesired, Status, Target};
@@ -496,10 +496,11 @@ pub fn desired(device: &str, version: u64, rollback: bool) -> Desired {
     }
 }
 
-/// Starts an agent (by `start`, given its environment) that stops taking chunks after two
-/// (`KESTREL_AGENT_PAUSE=download`), publishes `art` to it, waits for the download to begin and
-/// SIGKILLs it; its journal (`<agent_dir>/store/state.json`) must say it was downloading. The
-/// device id is `agent_dir`'s name.
+/// Starts an agent (by `start`, given its environment), publishes `art` to it with only its
+/// first two chunks on the broker (a publisher still uploading), waits until it has stored them
+/// and SIGKILLs it; its journal (`<agent_dir>/store/state.json`) must say it was downloading.
+/// Then the other chunks are published, for the restarted agent to resume with. The device id is
+/// `agent_dir`'s name.
 pub fn killed_mid_download(
     b: &Broker,
     art: &Path,
@@ -514,8 +515,16 @@ pub fn killed_mid_download(
         .to_string_lossy()
         .into_owned();
     let f = fixture();
-    let agent = start(&[("KESTREL_AGENT_PAUSE", "download")]);
-    publish_ok(b, art, &f.key(), &format!("device/{device}"));
+    let bundle = Bundle::from_dir(art, &f.signing(), 128 * 1024).unwrap();
+    assert!(bundle.chunks.len() > 2, "{} chunks", bundle.chunks.len());
+    let mut conn = Conn::connect(&b.config(), "t").unwrap();
+    let mut msgs = bundle.messages(&conn.topics);
+    let offer = msgs.pop().expect("the offer is last");
+    let rest = msgs.split_off(2);
+    msgs.push(offer);
+    let agent = start(&[]);
+    let version = bundle.offer.version;
+    publish_raw(b, msgs, desired(&device, version, false));
     let st = wait_status(&b.config(), &device, secs, what, |s| {
         s.state == "downloading" && s.progress.is_some_and(|(have, _)| have >= 2)
     });
@@ -528,6 +537,8 @@ pub fn killed_mid_download(
         journal["updater"]["phase"]["Downloading"].is_object(),
         "{journal}"
     );
+    conn.publish_all(rest, None).unwrap();
+    conn.disconnect();
 }
 
 /// `trainer rollout --broker B --artifact ART --key KEY --fleet PLAN`, as a user types it, with

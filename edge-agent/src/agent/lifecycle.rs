@@ -448,7 +448,7 @@ impl Agent {
             connected: false,
             last_progress: Instant::now(),
             store_error: None,
-            pause: std::env::var("KESTREL_AGENT_PAUSE").ok(),
+            pause: super::hooks::Pause::from_env(),
             cfg,
         };
         Ok((agent, eventloop, done_rx))

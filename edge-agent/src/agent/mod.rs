@@ -42,6 +42,7 @@ use crate::update::{Action, Event, Phase, Report, Updater};
 
 mod capture;
 mod download;
+mod hooks;
 mod lifecycle;
 mod publish;
 mod quality;
@@ -146,9 +147,9 @@ pub struct Agent {
     /// as the status's `last_error` until a write in or below that directory succeeds; the agent keeps
     /// serving and retries meanwhile.
     store_error: Option<(PathBuf, String)>,
-    /// Test hook (`KESTREL_AGENT_PAUSE=download|activate`): stop at that point, still connected,
-    /// so a test can kill the process there.
-    pause: Option<String>,
+    /// Test hook (cargo feature `test-hooks`): stop before activating, still connected, so a
+    /// test can kill the process there.
+    pause: hooks::Pause,
 }
 
 impl Agent {
@@ -420,7 +421,7 @@ impl Agent {
                 Ok(None)
             }
             Action::Activate { version } => {
-                if self.pause.as_deref() == Some("activate") {
+                if self.pause.before_activating() {
                     tracing::info!(
                         "{}: paused before activating v{version} (KESTREL_AGENT_PAUSE)",
                         self.cfg.device_id
@@ -642,7 +643,6 @@ impl Agent {
     async fn on_tick(&mut self) -> Result<()> {
         if let Phase::Downloading { offer, have, .. } = &self.updater.phase
             && self.last_progress.elapsed() > Duration::from_secs(self.cfg.limits.download_stall_s)
-            && self.pause.is_none()
         {
             let missing = (0..offer.chunks).filter(|i| !have.contains(i)).collect();
             let version = offer.version;
