@@ -23,6 +23,7 @@ pub(crate) struct Events {
 
 impl Events {
     pub(crate) fn new(mut conn: rumqttc::Connection) -> Events {
+        kestrel_shared::mqtt::no_delay(&mut conn.eventloop);
         let (tx, rx) = std::sync::mpsc::channel();
         let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::spawn(move || {

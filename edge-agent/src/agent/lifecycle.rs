@@ -376,7 +376,8 @@ impl Agent {
             QoS::AtLeastOnce,
             true,
         ));
-        let (client, eventloop) = AsyncClient::new(opts, 256);
+        let (client, mut eventloop) = AsyncClient::new(opts, 256);
+        kestrel_shared::mqtt::no_delay(&mut eventloop);
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let (tx, jobs_rx) = std::sync::mpsc::sync_channel(cfg.limits.queue.max(1));
         let jobs = Jobs {
