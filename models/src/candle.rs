@@ -7,7 +7,7 @@ use crate::arch::{ConvBn, Network};
 use crate::depthwise::{Depthwise, depthwise};
 use crate::engine::{Engine, EngineError, EngineKind};
 use crate::onnx::LowerOpts;
-use crate::planes::{BiasAct, Planes, bias_act};
+use crate::planes::{BiasAct, PlaneOrder, bias_act};
 use crate::tensor::Tensor;
 use crate::weights::FoldedConv;
 
@@ -53,7 +53,7 @@ impl ConvLayer {
 
 impl Module for ConvLayer {
     fn forward(&self, x: &CTensor) -> candle_core::Result<CTensor> {
-        self.forward_planes(x, Planes::Nchw)
+        self.forward_planes(x, PlaneOrder::Nchw)
     }
 }
 
@@ -69,8 +69,8 @@ impl ConvLayer {
     }
 
     /// The conv on `x` laid out as `planes` says (only pointwise and depthwise convs take
-    /// [`Planes::Cnhw`]).
-    fn forward_planes(&self, x: &CTensor, planes: Planes) -> candle_core::Result<CTensor> {
+    /// [`PlaneOrder::Cnhw`]).
+    fn forward_planes(&self, x: &CTensor, planes: PlaneOrder) -> candle_core::Result<CTensor> {
         let c = &self.spec;
         let y = if self.is_pointwise() {
             self.pointwise(x, planes)?
@@ -79,7 +79,7 @@ impl ConvLayer {
         } else {
             assert_eq!(
                 planes,
-                Planes::Nchw,
+                PlaneOrder::Nchw,
                 "a full convolution takes [n, c, h, w]"
             );
             let [t, l, b, r] = c.pads;
@@ -100,16 +100,16 @@ impl ConvLayer {
     /// A 1x1 convolution as a matrix product (candle's conv2d would unfold the input first, and
     /// its backward pass is slower still): on `[c, n, h, w]` one product over the whole batch,
     /// `[cout, cin] x [cin, n*h*w]`; on `[n, c, h, w]` one per sample.
-    fn pointwise(&self, x: &CTensor, planes: Planes) -> candle_core::Result<CTensor> {
+    fn pointwise(&self, x: &CTensor, planes: PlaneOrder) -> candle_core::Result<CTensor> {
         let (d0, d1, h, w) = x.dims4()?;
         let cout = self.spec.cout;
         match planes {
-            Planes::Cnhw => {
+            PlaneOrder::Cnhw => {
                 let wt = self.weight.reshape((cout, d0))?;
                 wt.matmul(&x.reshape((d0, d1 * h * w))?)?
                     .reshape((cout, d1, h, w))
             }
-            Planes::Nchw => {
+            PlaneOrder::Nchw => {
                 let wt = self.weight.reshape((1, cout, d1))?;
                 wt.broadcast_matmul(&x.reshape((d0, d1, h * w))?)?
                     .reshape((d0, cout, h, w))
@@ -119,7 +119,7 @@ impl ConvLayer {
 
     /// A depthwise convolution: [`crate::depthwise`] (candle's grouped conv2d runs one
     /// convolution per channel, forward and backward, which made fine-tuning crawl).
-    fn depthwise(&self, x: &CTensor, planes: Planes) -> candle_core::Result<CTensor> {
+    fn depthwise(&self, x: &CTensor, planes: PlaneOrder) -> candle_core::Result<CTensor> {
         let c = &self.spec;
         let op = Depthwise {
             kernel: c.kernel,
@@ -136,9 +136,9 @@ impl ConvLayer {
 /// The lowered blocks (+ pool + classifier) as a candle module.
 pub struct CandleNet {
     blocks: Vec<(Vec<ConvLayer>, bool)>,
-    /// How the blocks lay out activations: [`Planes::Cnhw`] when every conv is pointwise or
+    /// How the blocks lay out activations: [`PlaneOrder::Cnhw`] when every conv is pointwise or
     /// depthwise (the unfrozen end of a backbone, where training spends its time).
-    planes: Planes,
+    planes: PlaneOrder,
     pool: bool,
     classifier: Option<(CTensor, CTensor)>,
     input_shape: Vec<usize>,
@@ -218,9 +218,9 @@ impl CandleNet {
             .all(|l| l.is_pointwise() || l.is_depthwise());
         Ok(Self {
             planes: if all_cnhw && !blocks.is_empty() {
-                Planes::Cnhw
+                PlaneOrder::Cnhw
             } else {
-                Planes::Nchw
+                PlaneOrder::Nchw
             },
             blocks,
             pool: opts.pool,
@@ -233,7 +233,7 @@ impl CandleNet {
 impl CandleNet {
     /// The blocks (and pooling), without the classifier.
     pub fn features(&self, x: &CTensor) -> candle_core::Result<CTensor> {
-        let cnhw = self.planes == Planes::Cnhw;
+        let cnhw = self.planes == PlaneOrder::Cnhw;
         let mut x = if cnhw {
             x.transpose(0, 1)?.contiguous()?
         } else {
@@ -358,7 +358,7 @@ mod tests {
             let got = layer.forward(&x).unwrap();
             let cnhw = (layer.is_pointwise() || layer.is_depthwise()).then(|| {
                 let xt = x.transpose(0, 1).unwrap().contiguous().unwrap();
-                let y = layer.forward_planes(&xt, Planes::Cnhw).unwrap();
+                let y = layer.forward_planes(&xt, PlaneOrder::Cnhw).unwrap();
                 y.transpose(0, 1).unwrap().contiguous().unwrap()
             });
             let [t, l, b, r] = pads;
@@ -399,7 +399,7 @@ mod tests {
     #[test]
     fn fused_op_gradients_match_finite_differences() {
         let dev = Device::Cpu;
-        for planes in [Planes::Nchw, Planes::Cnhw] {
+        for planes in [PlaneOrder::Nchw, PlaneOrder::Cnhw] {
             let dw = Depthwise {
                 kernel: 3,
                 stride: 2,
@@ -410,8 +410,8 @@ mod tests {
             };
             // x [2, 3, 6, 6] is [n, c, ..] or [c, n, ..]: 3 channels either way for the weight.
             let (xs, c) = match planes {
-                Planes::Nchw => ((2, 3, 6, 6), 3),
-                Planes::Cnhw => ((3, 2, 6, 6), 3),
+                PlaneOrder::Nchw => ((2, 3, 6, 6), 3),
+                PlaneOrder::Cnhw => ((3, 2, 6, 6), 3),
             };
             let x = CTensor::randn(0f32, 1f32, xs, &dev).unwrap();
             let w = CTensor::randn(0f32, 1f32, (c, 1, 3, 3), &dev).unwrap();

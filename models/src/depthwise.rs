@@ -8,7 +8,7 @@
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::planes::{Planes, slice};
+use crate::planes::{PlaneOrder, slice};
 
 /// A depthwise convolution: `weight [c, 1, k, k]`, zero padding `top`/`left` (bottom and right
 /// follow from `out_hw`), on activations laid out as `planes` says.
@@ -19,7 +19,7 @@ pub struct Depthwise {
     pub top: usize,
     pub left: usize,
     pub out_hw: [usize; 2],
-    pub planes: Planes,
+    pub planes: PlaneOrder,
 }
 
 /// `x [n, c, h, w]` (or `[c, n, h, w]`) convolved with `weight [c, 1, k, k]`: `[n, c, oh, ow]`

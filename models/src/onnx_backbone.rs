@@ -78,7 +78,7 @@ pub enum OnnxBackboneError {
 
 /// Memory layout of the user's image input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub enum Layout {
+pub enum InputLayout {
     Nchw,
     Nhwc,
 }
@@ -91,7 +91,7 @@ pub struct OnnxBackbone {
     pub sha256: String,
     /// The graph's own image input and its layout.
     pub input: String,
-    pub layout: Layout,
+    pub layout: InputLayout,
     /// The tensor taken as the features (`--feature-output`, or the default found).
     pub feature_output: String,
     /// Features per sample (after flattening).
@@ -190,7 +190,7 @@ fn describe(v: &ValueInfoProto) -> String {
 fn image_input(
     path: &str,
     g: &GraphProto,
-) -> Result<(String, Layout, [Option<i64>; 2]), OnnxBackboneError> {
+) -> Result<(String, InputLayout, [Option<i64>; 2]), OnnxBackboneError> {
     let inits: HashSet<&str> = g.initializer.iter().map(|t| t.name.as_str()).collect();
     let inputs: Vec<&ValueInfoProto> = g
         .input
@@ -203,10 +203,10 @@ fn image_input(
             continue;
         }
         if d[1] == Some(3) {
-            return Ok((v.name.clone(), Layout::Nchw, [d[2], d[3]]));
+            return Ok((v.name.clone(), InputLayout::Nchw, [d[2], d[3]]));
         }
         if d[3] == Some(3) {
-            return Ok((v.name.clone(), Layout::Nhwc, [d[1], d[2]]));
+            return Ok((v.name.clone(), InputLayout::Nhwc, [d[1], d[2]]));
         }
     }
     let found = if inputs.is_empty() {
@@ -354,13 +354,13 @@ fn node(op: &str, inputs: &[&str], output: &str, attribute: Vec<pb::AttributePro
 fn feature_graph(
     g: &GraphProto,
     input: &str,
-    layout: Layout,
+    layout: InputLayout,
     feature: &str,
     hw: [usize; 2],
 ) -> GraphProto {
     let mut nodes = vec![match layout {
-        Layout::Nchw => node("Identity", &[onnx::INPUT_NAME], IMAGE, vec![]),
-        Layout::Nhwc => node(
+        InputLayout::Nchw => node("Identity", &[onnx::INPUT_NAME], IMAGE, vec![]),
+        InputLayout::Nhwc => node(
             "Transpose",
             &[onnx::INPUT_NAME],
             IMAGE,

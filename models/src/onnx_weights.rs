@@ -314,7 +314,7 @@ mod tests {
     use super::*;
     use crate::arch::Arch;
     use crate::onnx::{self, Linear, LowerOpts};
-    use crate::onnx_backbone::{Layout, OnnxBackbone, OnnxBackboneError};
+    use crate::onnx_backbone::{InputLayout, OnnxBackbone, OnnxBackboneError};
     use crate::weights::{Part, fold, random};
 
     /// Kestrel's own MobileNetV2 logits graph (BN folded, seeded random weights) in a file.
@@ -368,7 +368,7 @@ mod tests {
         let g = OnnxBackbone::load(&path, None, [224, 224]).unwrap();
         assert_eq!(
             (g.layout, g.feature_dim, g.input.as_str()),
-            (Layout::Nchw, 1280, "input")
+            (InputLayout::Nchw, 1280, "input")
         );
         let graph = g.model.graph.as_ref().unwrap();
         assert!(graph.node.iter().all(|n| n.op_type != "Gemm"));

@@ -1,4 +1,4 @@
-//! The trainable convolutions' own candle ops: how 4-d activations are laid out ([`Planes`]),
+//! The trainable convolutions' own candle ops: how 4-d activations are laid out ([`PlaneOrder`]),
 //! and the bias + ReLU6 that ends every convolution as one op with its own backward pass.
 //!
 //! Written with candle's generic ops, `clamp(x + b, 0, 6)` is a broadcast add and two broadcast
@@ -12,25 +12,25 @@ use rayon::prelude::*;
 /// or `[c, n, h, w]`, where a 1x1 convolution over the whole batch is one matrix product
 /// `[cout, cin] x [cin, n*h*w]` and its weight gradient another.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Planes {
+pub enum PlaneOrder {
     Nchw,
     Cnhw,
 }
 
-impl Planes {
+impl PlaneOrder {
     /// The channel of plane `p` of an activation whose second dimension is `d1`.
     pub fn channel(self, p: usize, d1: usize) -> usize {
         match self {
-            Planes::Nchw => p % d1,
-            Planes::Cnhw => p / d1,
+            PlaneOrder::Nchw => p % d1,
+            PlaneOrder::Cnhw => p / d1,
         }
     }
 
     /// The planes of channel `ch`, as plane indices.
     pub fn planes_of(self, ch: usize, [d0, d1]: [usize; 2]) -> impl Iterator<Item = usize> {
         let (start, step, count) = match self {
-            Planes::Nchw => (ch, d1, d0),
-            Planes::Cnhw => (ch * d1, 1, d1),
+            PlaneOrder::Nchw => (ch, d1, d0),
+            PlaneOrder::Cnhw => (ch * d1, 1, d1),
         };
         (0..count).map(move |i| start + i * step)
     }
@@ -48,7 +48,7 @@ pub(crate) fn slice<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [
 #[derive(Debug, Clone, Copy)]
 pub struct BiasAct {
     pub relu6: bool,
-    pub planes: Planes,
+    pub planes: PlaneOrder,
 }
 
 /// `x [d0, d1, h, w]` (laid out as `op.planes` says) plus the bias `[c]` (any shape of `c` values).

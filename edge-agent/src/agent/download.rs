@@ -19,7 +19,7 @@ impl Agent {
         (name, version): (&str, u64),
         payload: &[u8],
     ) -> Result<()> {
-        let Some(w) = self.wanted.clone() else {
+        let Some(w) = self.pursued.clone() else {
             return Ok(());
         };
         if (name, version) != (w.name.as_str(), w.version) || payload.is_empty() {

@@ -306,7 +306,7 @@ fn journaled(cfg: &Config, store: &Store) -> Result<(Updater, Option<Desired>, D
     // The store's links are the truth about what is installed.
     updater.active = store.active();
     updater.previous = store.previous();
-    Ok((updater, journal.wanted, journal.desired))
+    Ok((updater, journal.pursued, journal.desired))
 }
 
 /// The trusted keys: the configured ones, or the newest root-signed key list in the store.
@@ -366,7 +366,7 @@ impl Agent {
         let store =
             Store::open(&cfg.store).with_context(|| format!("store {}", cfg.store.display()))?;
         let topics = Topics::new(&cfg.broker.prefix);
-        let (updater, wanted, desired) = journaled(&cfg, &store)?;
+        let (updater, pursued, desired) = journaled(&cfg, &store)?;
         let mut opts = cfg
             .broker
             .options(&format!("kestrel-agent-{}", cfg.device_id), false)?;
@@ -425,7 +425,7 @@ impl Agent {
             trust,
             store,
             updater,
-            wanted,
+            pursued,
             desired,
             refused: None,
             offer,
@@ -461,7 +461,7 @@ impl Agent {
         if let Some(v) = self.updater.active {
             self.load_active(v);
         }
-        let shadow = self.wanted.as_ref().and_then(|w| w.shadow.clone());
+        let shadow = self.pursued.as_ref().and_then(|w| w.shadow.clone());
         self.set_shadow(shadow).await?;
         self.resume_shadow().await?;
         let resumed = self.updater.resume();

@@ -4,7 +4,7 @@
 //! and reports back through a channel. Every updater event is journaled (`state.json`) before
 //! its actions run, so a restart continues where the agent stopped.
 //!
-//! Here: the journal, status, actions and message dispatch; [`wanted`]: desired states and key
+//! Here: the journal, status, actions and message dispatch; [`pursue`]: desired states and key
 //! lists; [`download`]: offers and chunks; [`lifecycle`]: start, serve, stop, the inference
 //! workers and fed traffic; [`quality`]: telemetry over live requests; [`shadow`]: a candidate
 //! model run beside the active one; [`capture`]: inputs kept for training; [`publish`]: the
@@ -45,9 +45,9 @@ mod download;
 mod hooks;
 mod lifecycle;
 mod publish;
+mod pursue;
 mod quality;
 mod shadow;
-mod wanted;
 
 pub use lifecycle::{Feed, run};
 
@@ -56,7 +56,9 @@ pub use lifecycle::{Feed, run};
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct Journal {
     updater: Option<Updater>,
-    wanted: Option<Desired>,
+    /// The desired state being pursued (`wanted` in journals before 2026-12-05).
+    #[serde(alias = "wanted")]
+    pursued: Option<Desired>,
     #[serde(default)]
     desired: DesiredStates,
 }
@@ -111,7 +113,8 @@ pub struct Agent {
     trust: Trust,
     store: Store,
     updater: Updater,
-    wanted: Option<Desired>,
+    /// The desired state being pursued: the one [`pursue`] chose of `desired`.
+    pursued: Option<Desired>,
     /// Valid desired states by topic (own and groups'), with the replay and expiry rules.
     desired: DesiredStates,
     /// The last desired state or key list refused by the replay, expiry and trust rules, and
@@ -163,7 +166,7 @@ impl Agent {
     fn save_journal(&mut self) {
         let j = Journal {
             updater: Some(self.updater.clone()),
-            wanted: self.wanted.clone(),
+            pursued: self.pursued.clone(),
             desired: self.desired.clone(),
         };
         let bytes = serde_json::to_vec_pretty(&j).expect("serializable");
@@ -319,7 +322,7 @@ impl Agent {
         for g in &self.cfg.groups {
             filters.push(self.topics.desired(&Target::Group(g.clone())));
         }
-        if let Some(w) = &self.wanted {
+        if let Some(w) = &self.pursued {
             filters.push(self.topics.artifact_manifest(&w.name, w.version));
         }
         if let Phase::Downloading { offer, .. } = &self.updater.phase

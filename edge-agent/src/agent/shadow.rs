@@ -173,7 +173,7 @@ impl Agent {
     pub(super) async fn set_shadow(&mut self, want: Option<ModelRef>) -> Result<()> {
         // The model being installed or active is not its own shadow.
         let want = want.filter(|s| {
-            self.wanted
+            self.pursued
                 .as_ref()
                 .is_none_or(|w| w.name != s.name || w.version != s.version)
         });

@@ -92,7 +92,7 @@ pub struct PlaneConv {
     pad_before: [usize; 2],
     in_hw: [usize; 2],
     out_hw: [usize; 2],
-    layout: Layout,
+    layout: Geometry,
     tile: Tile,
     /// For each tile of output channels (`tile.channels()` of a group, zeros past its last
     /// channel), `[taps][channels]`.
@@ -159,7 +159,7 @@ impl Eq for PlaneConv {}
 /// planes of `hq x wq` each (a region), and each tap's offset in them from the output point it
 /// serves.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Layout {
+struct Geometry {
     hq: usize,
     wq: usize,
     plane: usize,
@@ -172,7 +172,7 @@ struct Layout {
     interior: [[usize; 2]; 3],
 }
 
-impl Layout {
+impl Geometry {
     fn new(
         planes: usize,
         [kh, kw]: [usize; 2],
@@ -180,7 +180,7 @@ impl Layout {
         [pt, pl]: [usize; 2],
         [h, w]: [usize; 2],
         [oh, ow]: [usize; 2],
-    ) -> Layout {
+    ) -> Geometry {
         // Padded extent: enough for every output's window and every input (the padding after
         // may be cut short).
         let hp = ((oh - 1) * sh + kh).max(pt + h);
@@ -194,7 +194,7 @@ impl Layout {
                 p * region + ((y % sh) * sw + x % sw) * plane + (y / sh) * wq + x / sw
             })
             .collect();
-        Layout {
+        Geometry {
             hq,
             wq,
             plane,
@@ -272,7 +272,7 @@ impl PlaneConv {
         let tiles = (self.out_channels / self.groups).div_ceil(channels);
         for (i, outs) in y.chunks_mut(channels * oh * ow).enumerate() {
             let tile = g * tiles + i;
-            let planes = Planes {
+            let planes = TileConv {
                 buf: if direct { x } else { &scratch.buf[..] },
                 offsets: &l.offsets,
                 weights: &self.weights[tile * channels * taps..(tile + 1) * channels * taps],
@@ -316,7 +316,7 @@ impl PlaneConv {
         let starts = overlapping_blocks(hw, positions).map(|s| (s, s));
         let taps = e.in_channels * channels;
         for (t, ys) in y.chunks_mut(channels * out).enumerate() {
-            Planes {
+            TileConv {
                 buf: x,
                 offsets: &e.offsets,
                 weights: &e.weights[t * taps..(t + 1) * taps],
@@ -351,7 +351,7 @@ fn overlapping_blocks(len: usize, positions: usize) -> impl Iterator<Item = usiz
 struct Scratch {
     buf: Vec<f32>,
     /// The layout `buf` was last zeroed for: where no input goes, it is still zeros.
-    zeroed_for: Option<Layout>,
+    zeroed_for: Option<Geometry>,
     row: Vec<f32>,
     flat: Vec<f32>,
     expanded: Vec<f32>,
@@ -361,7 +361,7 @@ impl Scratch {
     /// Makes `buf` hold `layout`'s regions, zeros but where the input goes: zeroed whole when
     /// the layout changes (once per op and thread), untouched between the planes of one op,
     /// which all write the same places.
-    fn prepare(&mut self, layout: &Layout) {
+    fn prepare(&mut self, layout: &Geometry) {
         if self.zeroed_for.as_ref() != Some(layout) {
             self.buf.clear();
             self.buf.resize(layout.len, 0.0);
@@ -376,7 +376,7 @@ thread_local! {
 
 /// One tile's convolution: for each of its channels `c`,
 /// `out[c][i] = clip(bias[c] + sum over taps t of weights[t][c] * buf[offsets[t] + i])`.
-struct Planes<'a> {
+struct TileConv<'a> {
     buf: &'a [f32],
     offsets: &'a [usize],
     weights: &'a [f32],
@@ -384,7 +384,7 @@ struct Planes<'a> {
     clip: (f32, f32),
 }
 
-impl Planes<'_> {
+impl TileConv<'_> {
     /// Computes the tile's channels into `out` (planes `plane` apart; a group's last tile may
     /// have fewer than its channels), one block at each `(start, at)`: the block of flat
     /// positions from `start` (`buf` reaches a block past the taps of every one) goes to `at`.

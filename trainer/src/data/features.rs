@@ -164,7 +164,7 @@ pub fn store_rows(
     engine: EngineKind,
     seconds: f64,
 ) -> Result<PathBuf, CacheError> {
-    let target = Target::new(
+    let target = FeatureDir::new(
         root,
         "0000000000000000",
         backbone,
@@ -271,7 +271,7 @@ fn open_or_extract(
     rank: &Rank<'_>,
 ) -> Result<Features, CacheError> {
     let comm = rank.comm;
-    let target = Target::new(root, &prepared.meta.key, backbone, boundary);
+    let target = FeatureDir::new(root, &prepared.meta.key, backbone, boundary);
     let per = target.per_sample();
     let cached = read_features(&target.dir, prepared, per)?;
     let mut have = [f64::from(u8::from(cached.is_some()))];
@@ -310,7 +310,7 @@ fn open_or_extract(
 }
 
 /// Where a sample set's features at a boundary go, and how the frozen part is lowered for them.
-struct Target {
+struct FeatureDir {
     bid: String,
     boundary: usize,
     arch: String,
@@ -328,11 +328,11 @@ struct Ran {
     computed: usize,
 }
 
-impl Target {
-    fn new(root: &Path, samples_key: &str, backbone: &Backbone, boundary: usize) -> Target {
+impl FeatureDir {
+    fn new(root: &Path, samples_key: &str, backbone: &Backbone, boundary: usize) -> FeatureDir {
         let bid = backbone_id(backbone);
         let opts = frozen_opts(backbone, boundary);
-        Target {
+        FeatureDir {
             dims: opts.output_shape(&backbone.net),
             dir: feature_dir(root, samples_key, &bid, boundary),
             arch: backbone.net.arch.to_string(),
@@ -400,7 +400,7 @@ pub fn extract_while_decoding(
         return Ok(None);
     }
     let root = job.cache_root();
-    let target = Target::new(root, &plan.key, backbone, boundary);
+    let target = FeatureDir::new(root, &plan.key, backbone, boundary);
     let content: Vec<&str> = plan.content().collect();
     if Reusable::find(root, &content, &plan.spec, &target)?
         .missing
@@ -453,7 +453,7 @@ impl Reusable {
         root: &Path,
         content: &[&str],
         spec: &PreprocessSpec,
-        target: &Target,
+        target: &FeatureDir,
     ) -> Result<Reusable, CacheError> {
         let n = content.len();
         let per = target.per_sample();
@@ -528,7 +528,7 @@ fn candidate_rows(
     root: &Path,
     dir: &Path,
     spec: &PreprocessSpec,
-    target: &Target,
+    target: &FeatureDir,
     wanted: &HashMap<&str, Vec<usize>>,
 ) -> Option<Vec<(usize, Vec<usize>)>> {
     let meta: FeatureMeta = read_json(&dir.join("meta.json")).ok()?;

@@ -107,20 +107,20 @@ impl Agent {
             return self.set_shadow(None).await;
         };
         let shadow = d.shadow.clone();
-        let same = self.wanted.as_ref().is_some_and(|w| {
+        let same = self.pursued.as_ref().is_some_and(|w| {
             w.name == d.name && w.version == d.version && w.rollback == d.rollback
         });
         if same && self.updater.phase != Phase::Idle {
             return self.set_shadow(shadow).await;
         }
-        if let Some(old) = &self.wanted
+        if let Some(old) = &self.pursued
             && (old.name != d.name || old.version != d.version)
         {
             let t = self.topics.artifact_manifest(&old.name, old.version);
             self.client.unsubscribe(t).await?;
         }
         let t = self.topics.artifact_manifest(&d.name, d.version);
-        self.wanted = Some(d);
+        self.pursued = Some(d);
         self.save_journal();
         // The shadow first: a shadow that becomes the wanted model unsubscribes its offer's topic,
         // and a broker may not resend a retained message on a subscription that already exists
