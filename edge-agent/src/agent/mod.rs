@@ -392,25 +392,7 @@ impl Agent {
                     let f = self.topics.chunks_filter(&o.name, version);
                     self.client.unsubscribe(f).await?;
                 }
-                let (store, offer) = (self.store.clone(), self.offer.clone());
-                let (keys, max) = (
-                    self.trust.keys().to_vec(),
-                    self.cfg.limits.max_artifact_bytes,
-                );
-                let tx = self.done_tx.clone();
-                tokio::task::spawn_blocking(move || {
-                    let r = match offer {
-                        Some((o, m)) if o.version == version => {
-                            store.assemble(&o, &m).and_then(|dir| {
-                                artifact::verify_signature(&dir, &keys)
-                                    .and_then(|_| artifact::verify_device_files(&dir, &m, max))
-                                    .map_err(|e| e.to_string())
-                            })
-                        }
-                        _ => Err("the offer of this version is gone".into()),
-                    };
-                    let _ = tx.send(Done::Verified(version, r));
-                });
+                self.spawn_verify(&self.store, self.offer.clone(), version, Done::Verified);
                 Ok(None)
             }
             Action::Stage { version } => {
@@ -420,7 +402,7 @@ impl Agent {
                 Ok(Some(Event::Staged { version }))
             }
             Action::HealthCheck { version } => {
-                self.spawn_health_check(version);
+                self.spawn_load(&self.store, version, Done::Health);
                 Ok(None)
             }
             Action::Activate { version } => {
@@ -462,13 +444,46 @@ impl Agent {
         }
     }
 
-    /// Health check: loads `versions/<v>` (verifies files, runs the golden samples) on a
-    /// blocking thread.
-    fn spawn_health_check(&self, version: u64) {
-        let dir = self.store.version_dir(version);
+    /// Assembles `offer`'s chunks in `store` and verifies the manifest's signature and the
+    /// files' hashes (an update's check, and a shadow's) on a blocking thread; `done` carries
+    /// the result back.
+    fn spawn_verify(
+        &self,
+        store: &Store,
+        offer: Option<(ArtifactOffer, Manifest)>,
+        version: u64,
+        done: fn(u64, Result<(), String>) -> Done,
+    ) {
+        let (store, tx) = (store.clone(), self.done_tx.clone());
+        let (keys, max) = (
+            self.trust.keys().to_vec(),
+            self.cfg.limits.max_artifact_bytes,
+        );
+        tokio::task::spawn_blocking(move || {
+            let r = match offer {
+                Some((o, m)) if o.version == version => store.assemble(&o, &m).and_then(|dir| {
+                    artifact::verify_signature(&dir, &keys)
+                        .and_then(|_| artifact::verify_device_files(&dir, &m, max))
+                        .map_err(|e| e.to_string())
+                }),
+                _ => Err("the offer of this version is gone".into()),
+            };
+            let _ = tx.send(done(version, r));
+        });
+    }
+
+    /// Health check: loads `versions/<v>` of `store` (verifies files, runs the golden samples)
+    /// on a blocking thread; `done` carries the result back.
+    fn spawn_load(
+        &self,
+        store: &Store,
+        version: u64,
+        done: fn(u64, Result<Arc<LoadedModel>, String>) -> Done,
+    ) {
+        let dir = store.version_dir(version);
         let (models, tx) = (self.models.clone(), self.done_tx.clone());
         tokio::task::spawn_blocking(move || {
-            let _ = tx.send(Done::Health(version, models.load(&dir)));
+            let _ = tx.send(done(version, models.load(&dir)));
         });
     }
 

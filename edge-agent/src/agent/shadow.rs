@@ -127,6 +127,11 @@ impl ShadowSlot {
             .is_some_and(|w| w.name == name && w.version == version)
     }
 
+    /// Whether `version` is the wanted shadow's (a result for another is stale).
+    fn wants_version(&self, version: u64) -> bool {
+        self.want.as_ref().is_some_and(|w| w.version == version)
+    }
+
     /// A comparison (or a skipped turn) from an inference worker.
     pub(super) fn record(&mut self, version: u64, run: Option<ShadowRun>) {
         let Some(t) = self.tally.as_mut().filter(|t| t.version() == version) else {
@@ -216,7 +221,7 @@ impl Agent {
             return Ok(());
         }
         if self.shadow.updater.active == Some(w.version) {
-            self.spawn_shadow_load(w.version);
+            self.spawn_load(&self.shadow.store, w.version, Done::ShadowLoaded);
             return Ok(());
         }
         let actions = self.shadow.updater.resume();
@@ -276,7 +281,12 @@ impl Agent {
             Action::Verify { version } => {
                 let f = self.topics.chunks_filter(&w.name, version);
                 self.client.unsubscribe(f).await?;
-                self.spawn_shadow_verify(version);
+                self.spawn_verify(
+                    &self.shadow.store,
+                    self.shadow.offer.clone(),
+                    version,
+                    Done::ShadowVerified,
+                );
                 Ok(None)
             }
             Action::Stage { version } => Ok(Some(match self.shadow.store.stage(version) {
@@ -287,13 +297,13 @@ impl Agent {
                 },
             })),
             Action::HealthCheck { version } => {
-                self.spawn_shadow_load(version);
+                self.spawn_load(&self.shadow.store, version, Done::ShadowLoaded);
                 Ok(None)
             }
             Action::RunBeside { version } => {
                 match self.shadow.candidate.take() {
                     Some((v, model)) if v == version => self.run_beside(version, model),
-                    _ => self.spawn_shadow_load(version),
+                    _ => self.spawn_load(&self.shadow.store, version, Done::ShadowLoaded),
                 }
                 Ok(None)
             }
@@ -433,52 +443,12 @@ impl Agent {
         Ok(())
     }
 
-    /// Assembles the shadow's files and verifies signature and hashes (the update's checks),
-    /// on a blocking thread.
-    fn spawn_shadow_verify(&self, version: u64) {
-        let (store, offer, tx) = (
-            self.shadow.store.clone(),
-            self.shadow.offer.clone(),
-            self.done_tx.clone(),
-        );
-        let (keys, max) = (
-            self.trust.keys().to_vec(),
-            self.cfg.limits.max_artifact_bytes,
-        );
-        tokio::task::spawn_blocking(move || {
-            let r = match offer {
-                Some((o, m)) if o.version == version => store.assemble(&o, &m).and_then(|dir| {
-                    artifact::verify_signature(&dir, &keys)
-                        .and_then(|_| artifact::verify_device_files(&dir, &m, max))
-                        .map_err(|e| e.to_string())
-                }),
-                _ => Err("the offer of this version is gone".into()),
-            };
-            let _ = tx.send(Done::ShadowVerified(version, r));
-        });
-    }
-
-    /// Loads the staged shadow (its golden samples run: the update's health check) on a
-    /// blocking thread.
-    fn spawn_shadow_load(&self, version: u64) {
-        let dir = self.shadow.store.version_dir(version);
-        let (models, tx) = (self.models.clone(), self.done_tx.clone());
-        tokio::task::spawn_blocking(move || {
-            let _ = tx.send(Done::ShadowLoaded(version, models.load(&dir)));
-        });
-    }
-
     pub(super) async fn shadow_verified(
         &mut self,
         version: u64,
         r: Result<(), String>,
     ) -> Result<()> {
-        if !self
-            .shadow
-            .want
-            .as_ref()
-            .is_some_and(|w| w.version == version)
-        {
+        if !self.shadow.wants_version(version) {
             return Ok(());
         }
         self.feed_shadow(match r {
@@ -493,12 +463,7 @@ impl Agent {
         version: u64,
         r: Result<Arc<LoadedModel>, String>,
     ) -> Result<()> {
-        if !self
-            .shadow
-            .want
-            .as_ref()
-            .is_some_and(|w| w.version == version)
-        {
+        if !self.shadow.wants_version(version) {
             return Ok(());
         }
         match r {
