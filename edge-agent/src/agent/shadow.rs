@@ -156,6 +156,9 @@ impl ShadowSlot {
     }
 }
 
+/// Why a shadow cannot run on a device without quality telemetry.
+const QUALITY_OFF: &str = "shadow models need quality telemetry ([quality] enabled = false)";
+
 fn journal_path(store: &Store) -> PathBuf {
     store.root().join("state.json")
 }
@@ -201,8 +204,7 @@ impl Agent {
         self.save_shadow_journal();
         self.status_dirty = true;
         if self.shadow.want.is_some() && !self.cfg.quality.enabled {
-            self.shadow.blocked =
-                Some("shadow models need quality telemetry ([quality] enabled = false)".into());
+            self.shadow.blocked = Some(QUALITY_OFF.into());
             return Ok(());
         }
         for f in self.shadow.filters(&self.topics) {
@@ -218,6 +220,10 @@ impl Agent {
             return Ok(());
         };
         if self.shadow.blocked.is_some() {
+            return Ok(());
+        }
+        if !self.cfg.quality.enabled {
+            self.shadow.blocked = Some(QUALITY_OFF.into());
             return Ok(());
         }
         if self.shadow.updater.active == Some(w.version) {
@@ -463,9 +469,17 @@ impl Agent {
         version: u64,
         r: Result<Arc<LoadedModel>, String>,
     ) -> Result<()> {
-        if !self.shadow.wants_version(version) {
+        let Some(want) = self.shadow.want.clone().filter(|w| w.version == version) else {
             return Ok(());
-        }
+        };
+        // A result for an earlier shadow of the same version number is not this one's.
+        let r = r.and_then(|m| match m.manifest.name == want.name {
+            true => Ok(m),
+            false => Err(format!(
+                "the model is {}, not {}",
+                m.manifest.name, want.name
+            )),
+        });
         match r {
             // Running already (after a restart): the model again.
             Ok(model) if self.shadow.updater.active == Some(version) => {

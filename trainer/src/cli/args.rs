@@ -511,18 +511,4 @@ impl TrackArgs {
             run_id: self.run_id.clone(),
         })
     }
-
-    /// The MLflow run of `dir` (started, or with `continued` the one `dir` is tracked as), when
-    /// tracking ([`crate::track::TrackTo::open`]).
-    pub fn start(
-        &self,
-        dir: &Path,
-        command: &str,
-        continued: bool,
-    ) -> Result<Option<crate::track::Tracker>> {
-        match self.to() {
-            Some(to) => Ok(Some(to.open(dir, command, continued)?)),
-            None => Ok(None),
-        }
-    }
 }

@@ -1,15 +1,14 @@
 //! `trainer export`: a run as a self-describing, verified artifact directory (the stages are in
 //! `crate::export`).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use crate::distributed::{Job, JobOpts};
-use crate::export::{self, ExportOpts, QuantForm};
+use crate::export::{ExportOpts, QuantForm};
 use crate::track::registry::version_uri;
-use crate::track::{Metric, ModelVersion, Op, Tracker, kv};
-use anyhow::{Context, Result, bail};
-use kestrel_shared::manifest::Manifest;
+use crate::track::{Registration, TrackedExport, tracked_export};
+use anyhow::{Result, bail};
 
 use super::args::{CacheArgs, ThreadArgs, TrackArgs};
 
@@ -83,18 +82,10 @@ pub fn job_opts(a: &Args) -> Result<JobOpts> {
 }
 
 pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
-    // The export joins the run's MLflow run (a new one when the run was not tracked).
-    let tracker = a.track.start(&a.run, "export", true)?;
-    let registered = match (&tracker, &a.register) {
-        (Some(t), Some(name)) => Some(
-            t.register(name)
-                .with_context(|| format!("registering {name} in MLflow"))?,
-        ),
-        (None, Some(_)) => {
-            bail!("--register needs an MLflow server: --mlflow URI or MLFLOW_TRACKING_URI")
-        }
-        _ => None,
-    };
+    let to = a.track.to();
+    if a.register.is_some() && to.is_none() {
+        bail!("--register needs an MLflow server: --mlflow URI or MLFLOW_TRACKING_URI")
+    }
     let opts = ExportOpts {
         quantize: a.quantize,
         calibration: a.calibration,
@@ -103,28 +94,27 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         max_accuracy_drop: a.max_accuracy_drop,
         tolerance: a.tolerance,
         name: a.model_name,
-        version: a
-            .model_version
-            .or(registered.as_ref().map(|v| v.version))
-            .unwrap_or(1),
+        version: 1,
         golden: a.golden,
-        registry: registered.as_ref().map(|v| version_uri(&v.name, v.version)),
+        registry: None,
     };
-    let exported = export::export(&a.run, &a.out, &opts, job)
-        .with_context(|| format!("exporting {} to {}", a.run.display(), a.out.display()));
-    let pending = match (&tracker, &exported) {
-        (Some(t), Ok(m)) => log_export(t, m, &a.out, registered.as_ref(), a.alias.as_deref())?,
-        (Some(t), Err(_)) => {
-            if let Some(v) = &registered {
-                // Nothing was logged to it: take the reserved version back.
-                let _ = t.client.delete_model_version(&v.name, v.version);
-            }
-            t.abandon_logged_model();
-            t.end("FAILED")
-        }
-        (None, _) => None,
+    let register = Registration {
+        name: a.register.as_deref(),
+        alias: a.alias.as_deref(),
     };
-    let m = exported?;
+    let TrackedExport {
+        manifest: m,
+        registered,
+        pending,
+    } = tracked_export(
+        &a.run,
+        &a.out,
+        opts,
+        a.model_version,
+        job,
+        to.as_ref(),
+        register,
+    )?;
     if a.json {
         outln!("{}", serde_json::to_string(&m)?);
         return Ok(ExitCode::SUCCESS);
@@ -157,34 +147,4 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         tracing::info!("{line}");
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// The artifact directory as the run's MLflow Model `model/`, its accuracy as metrics, then the alias
-/// (after the files, so an alias never points at a version without them). Ends the run.
-fn log_export(
-    t: &Tracker,
-    m: &Manifest,
-    dir: &Path,
-    registered: Option<&ModelVersion>,
-    alias: Option<&str>,
-) -> Result<Option<String>> {
-    let form = &m.quantization.form;
-    t.log(
-        vec![Metric::now(
-            format!("export_{form}_val_accuracy"),
-            m.quantization.accuracy,
-            0,
-        )],
-        Vec::new(),
-        vec![kv(format!("kestrel.export.{form}"), m.name.as_str())],
-    );
-    t.log_model(dir, m)?;
-    if let (Some(v), Some(alias)) = (registered, alias) {
-        t.submit(Op::SetAlias {
-            name: v.name.clone(),
-            alias: alias.to_string(),
-            version: v.version,
-        });
-    }
-    Ok(t.end("FINISHED"))
 }

@@ -1,12 +1,12 @@
 //! `trainer tune`: TPE search over head hyperparameters, trials in parallel on one feature cache.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use crate::distributed::{Job, JobOpts};
-use crate::track::{self, Metric, Tracker, kv};
-use crate::train::{FitParams, Optimizer};
-use crate::tune::{self, Observer, Space, TuneError, TuneOpts, TuneOutcome};
+use crate::track::{self, TrackedTune, kv, tracked_tune};
+use crate::train::Optimizer;
+use crate::tune::{self, Space};
 use anyhow::{Result, bail};
 
 use super::args::{DataArgs, EngineArgs, FitArgs, TrackArgs};
@@ -117,14 +117,12 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         space: a.space.space()?,
         startup: a.startup,
     };
-    let parent = start_parent(&a.track, &a.out, &base, &opts, job)?;
-    let observer: &dyn Observer = parent.as_ref().map_or(&(), |t| t);
-    let outcome = tune::tune(&base, &opts, &a.out, job, observer);
-    let mut pending: Vec<String> = parent
-        .iter()
-        .flat_map(|t| end_parent(t, &outcome))
-        .collect();
-    let outcome = outcome?;
+    let to = a.track.to();
+    let TrackedTune {
+        outcome,
+        run_id,
+        mut pending,
+    } = tracked_tune(&base, &opts, &a.out, job, to.as_ref())?;
     let fitted = match &a.then_fit {
         Some(dir) => {
             job.log(format!(
@@ -134,11 +132,10 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
             ));
             // Under MPI the final model trains data-parallel on every rank.
             let p = tune::best_params(&base, &outcome.best, a.fit.seed);
-            let tags = parent
+            let tags = run_id
                 .iter()
-                .map(|t| kv("kestrel.tune_run", t.run_id()))
+                .map(|id| kv("kestrel.tune_run", id.as_str()))
                 .collect();
-            let to = a.track.to();
             let (fitted, left) = track::tracked_fit(&p, dir, false, job, to.as_ref(), tags)?;
             pending.extend(left);
             fitted
@@ -170,42 +167,4 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// The tune run (rank 0, when tracking): the base params and the search settings; the parent of
-/// one MLflow run per trial.
-fn start_parent(
-    track: &TrackArgs,
-    out: &Path,
-    base: &FitParams,
-    opts: &TuneOpts,
-    job: &Job,
-) -> Result<Option<Tracker>> {
-    if !job.is_lead() {
-        return Ok(None);
-    }
-    let Some(t) = track.start(out, "tune", false)? else {
-        return Ok(None);
-    };
-    let mut params = track::flatten_params("", base);
-    let settings = serde_json::json!({
-        "trials": opts.trials, "parallel": opts.parallel, "startup": opts.startup, "space": opts.space,
-    });
-    params.extend(track::flatten_params("tune", &settings));
-    t.log(Vec::new(), params, Vec::new());
-    Ok(Some(t))
-}
-
-/// The best trial on the parent run: its parameters as `best.*` params, its results as metrics;
-/// then the run ends.
-fn end_parent(t: &Tracker, outcome: &Result<TuneOutcome, TuneError>) -> Option<String> {
-    let Ok(o) = outcome else {
-        return t.end("FAILED");
-    };
-    let mut metrics = vec![Metric::now("best_val_accuracy", o.best.val_accuracy, 0)];
-    metrics.extend(o.best.val_loss.map(|l| Metric::now("best_val_loss", l, 0)));
-    let mut params = track::flatten_params("best", &o.best.params);
-    params.push(kv("best.trial", o.best.trial.to_string()));
-    t.log(metrics, params, Vec::new());
-    t.end("FINISHED")
 }
