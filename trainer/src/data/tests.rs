@@ -593,12 +593,33 @@ fn data_unlabelled_rows_fail_or_are_skipped() {
     assert!(e.to_string().contains("none.parquet"), "{e}");
 }
 
+/// An in-memory dataset of classes `a` and `b`.
+fn classes_a_b(samples: Vec<Sample>) -> Dataset {
+    Dataset {
+        samples,
+        labels: vec!["a".into(), "b".into()],
+        source: "test".into(),
+        unlabelled: Vec::new(),
+        tables: Vec::new(),
+    }
+}
+
+/// A quiet one-worker job over the caches under `root`.
+fn local_job(root: &Path, threads: usize) -> crate::distributed::Job {
+    use crate::distributed::{Job, JobOpts};
+    Job::local(JobOpts {
+        threads,
+        cache_root: root.to_path_buf(),
+        ..JobOpts::default()
+    })
+    .quiet()
+}
+
 /// Building the sample and feature caches in one pass (decode overlapped with the backbone) gives
 /// the same shards, metadata and features as building them one after the other, skips the same
 /// invalid rows, and applies only where no cache holds the samples yet.
 #[test]
 fn caches_built_in_one_pass_equal_two_passes() {
-    use crate::distributed::{Job, JobOpts};
     use kestrel_models::backbone::Backbone;
     let mut samples: Vec<Sample> = (0..70u8)
         .map(|i| Sample::in_memory(format!("img-{i}.png"), png(i), usize::from(i % 3 == 0)))
@@ -608,26 +629,13 @@ fn caches_built_in_one_pass_equal_two_passes() {
         png(200)[..20].to_vec(),
         1,
     ));
-    let ds = Dataset {
-        samples,
-        labels: vec!["a".into(), "b".into()],
-        source: "test".into(),
-        unlabelled: Vec::new(),
-        tables: Vec::new(),
-    };
+    let ds = classes_a_b(samples);
     let backbone = Backbone::resolve("random:3", Some(kestrel_models::Arch::EfficientnetLite0))
         .expect("random weights");
     let boundary = backbone.net.blocks.len();
     let spec = &backbone.net.preprocess;
     let tract = kestrel_models::EngineKind::Tract;
-    let job = |root: &Path| {
-        Job::local(JobOpts {
-            threads: 2,
-            cache_root: root.to_path_buf(),
-            ..JobOpts::default()
-        })
-        .quiet()
-    };
+    let job = |root: &Path| local_job(root, 2);
     let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let job1 = job(one.path());
     let plan1 = SamplePlan::new(one.path(), &ds, spec);
@@ -699,28 +707,16 @@ fn caches_built_in_one_pass_equal_two_passes() {
 /// runs only on the other samples, and the features equal a cache built from scratch.
 #[test]
 fn stored_feature_rows_spare_the_backbone() {
-    use crate::distributed::{Job, JobOpts};
     use kestrel_models::backbone::Backbone;
     let samples: Vec<Sample> = (0..12u8)
         .map(|i| Sample::in_memory(format!("img-{i}.png"), png(i), usize::from(i % 2 == 0)))
         .collect();
-    let ds = Dataset {
-        samples,
-        labels: vec!["a".into(), "b".into()],
-        source: "test".into(),
-        unlabelled: Vec::new(),
-        tables: Vec::new(),
-    };
+    let ds = classes_a_b(samples);
     let backbone = || Backbone::resolve("random:3", Some(kestrel_models::Arch::EfficientnetLite0));
     let tract = kestrel_models::EngineKind::Tract;
     let built = |root: &Path| {
         let b = backbone().unwrap();
-        let job = Job::local(JobOpts {
-            threads: 1,
-            cache_root: root.to_path_buf(),
-            ..JobOpts::default()
-        })
-        .quiet();
+        let job = local_job(root, 1);
         let plan = SamplePlan::new(root, &ds, &b.net.preprocess);
         let p = Prepared::open_or_build(&plan, &ds, 1, 1, false, &mut |_| Ok(())).unwrap();
         let f = features::features(&job, &p, &b, b.net.blocks.len(), tract).unwrap();
