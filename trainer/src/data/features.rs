@@ -164,12 +164,16 @@ pub fn store_rows(
     engine: EngineKind,
     seconds: f64,
 ) -> Result<PathBuf, CacheError> {
-    let target = FeatureDir::new(
-        root,
-        "0000000000000000",
-        backbone,
-        backbone.net.blocks.len(),
-    );
+    let spec = backbone.net.preprocess.clone();
+    let mut h = Sha256::new();
+    h.update(b"kestrel-feature-rows-v1\0");
+    h.update(serde_json::to_vec(&spec).expect("spec serializes"));
+    for sha in &content {
+        h.update(sha.as_bytes());
+        h.update([0]);
+    }
+    let key = hex::encode(h.finalize());
+    let target = FeatureDir::new(root, &key, backbone, backbone.net.blocks.len());
     let per = target.per_sample();
     if data.len() != content.len() * per {
         return Err(CacheError::Meta {
@@ -181,16 +185,6 @@ pub fn store_rows(
             ),
         });
     }
-    let spec = backbone.net.preprocess.clone();
-    let mut h = Sha256::new();
-    h.update(b"kestrel-feature-rows-v1\0");
-    h.update(serde_json::to_vec(&spec).expect("spec serializes"));
-    for sha in &content {
-        h.update(sha.as_bytes());
-        h.update([0]);
-    }
-    let key = hex::encode(h.finalize());
-    let dir = feature_dir(root, &key, &target.bid, target.boundary);
     let meta = FeatureMeta {
         samples_key: key,
         backbone_id: target.bid,
@@ -206,9 +200,9 @@ pub fn store_rows(
             spec,
         }),
     };
-    write_f32s(&dir.join("features.f32"), data)?;
-    write_json(&dir.join("meta.json"), &meta)?;
-    Ok(dir)
+    write_f32s(&target.dir.join("features.f32"), data)?;
+    write_json(&target.dir.join("meta.json"), &meta)?;
+    Ok(target.dir)
 }
 
 /// Opens or computes the feature cache of `prepared` at `boundary` on the job's ranks: the ranks
