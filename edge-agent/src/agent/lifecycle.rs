@@ -1,27 +1,25 @@
 //! From a configuration to a running agent and back: open the store, journal and MQTT client,
 //! resume a journaled update, serve until a signal, stop cleanly; and the inference worker thread.
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use kestrel_runtime::EngineKind;
 use kestrel_runtime::artifact::LoadedModel;
 use kestrel_shared::manifest::Manifest;
-use kestrel_shared::protocol::{
-    ArtifactOffer, Desired, DeviceCounters, InferReply, LatencyHistogram, Topics, sha256_hex,
-};
+use kestrel_shared::protocol::{ArtifactOffer, InferReply, Topics, sha256_hex};
 use rumqttc::{AsyncClient, Event as MqttEvent, LastWill, QoS};
+use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
-use super::shadow::ShadowSlot;
-use super::{Agent, Done, InferJob, Journal, KEYS_FILE, Observed, ShadowRun};
+use super::{Agent, CaptureQueue, InferJob, Inputs, KEYS_FILE};
+use crate::capture::CaptureState;
 use crate::config::Config;
-use crate::desired::DesiredStates;
+use crate::core::{Core, Input, Now, Observed, Saved, ShadowRun};
 use crate::models::{ModelCache, ModelSlot, ShadowModel};
 use crate::outbox::{Message, Outbox};
 use crate::replies::Replies;
@@ -66,7 +64,7 @@ struct Worker {
     waiting: Arc<AtomicUsize>,
     model: ModelSlot<LoadedModel>,
     shadow: ModelSlot<ShadowModel>,
-    done: mpsc::UnboundedSender<Done>,
+    done: Inputs,
     device: String,
     top_k: usize,
     /// `[capture]` is on: observations carry the image.
@@ -83,22 +81,25 @@ impl Worker {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             let current = self.model.read().expect("lock").clone();
             let name = format!("request {}", job.request);
-            let answer = match current {
+            let answer = match &current {
                 None => Err("no active model".to_string()),
                 Some(m) => m
                     .infer(&job.bytes, &name, self.top_k)
                     .map_err(|e| e.to_string()),
             };
-            let observed = answer.as_ref().ok().map(|i| Observed {
-                request: job.request.clone(),
-                model: i.prediction.model.clone(),
-                top: i.prediction.top.clone(),
-                image: self.capture.then(|| job.bytes.clone()),
-                version: i.prediction.version,
-                logits: i.logits.clone(),
-                features: i.features.clone(),
-                latency_ms: i.prediction.latency_ms,
-            });
+            let observed = answer
+                .as_ref()
+                .ok()
+                .zip(current)
+                .map(|(i, model)| Observed {
+                    request: job.request.clone(),
+                    model,
+                    top: i.prediction.top.clone(),
+                    image: self.capture.then(|| job.bytes.clone()),
+                    logits: i.logits.clone(),
+                    features: i.features.clone(),
+                    latency_ms: i.prediction.latency_ms,
+                });
             // The active model's answer, kept for a shadow model's comparison only when one runs.
             let shadow = self.shadow.read().expect("lock").clone();
             let active = observed
@@ -115,7 +116,7 @@ impl Worker {
                 prediction,
                 error,
             });
-            if self.done.send(Done::Reply(reply, observed)).is_err() {
+            if self.done.send(Input::Answered { reply, observed }).is_err() {
                 return;
             }
             if let (Some(s), Some(active)) = (shadow, active) {
@@ -133,7 +134,8 @@ impl Worker {
                 active,
                 shadow: (i.logits, i.prediction.latency_ms),
             });
-        let _ = self.done.send(Done::Shadow(s.model.manifest.version, run));
+        let version = s.model.manifest.version;
+        let _ = self.done.send(Input::ShadowRan { version, run });
     }
 }
 
@@ -213,6 +215,36 @@ impl Feed {
     }
 }
 
+/// Starts the inference workers over a bounded queue of `[limits] queue` requests.
+fn spawn_workers(
+    cfg: &Config,
+    model: &ModelSlot<LoadedModel>,
+    shadow: &ModelSlot<ShadowModel>,
+    inputs: &Inputs,
+) -> Jobs {
+    let (tx, rx) = std::sync::mpsc::sync_channel(cfg.limits.queue.max(1));
+    let jobs = Jobs {
+        tx,
+        waiting: Arc::new(AtomicUsize::new(0)),
+    };
+    let rx = Arc::new(Mutex::new(rx));
+    let (workers, _) = inference_plan(cfg.inference.engine, cfg.inference.threads);
+    for _ in 0..workers {
+        let w = Worker {
+            rx: rx.clone(),
+            waiting: jobs.waiting.clone(),
+            model: model.clone(),
+            shadow: shadow.clone(),
+            done: inputs.clone(),
+            device: cfg.device_id.clone(),
+            top_k: cfg.inference.top_k,
+            capture: cfg.capture.enabled,
+        };
+        std::thread::spawn(move || w.run());
+    }
+    jobs
+}
+
 /// `edge-agent run`: connects, resumes any journaled update and serves until SIGINT/SIGTERM.
 /// With `simulate = Some(n)`, runs `n` virtual devices `<device_id>-000`... in this process
 /// (each with its own connection, store `<store>/<id>` and update machine; one model cache).
@@ -278,51 +310,77 @@ pub fn run(
 /// MQTT events (or connection errors) as the event loop's task reports them.
 type MqttRx = mpsc::UnboundedReceiver<Result<MqttEvent, rumqttc::ConnectionError>>;
 
+/// Inputs from the other threads, as the serving loop takes them.
+type InputsRx = mpsc::UnboundedReceiver<Input<LoadedModel>>;
+
 async fn run_device(
     cfg: Config,
     watch: Option<PathBuf>,
     models: Arc<ModelCache>,
     feed: Option<Feed>,
 ) -> Result<()> {
-    let (mut agent, eventloop, mut done_rx) = Agent::open(cfg, watch, models, feed)?;
+    let (mut agent, eventloop, mut inputs) = Agent::open(cfg, watch, models, feed)?;
     agent.resume().await?;
     let mut mqtt_rx = spawn_event_loop(eventloop);
-    agent.serve(&mut mqtt_rx, &mut done_rx).await?;
+    agent.serve(&mut mqtt_rx, &mut inputs).await?;
     agent.stop(&mut mqtt_rx).await
 }
 
-/// The journaled update machine (reconciled with the store and the configured limit), the
-/// desired state it pursued and the newest desired states accepted.
-fn journaled(cfg: &Config, store: &Store) -> Result<(Updater, Option<Desired>, DesiredStates)> {
-    let journal: Journal = match std::fs::read(cfg.store.join("state.json")) {
-        Ok(b) => serde_json::from_slice(&b)
-            .with_context(|| format!("{}", cfg.store.join("state.json").display()))?,
-        Err(_) => Journal::default(),
+/// A JSON file of the store, or `None` when there is none.
+fn read_json<T: DeserializeOwned>(path: &std::path::Path) -> Result<Option<T>> {
+    match std::fs::read(path) {
+        Ok(b) => Ok(Some(
+            serde_json::from_slice(&b).with_context(|| format!("{}", path.display()))?,
+        )),
+        Err(_) => Ok(None),
+    }
+}
+
+/// What the core starts from: the journals (a broken install journal is an error; a broken
+/// shadow journal starts the shadow over), the offers of the downloads in progress, the trusted
+/// keys, the capture state.
+fn saved(cfg: &Config, store: &Store, shadow_store: &Store) -> Result<Saved> {
+    let journal: crate::core::Journal =
+        read_json(&store.root().join("state.json"))?.unwrap_or_default();
+    let shadow: crate::core::ShadowJournal = read_json(&shadow_store.root().join("state.json"))
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    let offer = saved_offer(store, journal.updater.as_ref());
+    let shadow_offer = saved_offer(shadow_store, shadow.updater.as_ref());
+    let capture = match cfg.capture.enabled {
+        true => {
+            let path = cfg.store.join("captures").join("state.json");
+            let state: CaptureState = read_json(&path)?.unwrap_or_default();
+            let seed = sha256_hex(
+                format!("{}{}", cfg.device_id, kestrel_shared::time::now_ms()).as_bytes(),
+            );
+            Some((state, u64::from_str_radix(&seed[..16], 16).unwrap_or(1)))
+        }
+        false => None,
     };
-    let mut updater = journal
-        .updater
-        .unwrap_or_else(|| Updater::new(cfg.limits.max_artifact_bytes));
-    updater.max_bytes = cfg.limits.max_artifact_bytes;
-    // The store's links are the truth about what is installed.
-    updater.active = store.active();
-    updater.previous = store.previous();
-    Ok((updater, journal.pursued, journal.desired))
+    Ok(Saved {
+        trust: saved_trust(cfg)?,
+        journal,
+        offer,
+        installed: (store.active(), store.previous()),
+        shadow,
+        shadow_offer,
+        capture,
+    })
 }
 
 /// The trusted keys: the configured ones, or the newest root-signed key list in the store.
 fn saved_trust(cfg: &Config) -> Result<Trust> {
     let path = cfg.store.join(KEYS_FILE);
-    let saved = match std::fs::read(&path) {
-        Ok(b) => Some(serde_json::from_slice(&b).with_context(|| format!("{}", path.display()))?),
-        Err(_) => None,
-    };
+    let saved = read_json(&path)?;
     Trust::new(cfg.root_key()?, cfg.keys()?, saved)
         .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
 
-/// The accepted offer of the update in progress, as saved beside its download.
-pub(super) fn saved_offer(store: &Store, updater: &Updater) -> Option<(ArtifactOffer, Manifest)> {
-    updater.phase.target().and_then(|v| {
+/// The accepted offer of the download in progress, as saved beside it.
+fn saved_offer(store: &Store, updater: Option<&Updater>) -> Option<(ArtifactOffer, Manifest)> {
+    updater?.phase.target().and_then(|v| {
         let p = store.offer_path(v);
         let o: ArtifactOffer = serde_json::from_slice(&std::fs::read(p).ok()?).ok()?;
         let m = serde_json::from_str(&o.manifest).ok()?;
@@ -361,12 +419,17 @@ impl Agent {
         watch: Option<PathBuf>,
         models: Arc<ModelCache>,
         feed: Option<Feed>,
-    ) -> Result<(Self, rumqttc::EventLoop, mpsc::UnboundedReceiver<Done>)> {
-        let trust = saved_trust(&cfg)?;
-        let store =
-            Store::open(&cfg.store).with_context(|| format!("store {}", cfg.store.display()))?;
+    ) -> Result<(Self, rumqttc::EventLoop, InputsRx)> {
+        let open =
+            |dir: PathBuf| Store::open(&dir).with_context(|| format!("store {}", dir.display()));
+        let store = open(cfg.store.clone())?;
+        let shadow_store = open(cfg.store.join("shadow"))?;
+        let core = Core::new(
+            cfg.clone(),
+            saved(&cfg, &store, &shadow_store)?,
+            Now::read(),
+        );
         let topics = Topics::new(&cfg.broker.prefix);
-        let (updater, pursued, desired) = journaled(&cfg, &store)?;
         let mut opts = cfg
             .broker
             .options(&format!("kestrel-agent-{}", cfg.device_id), false)?;
@@ -378,39 +441,12 @@ impl Agent {
         ));
         let (client, mut eventloop) = AsyncClient::new(opts, 256);
         kestrel_shared::mqtt::no_delay(&mut eventloop);
-        let (done_tx, done_rx) = mpsc::unbounded_channel();
-        let (tx, jobs_rx) = std::sync::mpsc::sync_channel(cfg.limits.queue.max(1));
-        let jobs = Jobs {
-            tx,
-            waiting: Arc::new(AtomicUsize::new(0)),
-        };
-        let model: ModelSlot<LoadedModel> = Arc::new(RwLock::new(None));
-        let shadow: ModelSlot<ShadowModel> = Arc::new(RwLock::new(None));
-        let jobs_rx = Arc::new(Mutex::new(jobs_rx));
-        let (workers, _) = inference_plan(cfg.inference.engine, cfg.inference.threads);
-        for _ in 0..workers {
-            let w = Worker {
-                rx: jobs_rx.clone(),
-                waiting: jobs.waiting.clone(),
-                model: model.clone(),
-                shadow: shadow.clone(),
-                done: done_tx.clone(),
-                device: cfg.device_id.clone(),
-                top_k: cfg.inference.top_k,
-                capture: cfg.capture.enabled,
-            };
-            std::thread::spawn(move || w.run());
-        }
+        let (inputs, inputs_rx) = mpsc::unbounded_channel();
+        let (model, shadow): (ModelSlot<LoadedModel>, ModelSlot<ShadowModel>) = Default::default();
+        let jobs = spawn_workers(&cfg, &model, &shadow, &inputs);
         if let Some(f) = feed {
             f.spawn(&cfg.device_id, jobs.clone(), model.clone())?;
         }
-        let shadow_store = cfg.store.join("shadow");
-        let shadow = ShadowSlot::open(
-            Store::open(&shadow_store)
-                .with_context(|| format!("store {}", shadow_store.display()))?,
-            shadow,
-            cfg.limits.max_artifact_bytes,
-        );
         if let Some(dir) = watch {
             std::fs::create_dir_all(&dir)
                 .with_context(|| format!("watch dir {}", dir.display()))?;
@@ -418,68 +454,48 @@ impl Agent {
             std::thread::spawn(move || crate::models::watch_dir(dir, model, k));
         }
         let outbox = Outbox::open(&cfg.store.join("outbox"))?;
-        let captures = super::capture::Captures::open(&cfg)?;
-        let offer = saved_offer(&store, &updater);
+        let captures = match cfg.capture.enabled {
+            true => {
+                let dir = cfg.store.join("captures");
+                let outbox =
+                    Outbox::open(&dir).with_context(|| format!("captures {}", dir.display()))?;
+                Some(CaptureQueue {
+                    outbox,
+                    state_path: dir.join("state.json"),
+                })
+            }
+            false => None,
+        };
         let agent = Agent {
             topics,
-            trust,
+            core,
             store,
-            updater,
-            pursued,
-            desired,
-            refused: None,
-            offer,
+            shadow_store,
             model,
-            candidate: None,
+            shadow,
             models,
             outbox,
             replies: Replies::default(),
-            client,
-            done_tx,
-            jobs,
-            quality: None,
-            last_quality: Instant::now(),
-            shadow,
             captures,
-            latencies: VecDeque::new(),
-            histogram: LatencyHistogram::default(),
-            counters: DeviceCounters::default(),
-            status_dirty: true,
-            status_seq: 0,
+            client,
+            inputs,
+            jobs,
             connected: false,
-            last_progress: Instant::now(),
-            store_error: None,
             pause: super::hooks::Pause::from_env(),
             cfg,
         };
-        Ok((agent, eventloop, done_rx))
+        Ok((agent, eventloop, inputs_rx))
     }
 
-    /// Loads the active model and continues a journaled update (re-fetch missing chunks,
-    /// re-verify, redo activation).
+    /// Loads the active model and continues a journaled update and shadow (re-fetch missing
+    /// chunks, re-verify, redo activation).
     async fn resume(&mut self) -> Result<()> {
-        if let Some(v) = self.updater.active {
-            self.load_active(v);
-        }
-        let shadow = self.pursued.as_ref().and_then(|w| w.shadow.clone());
-        self.set_shadow(shadow).await?;
-        self.resume_shadow().await?;
-        let resumed = self.updater.resume();
-        self.save_journal();
-        for a in resumed {
-            if let Some(ev) = self.act(a).await? {
-                self.feed(ev).await?;
-            }
-        }
-        Ok(())
+        let effects = self.core.resume(Now::read());
+        self.carry_out(effects).await
     }
 
     /// Handles MQTT events, finished work and the clock until SIGINT/SIGTERM.
-    async fn serve(
-        &mut self,
-        mqtt_rx: &mut MqttRx,
-        done_rx: &mut mpsc::UnboundedReceiver<Done>,
-    ) -> Result<()> {
+    async fn serve(&mut self, mqtt_rx: &mut MqttRx, inputs: &mut InputsRx) -> Result<()> {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let mut quiet = false;
@@ -508,12 +524,12 @@ impl Agent {
                         self.connected = false;
                     }
                 },
-                Some(d) = done_rx.recv() => self.on_done(d).await?,
+                Some(input) = inputs.recv() => self.apply(input).await?,
                 _ = tick.tick() => {
                     if watchdog {
                         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Watchdog]);
                     }
-                    self.on_tick().await?
+                    self.apply(Input::Tick).await?
                 }
                 _ = tokio::signal::ctrl_c() => break,
                 _ = term.recv() => break,

@@ -1,102 +1,43 @@
-//! The agent's IO loop around the sans-IO [`Updater`]: MQTT (rumqttc, persistent session) in,
-//! store operations, verification, health checks and inference out. One tokio task owns all
-//! state; blocking work (verification, the tract health check, inference) runs on other threads
-//! and reports back through a channel. Every updater event is journaled (`state.json`) before
-//! its actions run, so a restart continues where the agent stopped.
+//! The agent's IO shell around its pure [`Core`] (rumqttc's `eventloop.rs` beside `state.rs`):
+//! MQTT (rumqttc, persistent session) in, the core's effects out: subscriptions, publishes (the
+//! durable outbox, the in-memory replies, the capture queue), store writes, verification and
+//! health checks on blocking threads, the model slots the inference workers read. It decides
+//! nothing about what a message means: every message, tick and result goes to the core, and
+//! what the core returns is done in order, journal first.
 //!
-//! Here: the journal, status, actions and message dispatch; [`pursue`]: desired states and key
-//! lists; [`download`]: offers and chunks; [`lifecycle`]: start, serve, stop, the inference
-//! workers and fed traffic; [`quality`]: telemetry over live requests; [`shadow`]: a candidate
-//! model run beside the active one; [`capture`]: inputs kept for training; [`publish`]: the
-//! outbox and the capture queue on the wire.
+//! Here: the effects and message dispatch; [`lifecycle`]: start, serve, stop, the inference
+//! workers and fed traffic; [`publish`]: the outbox and the capture queue on the wire;
+//! [`hooks`]: the test hooks of the test build.
 
 use std::collections::VecDeque;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::sync::mpsc::TrySendError;
-use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use kestrel_runtime::artifact::{self, LoadedModel};
 use kestrel_shared::fsutil::write_atomic;
 use kestrel_shared::manifest::Manifest;
-use kestrel_shared::now_rfc3339;
-use kestrel_shared::protocol::{
-    ArtifactOffer, Desired, DeviceCounters, DeviceEvent, InferReply, LatencyHistogram,
-    LatencyStats, Status, Target, Topics,
-};
-use kestrel_shared::stats::quantile;
-use kestrel_shared::topics::{DeviceTopic, Route};
+use kestrel_shared::protocol::{ArtifactOffer, Topics};
 use rumqttc::{AsyncClient, Event as MqttEvent, Outgoing, Packet, QoS};
-use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use crate::config::Config;
-use crate::desired::DesiredStates;
-use crate::models::{ModelCache, ModelSlot};
+use crate::core::{Core, Effect, How, Input, Lane, Now};
+use crate::models::{ModelCache, ModelSlot, ShadowModel};
 use crate::outbox::{Message, Outbox};
 use crate::replies::Replies;
 use crate::store::Store;
-use crate::trust::Trust;
-use crate::update::{Action, Event, Phase, Report, Updater};
 
-mod capture;
-mod download;
 mod hooks;
 mod lifecycle;
 mod publish;
-mod pursue;
-mod quality;
-mod shadow;
 
 pub use lifecycle::{Feed, run};
 
-/// Journal of the update machine, the desired state being pursued and the newest desired state
-/// accepted per topic (replay protection).
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct Journal {
-    updater: Option<Updater>,
-    /// The desired state being pursued (`wanted` in journals before 2026-12-05).
-    #[serde(alias = "wanted")]
-    pursued: Option<Desired>,
-    #[serde(default)]
-    desired: DesiredStates,
-}
-
 /// The newest verified key list, in the store.
 const KEYS_FILE: &str = "keys.json";
-
-/// Results of work done off the event loop.
-enum Done {
-    Verified(u64, Result<(), String>),
-    Health(u64, Result<Arc<LoadedModel>, String>),
-    /// An answered request: the reply to publish (none for fed traffic, which no one asked
-    /// over MQTT) and, when the active model answered, what telemetry records.
-    Reply(Option<InferReply>, Option<Observed>),
-    /// The shadow model's turn on a request the active model answered (`None`: skipped).
-    Shadow(u64, Option<ShadowRun>),
-    ShadowVerified(u64, Result<(), String>),
-    ShadowLoaded(u64, Result<Arc<LoadedModel>, String>),
-}
-
-/// What the active model did on one request.
-struct Observed {
-    request: String,
-    model: String,
-    version: u64,
-    top: Vec<kestrel_shared::protocol::Class>,
-    /// The request's image, when `[capture]` may keep it.
-    image: Option<Vec<u8>>,
-    logits: Vec<f32>,
-    features: Option<Vec<f32>>,
-    latency_ms: f64,
-}
-
-/// Both models on one request: (logits, latency) of the active model and of the shadow.
-struct ShadowRun {
-    active: (Vec<f32>, f64),
-    shadow: (Vec<f32>, f64),
-}
 
 /// One image to classify (the inference workers' queue; not the trainer's `Job`, a run context).
 struct InferJob {
@@ -106,361 +47,269 @@ struct InferJob {
     reply: bool,
 }
 
+/// Inputs from other threads (verification, health checks, the inference workers).
+type Inputs = mpsc::UnboundedSender<Input<LoadedModel>>;
+
+/// The capture queue (`<store>/captures/`, an outbox of its own) and where its state is kept.
+struct CaptureQueue {
+    outbox: Outbox,
+    state_path: PathBuf,
+}
+
 pub struct Agent {
     cfg: Config,
     topics: Topics,
-    /// Whose signatures are accepted (configured keys, or the root-signed key list).
-    trust: Trust,
+    core: Core<LoadedModel>,
+    /// The install lane's store (`<store>`) and the shadow's (`<store>/shadow`).
     store: Store,
-    updater: Updater,
-    /// The desired state being pursued: the one [`pursue`] chose of `desired`.
-    pursued: Option<Desired>,
-    /// Valid desired states by topic (own and groups'), with the replay and expiry rules.
-    desired: DesiredStates,
-    /// The last desired state or key list refused by the replay, expiry and trust rules, and
-    /// why (in the status).
-    refused: Option<String>,
-    /// The accepted offer of the version being downloaded.
-    offer: Option<(ArtifactOffer, Manifest)>,
+    shadow_store: Store,
+    /// What the inference workers run: the active model and the shadow.
     model: ModelSlot<LoadedModel>,
-    candidate: Option<(u64, Arc<LoadedModel>)>,
+    shadow: ModelSlot<ShadowModel>,
     models: Arc<ModelCache>,
     outbox: Outbox,
     /// Inference replies not yet handed to the MQTT client (QoS 0, memory only).
     replies: Replies,
+    captures: Option<CaptureQueue>,
     client: AsyncClient,
-    done_tx: mpsc::UnboundedSender<Done>,
+    inputs: Inputs,
     jobs: lifecycle::Jobs,
-    /// The active model's window over live requests.
-    quality: Option<quality::Telemetry>,
-    last_quality: Instant,
-    shadow: shadow::ShadowSlot,
-    /// Input capture, when `[capture]` is enabled.
-    captures: Option<capture::Captures>,
-    latencies: VecDeque<f64>,
-    /// Every answered request's latency since the process started.
-    histogram: LatencyHistogram,
-    counters: DeviceCounters,
-    status_dirty: bool,
-    /// Statuses published by this process so far (the next status's `seq`).
-    status_seq: u64,
     connected: bool,
-    last_progress: Instant,
-    /// The last failed write to the store (a full disk) and the directory it failed in: shown
-    /// as the status's `last_error` until a write in or below that directory succeeds; the agent keeps
-    /// serving and retries meanwhile.
-    store_error: Option<(PathBuf, String)>,
     /// Test hook (cargo feature `test-hooks`): stop before activating, still connected, so a
     /// test can kill the process there.
     pause: hooks::Pause,
 }
 
 impl Agent {
-    fn journal_path(&self) -> PathBuf {
-        self.cfg.store.join("state.json")
+    /// Hands one input to the core and carries out its effects, and those of the inputs they
+    /// produce, to completion.
+    async fn apply(&mut self, input: Input<LoadedModel>) -> Result<()> {
+        let effects = self.core.handle(input, Now::read());
+        self.carry_out(effects).await
     }
 
-    /// Writes the journal. A failure (a full disk) is reported, not fatal: the agent goes on
-    /// from memory and the next change writes it again; a crash meanwhile resumes from the
-    /// last journal written, whose actions are all safe to repeat.
-    fn save_journal(&mut self) {
-        let j = Journal {
-            updater: Some(self.updater.clone()),
-            pursued: self.pursued.clone(),
-            desired: self.desired.clone(),
-        };
-        let bytes = serde_json::to_vec_pretty(&j).expect("serializable");
-        let path = self.journal_path();
-        let r = write_atomic(&path, &bytes);
-        self.stored(r, &path);
-    }
-
-    /// Records the outcome of a store write: a failure is logged and shown in the status until
-    /// a later write in or below the same directory succeeds. Returns whether it succeeded.
-    fn stored(&mut self, r: std::io::Result<()>, path: &Path) -> bool {
-        let dir = path.parent().unwrap_or(path).to_path_buf();
-        match r {
-            Ok(()) => {
-                if self
-                    .store_error
-                    .as_ref()
-                    .is_some_and(|(d, _)| dir.starts_with(d))
-                {
-                    self.store_error = None;
-                    self.status_dirty = true;
-                }
-                true
+    async fn carry_out(&mut self, effects: Vec<Effect<LoadedModel>>) -> Result<()> {
+        let mut inputs = VecDeque::new();
+        let mut effects = VecDeque::from(effects);
+        loop {
+            while let Some(e) = effects.pop_front() {
+                self.effect(e, &mut inputs).await?;
             }
-            Err(e) => {
-                let msg = format!("store: writing {}: {e}; retrying", path.display());
-                tracing::error!("{}: {msg}", self.cfg.device_id);
-                self.store_error = Some((dir, msg));
-                self.status_dirty = true;
-                false
-            }
+            let Some(input) = inputs.pop_front() else {
+                return Ok(());
+            };
+            effects.extend(self.core.handle(input, Now::read()));
         }
     }
 
-    fn status(&self) -> Status {
-        let progress = match &self.updater.phase {
-            Phase::Downloading { offer, have, .. } => Some((have.len() as u32, offer.chunks)),
-            _ => None,
+    /// Does one effect; an input it produces goes to `then`.
+    async fn effect(
+        &mut self,
+        e: Effect<LoadedModel>,
+        then: &mut VecDeque<Input<LoadedModel>>,
+    ) -> Result<()> {
+        match e {
+            Effect::Subscribe(f) => self.client.subscribe(f, QoS::AtLeastOnce).await?,
+            Effect::Unsubscribe(f) => self.client.unsubscribe(f).await?,
+            Effect::Resubscribe(t) => {
+                self.client.unsubscribe(t.clone()).await?;
+                self.client.subscribe(t, QoS::AtLeastOnce).await?;
+            }
+            Effect::Publish(how, m) => self.publish_later(how, m),
+            Effect::Status => self.publish_status(),
+            Effect::Journal(lane) => {
+                let path = self.lane_store(lane).root().join("state.json");
+                self.write(&path, &self.core.journal(lane));
+            }
+            Effect::SaveKeys(bytes) => self.write(&self.cfg.store.join(KEYS_FILE), &bytes),
+            Effect::SaveCaptureState(bytes) => {
+                if let Some(c) = &self.captures
+                    && let Err(e) = write_atomic(&c.state_path, &bytes)
+                {
+                    let path = c.state_path.display();
+                    tracing::error!("{}: captures: writing {path}: {e}", self.cfg.device_id);
+                }
+            }
+            Effect::WriteOffer {
+                lane,
+                version,
+                payload,
+            } => {
+                let store = self.lane_store(lane);
+                let r = store.write_offer(version, &payload);
+                self.stored(r, &store.offer_path(version));
+            }
+            Effect::WriteChunk {
+                lane,
+                version,
+                index,
+                payload,
+            } => {
+                let store = self.lane_store(lane);
+                let r = store.write_chunk(version, index, &payload);
+                let ok = self.stored(r, &store.chunk_path(version, index));
+                then.push_back(Input::ChunkWritten {
+                    lane,
+                    version,
+                    index,
+                    ok,
+                });
+            }
+            Effect::RemoveDownload { lane, version } => {
+                let _ = std::fs::remove_dir_all(self.lane_store(lane).download_dir(version));
+            }
+            Effect::Verify {
+                lane,
+                version,
+                offer,
+                keys,
+            } => self.spawn_verify(lane, version, offer, keys),
+            Effect::Stage { lane, version } => {
+                let result = self.lane_store(lane).stage(version).map(|_| ());
+                let result = result.map_err(|e| e.to_string());
+                then.push_back(Input::Staged {
+                    lane,
+                    version,
+                    result,
+                });
+            }
+            Effect::Load { lane, version } => self.spawn_load(lane, version),
+            Effect::Activate { version, model } => self.activate(version, model, then)?,
+            Effect::LoadActive { version } => then.extend(self.load_active(version)),
+            Effect::Discard { lane, version } => {
+                if let Err(e) = self.lane_store(lane).discard(version) {
+                    tracing::warn!("{}: discarding v{version}: {e}", self.cfg.device_id);
+                }
+            }
+            Effect::RunShadow(run) => {
+                *self.shadow.write().expect("lock") = run.map(|(model, every)| {
+                    Arc::new(ShadowModel {
+                        model,
+                        every,
+                        turn: AtomicU64::new(0),
+                    })
+                });
+            }
+            Effect::Infer { request, bytes } => then.extend(self.queue(request, bytes)),
+            Effect::Capture {
+                id,
+                message,
+                max_disk_bytes,
+            } => {
+                if let Some(c) = self.captures.as_mut() {
+                    let result = c.outbox.push_within(message, max_disk_bytes);
+                    let result = result.map_err(|e| e.to_string());
+                    then.push_back(Input::CaptureQueued { id, result });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The atomic switch to `version`, then `model` serves (none: loaded again, after a restart).
+    fn activate(
+        &mut self,
+        version: u64,
+        model: Option<Arc<LoadedModel>>,
+        then: &mut VecDeque<Input<LoadedModel>>,
+    ) -> Result<()> {
+        if self.pause.before_activating() {
+            let id = &self.cfg.device_id;
+            tracing::info!("{id}: paused before activating v{version} (KESTREL_AGENT_PAUSE)");
+            return Ok(());
+        }
+        self.store
+            .activate(version)
+            .with_context(|| format!("activating v{version}"))?;
+        match model {
+            Some(m) => *self.model.write().expect("lock") = Some(m),
+            None => then.extend(self.load_active(version)),
+        }
+        then.push_back(Input::Activated { version });
+        Ok(())
+    }
+
+    /// Queues a request for the inference workers; what to tell its sender when it is not taken.
+    fn queue(&self, request: String, bytes: Vec<u8>) -> Option<Input<LoadedModel>> {
+        let job = InferJob {
+            request,
+            bytes,
+            reply: true,
         };
-        let mut sorted: Vec<f64> = self.latencies.iter().copied().collect();
-        sorted.sort_by(f64::total_cmp);
-        let pct = |p: f64| quantile(&sorted, p);
-        let model = self.model.read().expect("lock");
-        Status {
-            device: self.cfg.device_id.clone(),
-            groups: self.cfg.groups.clone(),
-            state: self.updater.phase.name().to_string(),
-            model: model.as_ref().map(|m| m.manifest.name.clone()),
-            active: self.updater.active,
-            previous: self.updater.previous,
-            target: self.updater.phase.target(),
-            progress,
-            last_error: self
-                .store_error
-                .as_ref()
-                .map(|(_, e)| e.clone())
-                .or_else(|| self.updater.last_error.clone()),
-            failed_version: self.updater.last_failed,
-            latency: LatencyStats {
-                count: self.counters.requests_answered,
-                mean_ms: if sorted.is_empty() {
-                    0.0
-                } else {
-                    sorted.iter().sum::<f64>() / sorted.len() as f64
-                },
-                p50_ms: pct(0.5),
-                p95_ms: pct(0.95),
-                histogram: self.histogram.clone(),
-            },
-            updated: now_rfc3339(),
-            started: kestrel_shared::time::process_started_ms(),
-            seq: self.status_seq,
-            source: model.as_ref().and_then(|m| m.manifest.registry.clone()),
-            refused: self.refused.clone(),
-            keys_version: self.trust.version(),
-            shadow: self.shadow.status(),
-            captures: self.captures.as_ref().map(capture::Captures::stats),
-            counters: self.counters.clone(),
+        let (job, busy) = match self.jobs.try_send(job) {
+            Ok(()) => return None,
+            Err(TrySendError::Full(job)) => (job, true),
+            Err(TrySendError::Disconnected(job)) => (job, false),
+        };
+        let request = job.request;
+        Some(Input::NotQueued { request, busy })
+    }
+
+    fn lane_store(&self, lane: Lane) -> &Store {
+        match lane {
+            Lane::Install => &self.store,
+            Lane::Shadow => &self.shadow_store,
+        }
+    }
+
+    /// Writes `bytes` to `path` atomically; a failure (a full disk) is the core's to report.
+    fn write(&mut self, path: &std::path::Path, bytes: &[u8]) {
+        let r = write_atomic(path, bytes);
+        self.stored(r, path);
+    }
+
+    fn stored(&mut self, r: std::io::Result<()>, path: &std::path::Path) -> bool {
+        self.core.stored(path, r.map_err(|e| e.to_string()))
+    }
+
+    fn publish_later(&mut self, how: How, m: Message) {
+        match how {
+            How::Durable => {
+                let topic = m.topic.clone();
+                if let Err(e) = self.outbox.push_durable(m) {
+                    tracing::error!("outbox: {topic}: {e}");
+                }
+            }
+            How::Latest => self.outbox.push_latest(m),
+            How::Reply => {
+                let max = usize::try_from(self.cfg.limits.max_outbox_bytes).unwrap_or(usize::MAX);
+                let dropped = self.replies.push(m, max);
+                if dropped > 0 {
+                    tracing::warn!("inference replies over {max} bytes waiting: {dropped} dropped");
+                }
+            }
         }
     }
 
     fn publish_status(&mut self) {
-        let payload = serde_json::to_string(&self.status()).expect("serializable");
+        let model = self.model.read().expect("lock").clone();
+        let queued = self
+            .captures
+            .as_ref()
+            .map_or((0, 0), |c| (c.outbox.len() as u64, c.outbox.disk_bytes()));
+        let status = self
+            .core
+            .status(model.as_ref().map(|m| &m.manifest), queued);
         self.outbox.push_latest(Message {
             topic: self.topics.status(&self.cfg.device_id),
             retain: true,
-            payload,
+            payload: serde_json::to_string(&status).expect("serializable"),
         });
-        self.status_dirty = false;
-        self.status_seq += 1;
     }
 
-    fn publish_durable(&mut self, topic: String, payload: String) {
-        if let Err(e) = self.outbox.push_durable(Message {
-            topic: topic.clone(),
-            retain: false,
-            payload,
-        }) {
-            tracing::error!("outbox: {topic}: {e}");
-        }
-    }
-
-    fn report(&mut self, r: Report) {
-        let (kind, version, reason) = match r {
-            Report::Downloading { version } => ("downloading", version, None),
-            Report::Rejected { version, reason } => ("rejected", version, Some(reason)),
-            Report::RolledBack {
-                version, reason, ..
-            } => ("rolled-back", version, Some(reason)),
-            Report::Active { version, .. } => ("active", version, None),
-        };
-        let why = reason
-            .as_deref()
-            .map(|r| format!(": {r}"))
-            .unwrap_or_default();
-        match kind {
-            "active" => self.counters.updates_active += 1,
-            "rejected" => self.counters.updates_rejected += 1,
-            "rolled-back" => self.counters.updates_rolled_back += 1,
-            _ => {}
-        }
-        match kind {
-            "rejected" | "rolled-back" => {
-                tracing::warn!("{}: v{version} {kind}{why}", self.cfg.device_id)
-            }
-            _ => tracing::info!("{}: v{version} {kind}{why}", self.cfg.device_id),
-        }
-        let ev = DeviceEvent {
-            device: self.cfg.device_id.clone(),
-            kind: kind.into(),
-            version,
-            reason,
-            time: now_rfc3339(),
-        };
-        let topic = self.topics.events(&self.cfg.device_id);
-        self.publish_durable(topic, serde_json::to_string(&ev).expect("serializable"));
-        self.publish_status();
-    }
-
-    /// Subscriptions that follow from the state; sent again after every (re)connect. The key
-    /// list first, so a rotated key list is in force before the states it signs arrive.
-    async fn subscribe_all(&self) -> Result<()> {
-        let id = &self.cfg.device_id;
-        if self.trust.has_root() {
-            self.client
-                .subscribe(self.topics.keys(), QoS::AtLeastOnce)
-                .await?;
-        }
-        let mut filters = vec![
-            self.topics.desired(&Target::Device(id.clone())),
-            self.topics.infer_filter(id),
-        ];
-        for g in &self.cfg.groups {
-            filters.push(self.topics.desired(&Target::Group(g.clone())));
-        }
-        if let Some(w) = &self.pursued {
-            filters.push(self.topics.artifact_manifest(&w.name, w.version));
-        }
-        if let Phase::Downloading { offer, .. } = &self.updater.phase
-            && let Some((o, _)) = &self.offer
-            && o.version == offer.version
-        {
-            filters.push(self.topics.chunks_filter(&o.name, o.version));
-        }
-        filters.extend(self.shadow.filters(&self.topics));
-        for f in filters {
-            self.client.subscribe(f, QoS::AtLeastOnce).await?;
-        }
-        Ok(())
-    }
-
-    /// Feeds one event and runs the resulting actions (and the events they cause) to completion.
-    async fn feed(&mut self, ev: Event) -> Result<()> {
-        let mut events = VecDeque::from([ev]);
-        while let Some(ev) = events.pop_front() {
-            let before = self.updater.phase.name();
-            let actions = self.updater.handle(ev);
-            self.save_journal();
-            if self.updater.phase.name() != before {
-                self.status_dirty = true;
-            }
-            for a in actions {
-                if let Some(next) = self.act(a).await? {
-                    events.push_back(next);
-                }
-            }
-        }
-        if self.status_dirty {
-            self.publish_status();
-        }
-        Ok(())
-    }
-
-    /// Runs one action; returns the event it produced right away, if any.
-    async fn act(&mut self, a: Action) -> Result<Option<Event>> {
-        match a {
-            Action::Fetch { version, chunks } => {
-                let Some((o, _)) = &self.offer else {
-                    return Ok(Some(Event::Refused {
-                        version,
-                        reason: "no offer journaled for this download".into(),
-                    }));
-                };
-                if o.version == version {
-                    let (name, all) = (o.name.clone(), chunks.len() == o.chunks.len());
-                    if all {
-                        let f = self.topics.chunks_filter(&name, version);
-                        self.client.subscribe(f, QoS::AtLeastOnce).await?;
-                    } else {
-                        // Re-subscribing to a chunk's own topic makes the broker resend it.
-                        for i in chunks {
-                            let t = self.topics.chunk(&name, version, i);
-                            self.client.unsubscribe(t.clone()).await?;
-                            self.client.subscribe(t, QoS::AtLeastOnce).await?;
-                        }
-                    }
-                }
-                self.last_progress = Instant::now();
-                Ok(None)
-            }
-            Action::Verify { version } => {
-                if let Some((o, _)) = &self.offer {
-                    let f = self.topics.chunks_filter(&o.name, version);
-                    self.client.unsubscribe(f).await?;
-                }
-                self.spawn_verify(&self.store, self.offer.clone(), version, Done::Verified);
-                Ok(None)
-            }
-            Action::Stage { version } => {
-                self.store
-                    .stage(version)
-                    .with_context(|| format!("staging v{version}"))?;
-                Ok(Some(Event::Staged { version }))
-            }
-            Action::HealthCheck { version } => {
-                self.spawn_load(&self.store, version, Done::Health);
-                Ok(None)
-            }
-            Action::Activate { version } => {
-                if self.pause.before_activating() {
-                    tracing::info!(
-                        "{}: paused before activating v{version} (KESTREL_AGENT_PAUSE)",
-                        self.cfg.device_id
-                    );
-                    return Ok(None);
-                }
-                self.store
-                    .activate(version)
-                    .with_context(|| format!("activating v{version}"))?;
-                match self.candidate.take() {
-                    Some((v, m)) if v == version => {
-                        *self.model.write().expect("lock") = Some(m);
-                    }
-                    _ => self.load_active(version), // after a restart: load it again
-                }
-                Ok(Some(Event::Activated { version }))
-            }
-            // Only a shadow's updater runs a model beside the active one (agent/shadow.rs).
-            Action::RunBeside { .. } => Ok(None),
-            Action::Discard { version } => {
-                self.store.discard(version)?;
-                if self
-                    .offer
-                    .as_ref()
-                    .is_some_and(|(o, _)| o.version == version)
-                {
-                    self.offer = None;
-                }
-                Ok(None)
-            }
-            Action::Report(r) => {
-                self.report(r);
-                Ok(None)
-            }
-        }
-    }
-
-    /// Assembles `offer`'s chunks in `store` and verifies the manifest's signature and the
-    /// files' hashes (an update's check, and a shadow's) on a blocking thread; `done` carries
-    /// the result back.
+    /// Assembles `offer`'s chunks in the lane's store and verifies the manifest's signature and
+    /// the files' hashes on a blocking thread.
     fn spawn_verify(
         &self,
-        store: &Store,
-        offer: Option<(ArtifactOffer, Manifest)>,
+        lane: Lane,
         version: u64,
-        done: fn(u64, Result<(), String>) -> Done,
+        offer: Option<(ArtifactOffer, Manifest)>,
+        keys: Vec<ed25519_dalek::VerifyingKey>,
     ) {
-        let (store, tx) = (store.clone(), self.done_tx.clone());
-        let (keys, max) = (
-            self.trust.keys().to_vec(),
-            self.cfg.limits.max_artifact_bytes,
-        );
+        let (store, tx) = (self.lane_store(lane).clone(), self.inputs.clone());
+        let max = self.cfg.limits.max_artifact_bytes;
         tokio::task::spawn_blocking(move || {
-            let r = match offer {
+            let result = match offer {
                 Some((o, m)) if o.version == version => store.assemble(&o, &m).and_then(|dir| {
                     artifact::verify_signature(&dir, &keys)
                         .and_then(|_| artifact::verify_device_files(&dir, &m, max))
@@ -468,168 +317,51 @@ impl Agent {
                 }),
                 _ => Err("the offer of this version is gone".into()),
             };
-            let _ = tx.send(done(version, r));
+            let _ = tx.send(Input::Verified {
+                lane,
+                version,
+                result,
+            });
         });
     }
 
-    /// Health check: loads `versions/<v>` of `store` (verifies files, runs the golden samples)
-    /// on a blocking thread; `done` carries the result back.
-    fn spawn_load(
-        &self,
-        store: &Store,
-        version: u64,
-        done: fn(u64, Result<Arc<LoadedModel>, String>) -> Done,
-    ) {
-        let dir = store.version_dir(version);
-        let (models, tx) = (self.models.clone(), self.done_tx.clone());
+    /// Health check: loads the lane's `versions/<v>` (verifies files, runs the golden samples)
+    /// on a blocking thread.
+    fn spawn_load(&self, lane: Lane, version: u64) {
+        let dir = self.lane_store(lane).version_dir(version);
+        let (models, tx) = (self.models.clone(), self.inputs.clone());
         tokio::task::spawn_blocking(move || {
-            let _ = tx.send(done(version, models.load(&dir)));
+            let result = models.load(&dir);
+            let _ = tx.send(Input::Loaded {
+                lane,
+                version,
+                result,
+            });
         });
     }
 
     /// Loads the active model for serving (at start-up, or to finish an activation after a
     /// restart), so no request is answered "no active model" while one is installed.
-    fn load_active(&mut self, version: u64) {
-        tracing::info!("{}: loading active v{version}", self.cfg.device_id);
+    fn load_active(&mut self, version: u64) -> Option<Input<LoadedModel>> {
         match self.models.load(&self.store.version_dir(version)) {
-            Ok(m) => *self.model.write().expect("lock") = Some(m),
-            Err(e) => {
-                tracing::error!(
-                    "{}: active v{version} does not load: {e}",
-                    self.cfg.device_id
-                );
-                self.updater.last_error = Some(format!("active v{version} does not load: {e}"));
+            Ok(m) => {
+                *self.model.write().expect("lock") = Some(m);
+                None
             }
-        }
-    }
-
-    async fn on_done(&mut self, d: Done) -> Result<()> {
-        match d {
-            Done::Verified(version, Ok(())) => self.feed(Event::Verified { version }).await,
-            Done::Verified(version, Err(reason)) => {
-                self.feed(Event::VerifyFailed { version, reason }).await
-            }
-            Done::Health(version, Ok(m)) => {
-                self.candidate = Some((version, m));
-                self.feed(Event::HealthPassed { version }).await
-            }
-            Done::Health(version, Err(reason)) => {
-                self.feed(Event::HealthFailed { version, reason }).await
-            }
-            Done::Reply(reply, observed) => {
-                match observed {
-                    Some(o) => self.on_observed(o),
-                    None => {
-                        self.counters.requests_failed += 1;
-                        self.status_dirty = true;
-                    }
-                }
-                if let Some(reply) = reply {
-                    self.send_reply(&reply)?;
-                }
-                Ok(())
-            }
-            Done::Shadow(version, run) => {
-                self.shadow.record(version, run);
-                Ok(())
-            }
-            Done::ShadowVerified(version, r) => self.shadow_verified(version, r).await,
-            Done::ShadowLoaded(version, r) => self.shadow_loaded(version, r).await,
-        }
-    }
-
-    /// An inference reply, queued in memory for the MQTT client ([`crate::replies`]).
-    fn send_reply(&mut self, reply: &InferReply) -> Result<()> {
-        let msg = Message {
-            topic: self.topics.result(&self.cfg.device_id, &reply.request),
-            retain: false,
-            payload: serde_json::to_string(reply)?,
-        };
-        let max = usize::try_from(self.cfg.limits.max_outbox_bytes).unwrap_or(usize::MAX);
-        let dropped = self.replies.push(msg, max);
-        if dropped > 0 {
-            tracing::warn!("inference replies over {max} bytes waiting: {dropped} dropped");
-        }
-        Ok(())
-    }
-
-    fn on_infer(&mut self, topic: &str, request: String, payload: Vec<u8>) -> Result<()> {
-        let max = self.cfg.limits.max_image_bytes;
-        let refused = if payload.len() > max {
-            format!(
-                "{topic}: image of {} bytes is over the limit of {max}",
-                payload.len()
-            )
-        } else {
-            match self.jobs.try_send(InferJob {
-                request: request.clone(),
-                bytes: payload,
-                reply: true,
-            }) {
-                Ok(()) => return Ok(()),
-                Err(TrySendError::Full(_)) => format!(
-                    "busy: {} requests queued, try again later",
-                    self.cfg.limits.queue
-                ),
-                Err(TrySendError::Disconnected(_)) => "inference worker stopped".into(),
-            }
-        };
-        self.counters.requests_refused += 1;
-        self.status_dirty = true;
-        self.send_reply(&InferReply {
-            request,
-            device: self.cfg.device_id.clone(),
-            prediction: None,
-            error: Some(refused),
-        })
-    }
-
-    async fn on_publish(&mut self, topic: &str, payload: Vec<u8>) -> Result<()> {
-        let topics = self.topics.clone();
-        match topics.parse(topic) {
-            Some(Route::Offer { name, version }) if self.shadow.wants(name, version) => {
-                self.on_shadow_offer(topic, &payload).await
-            }
-            Some(Route::Chunk {
-                name,
-                version,
-                index,
-            }) if self.shadow.wants(name, version) => {
-                self.on_shadow_chunk(topic, index, &payload).await
-            }
-            Some(Route::Offer { name, version }) => {
-                self.on_offer(topic, (name, version), &payload).await
-            }
-            Some(Route::Chunk {
-                name,
-                version,
-                index,
-            }) => self.on_chunk((name, version, index), &payload).await,
-            Some(Route::Desired(target)) => self.on_desired(topic, &target, &payload).await,
-            Some(Route::Keys) => self.on_keys(topic, &payload).await,
-            Some(Route::Device {
-                device,
-                kind: DeviceTopic::Infer { request },
-            }) if device == self.cfg.device_id => {
-                self.on_infer(topic, request.to_string(), payload)
-            }
-            _ => Ok(()),
+            Err(reason) => Some(Input::ActiveLoadFailed { version, reason }),
         }
     }
 
     async fn on_mqtt(&mut self, ev: MqttEvent) -> Result<()> {
         match ev {
             MqttEvent::Incoming(Packet::ConnAck(ack)) => {
-                tracing::info!(
-                    "{}: connected to {} (session {})",
-                    self.cfg.device_id,
-                    self.cfg.broker.url,
-                    if ack.session_present {
-                        "resumed"
-                    } else {
-                        "new"
-                    }
-                );
+                let session = if ack.session_present {
+                    "resumed"
+                } else {
+                    "new"
+                };
+                let (id, url) = (&self.cfg.device_id, &self.cfg.broker.url);
+                tracing::info!("{id}: connected to {url} (session {session})");
                 self.connected = true;
                 if !ack.session_present {
                     self.outbox.requeue_in_flight();
@@ -637,43 +369,16 @@ impl Agent {
                         c.outbox.requeue_in_flight();
                     }
                 }
-                self.subscribe_all().await?;
-                self.outbox.push_latest(Message {
-                    topic: self.topics.online(&self.cfg.device_id),
-                    retain: true,
-                    payload: "1".into(),
-                });
-                self.publish_status();
+                self.apply(Input::Connected).await?;
             }
             MqttEvent::Incoming(Packet::Publish(p)) => {
                 let topic = p.topic.clone();
-                self.on_publish(&topic, p.payload.to_vec()).await?;
+                let payload = p.payload.to_vec();
+                self.apply(Input::Message { topic, payload }).await?;
             }
-            MqttEvent::Incoming(Packet::PubAck(a)) => self.on_acked(a.pkid)?,
+            MqttEvent::Incoming(Packet::PubAck(a)) => self.on_acked(a.pkid).await?,
             MqttEvent::Outgoing(Outgoing::Publish(pkid)) if pkid != 0 => self.on_sent(pkid),
             _ => {}
-        }
-        Ok(())
-    }
-
-    /// Re-requests missing chunks when a download has not progressed for
-    /// `[limits] download_stall_s` (chunks lost or not yet published, or a full store).
-    async fn on_tick(&mut self) -> Result<()> {
-        if let Phase::Downloading { offer, have, .. } = &self.updater.phase
-            && self.last_progress.elapsed() > Duration::from_secs(self.cfg.limits.download_stall_s)
-        {
-            let missing = (0..offer.chunks).filter(|i| !have.contains(i)).collect();
-            let version = offer.version;
-            self.act(Action::Fetch {
-                version,
-                chunks: missing,
-            })
-            .await?;
-        }
-        self.shadow_tick().await?;
-        self.publish_quality_when_due();
-        if self.status_dirty {
-            self.publish_status();
         }
         Ok(())
     }

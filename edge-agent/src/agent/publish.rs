@@ -7,6 +7,7 @@ use anyhow::Result;
 use rumqttc::QoS;
 
 use super::Agent;
+use crate::core::Input;
 use crate::outbox::Message;
 
 impl Agent {
@@ -27,7 +28,10 @@ impl Agent {
         }
         if let Some(c) = self.captures.as_mut()
             && !self.outbox.awaits_pkid()
-            && c.may_send()
+            && let Some(size) = c.outbox.next_size()
+            && self
+                .core
+                .may_send_capture(size, kestrel_shared::time::now_ms())
             && let Some(m) = c.outbox.next().cloned()
         {
             self.publish(m).await;
@@ -69,17 +73,14 @@ impl Agent {
         }
     }
 
-    pub(super) fn on_acked(&mut self, pkid: u16) -> Result<()> {
+    pub(super) async fn on_acked(&mut self, pkid: u16) -> Result<()> {
         if self.outbox.acked(pkid)? {
             return Ok(());
         }
         if let Some(c) = self.captures.as_mut()
             && c.outbox.acked(pkid)?
         {
-            if let Err(e) = c.sent() {
-                tracing::error!("{}: captures: {e}", self.cfg.device_id);
-            }
-            self.status_dirty = true;
+            self.apply(Input::CaptureAcked).await?;
         }
         Ok(())
     }

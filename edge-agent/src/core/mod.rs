@@ -1,0 +1,645 @@
+//! The agent's decisions without IO, as rumqttc's `state.rs` beside its `eventloop.rs`: the
+//! [`Core`] is fed typed [`Input`]s (a message on a topic, the clock's tick, the result of work
+//! the shell did) with the time, and returns the [`Effect`]s the shell ([`crate::agent`]) carries
+//! out: subscribe, publish, write to the store, verify, load, activate, run a model beside the
+//! active one, queue a request. Work whose outcome matters comes back as another input (a chunk
+//! written, files staged, a model loaded). Nothing here touches the network, the disk or the
+//! clock, so every path (install, rollback, shadow, refusal, capture, busy) is unit-tested
+//! without a broker ([`tests`]).
+//!
+//! Here: the inputs, effects and state, routing and status; [`delivery`]: the two lanes of
+//! downloads (the update of the active model and the shadow), each an [`Updater`];
+//! [`pursue`]: desired states and key lists; [`shadow`]: the shadow model's choice and its
+//! comparison; [`requests`]: inference requests, telemetry and capture.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use ed25519_dalek::VerifyingKey;
+use kestrel_runtime::artifact::LoadedModel;
+use kestrel_shared::manifest::Manifest;
+use kestrel_shared::protocol::{
+    ArtifactOffer, Class, Desired, DeviceEvent, InferReply, ModelRef, Status, Target, Topics,
+};
+use kestrel_shared::topics::{DeviceTopic, Route};
+use serde::{Deserialize, Serialize};
+
+use crate::capture::CaptureState;
+use crate::config::Config;
+use crate::desired::DesiredStates;
+use crate::outbox::Message;
+use crate::trust::Trust;
+use crate::update::{Phase, Updater};
+
+mod delivery;
+mod pursue;
+mod requests;
+mod shadow;
+#[cfg(test)]
+mod tests;
+
+use delivery::Delivery;
+use requests::Requests;
+use shadow::Shadow;
+
+/// A model as the core sees it: an opaque handle (the shell's loaded engine) with its manifest.
+pub trait Model: Send + Sync + 'static {
+    fn manifest(&self) -> &Manifest;
+}
+
+impl Model for LoadedModel {
+    fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+}
+
+/// Which delivery a piece of work belongs to: the update of the model that answers, or the
+/// shadow model run beside it. Each has its own store (`<store>`, `<store>/shadow`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    Install,
+    Shadow,
+}
+
+/// The clock as the shell read it for an input.
+#[derive(Debug, Clone, Copy)]
+pub struct Now {
+    pub mono: Instant,
+    /// Milliseconds since the Unix epoch.
+    pub unix_ms: u64,
+}
+
+impl Now {
+    pub fn read() -> Self {
+        Self {
+            mono: Instant::now(),
+            unix_ms: kestrel_shared::time::now_ms(),
+        }
+    }
+
+    fn unix_s(&self) -> u64 {
+        self.unix_ms / 1000
+    }
+
+    fn rfc3339(&self) -> String {
+        kestrel_shared::manifest::rfc3339(self.unix_s())
+    }
+}
+
+/// What the shell observed or finished.
+pub enum Input<M> {
+    /// Connected to the broker (a new or resumed session).
+    Connected,
+    /// A message on a subscribed topic.
+    Message { topic: String, payload: Vec<u8> },
+    /// The clock's tick (every second).
+    Tick,
+    /// A chunk written to the lane's store ([`Effect::WriteChunk`]); `ok`: it is on disk.
+    ChunkWritten {
+        lane: Lane,
+        version: u64,
+        index: u32,
+        ok: bool,
+    },
+    /// The assembled files' signature and hashes checked ([`Effect::Verify`]).
+    Verified {
+        lane: Lane,
+        version: u64,
+        result: Result<(), String>,
+    },
+    /// The verified files moved to the lane's staging slot ([`Effect::Stage`]).
+    Staged {
+        lane: Lane,
+        version: u64,
+        result: Result<(), String>,
+    },
+    /// A staged (or running) version loaded and health-checked ([`Effect::Load`]).
+    Loaded {
+        lane: Lane,
+        version: u64,
+        result: Result<Arc<M>, String>,
+    },
+    /// The atomic switch to `version` is durable ([`Effect::Activate`]).
+    Activated { version: u64 },
+    /// The active version did not load (at start-up, or finishing an activation after a restart).
+    ActiveLoadFailed { version: u64, reason: String },
+    /// A request was answered (or failed): the reply to publish (none for fed traffic) and what
+    /// the active model did, when it answered.
+    Answered {
+        reply: Option<InferReply>,
+        observed: Option<Observed<M>>,
+    },
+    /// The inference queue did not take a request ([`Effect::Infer`]): full (`busy`), or its
+    /// workers stopped.
+    NotQueued { request: String, busy: bool },
+    /// The shadow model's turn on an answered request (`None`: skipped).
+    ShadowRan {
+        version: u64,
+        run: Option<ShadowRun>,
+    },
+    /// A capture went into the capture queue ([`Effect::Capture`]): how many older ones it
+    /// evicted, or why it could not be stored.
+    CaptureQueued {
+        id: String,
+        result: Result<u64, String>,
+    },
+    /// The broker acknowledged the capture in flight.
+    CaptureAcked,
+}
+
+/// What the active model did on one request.
+pub struct Observed<M> {
+    pub request: String,
+    /// The model that answered.
+    pub model: Arc<M>,
+    pub top: Vec<Class>,
+    /// The request's image, when `[capture]` may keep it.
+    pub image: Option<Vec<u8>>,
+    pub logits: Vec<f32>,
+    pub features: Option<Vec<f32>>,
+    pub latency_ms: f64,
+}
+
+/// Both models on one request: (logits, latency) of the active model and of the shadow.
+pub struct ShadowRun {
+    pub active: (Vec<f32>, f64),
+    pub shadow: (Vec<f32>, f64),
+}
+
+/// How a message goes out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum How {
+    /// QoS 1 through the on-disk outbox, never dropped (events).
+    Durable,
+    /// Retained, only the newest per topic kept while offline (status, quality, online).
+    Latest,
+    /// QoS 0 from memory, within the replies' budget (inference replies).
+    Reply,
+}
+
+/// What the shell must do.
+pub enum Effect<M> {
+    Subscribe(String),
+    Unsubscribe(String),
+    /// Unsubscribe and subscribe again, so the broker resends the topic's retained message.
+    Resubscribe(String),
+    Publish(How, Message),
+    /// Publish the status (built by [`Core::status`] when it goes out).
+    Status,
+    /// Write the lane's journal ([`Core::journal`]) before the effects after it.
+    Journal(Lane),
+    /// Save the newest verified key list (its JSON).
+    SaveKeys(Vec<u8>),
+    /// Save the capture counters and the last hour's capture times (their JSON).
+    SaveCaptureState(Vec<u8>),
+    /// Keep a checked offer beside its download (a restart reads it back).
+    WriteOffer {
+        lane: Lane,
+        version: u64,
+        payload: Vec<u8>,
+    },
+    /// Write a chunk that matched its sha256; answer [`Input::ChunkWritten`].
+    WriteChunk {
+        lane: Lane,
+        version: u64,
+        index: u32,
+        payload: Vec<u8>,
+    },
+    /// Remove what was downloaded for a refused offer.
+    RemoveDownload {
+        lane: Lane,
+        version: u64,
+    },
+    /// Assemble the chunks and check the signature and file hashes with `keys`; answer
+    /// [`Input::Verified`].
+    Verify {
+        lane: Lane,
+        version: u64,
+        offer: Option<(ArtifactOffer, Manifest)>,
+        keys: Vec<VerifyingKey>,
+    },
+    /// Move the verified files to the staging slot; answer [`Input::Staged`].
+    Stage {
+        lane: Lane,
+        version: u64,
+    },
+    /// Load and health-check the version (its golden samples); answer [`Input::Loaded`].
+    Load {
+        lane: Lane,
+        version: u64,
+    },
+    /// Switch `active` to `version` atomically, then serve `model` (none: load it again);
+    /// answer [`Input::Activated`].
+    Activate {
+        version: u64,
+        model: Option<Arc<M>>,
+    },
+    /// Load the active version for serving (at start-up).
+    LoadActive {
+        version: u64,
+    },
+    /// Delete what the lane's store holds of `version` (downloaded, staged or installed).
+    Discard {
+        lane: Lane,
+        version: u64,
+    },
+    /// Run `model` beside the active one on every `every`-th request (none: stop the shadow).
+    RunShadow(Option<(Arc<M>, u64)>),
+    /// Queue a request for the inference workers; answer [`Input::NotQueued`] if it is not taken.
+    Infer {
+        request: String,
+        bytes: Vec<u8>,
+    },
+    /// Keep a capture in the capture queue within `max_disk_bytes`; answer
+    /// [`Input::CaptureQueued`].
+    Capture {
+        id: String,
+        message: Message,
+        max_disk_bytes: u64,
+    },
+}
+
+/// The install lane's journal (`<store>/state.json`): the update machine, the desired state being
+/// pursued and the newest desired state accepted per topic (replay protection).
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct Journal {
+    pub updater: Option<Updater>,
+    /// The desired state being pursued (`wanted` in journals before 2026-12-05).
+    #[serde(alias = "wanted")]
+    pub pursued: Option<Desired>,
+    #[serde(default)]
+    pub desired: DesiredStates,
+}
+
+/// The shadow lane's journal (`<store>/shadow/state.json`): what is wanted and how far its
+/// updater got.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct ShadowJournal {
+    pub want: Option<ModelRef>,
+    pub updater: Option<Updater>,
+}
+
+/// What the core starts from: the journals and what the store holds beside them.
+pub struct Saved {
+    pub trust: Trust,
+    pub journal: Journal,
+    /// The accepted offer of the update in progress.
+    pub offer: Option<(ArtifactOffer, Manifest)>,
+    /// The store's `active` and `previous` links (the truth about what is installed).
+    pub installed: (Option<u64>, Option<u64>),
+    pub shadow: ShadowJournal,
+    pub shadow_offer: Option<(ArtifactOffer, Manifest)>,
+    /// The capture state and a seed for the random policy, when `[capture]` is on.
+    pub capture: Option<(CaptureState, u64)>,
+}
+
+/// The agent's state and decisions.
+pub struct Core<M> {
+    cfg: Config,
+    topics: Topics,
+    /// Whose signatures are accepted (configured keys, or the root-signed key list).
+    trust: Trust,
+    /// Valid desired states by topic (own and groups'), with the replay and expiry rules.
+    desired: DesiredStates,
+    /// The desired state being pursued: the one [`Core::choose`] picked of `desired`.
+    pursued: Option<Desired>,
+    /// The last desired state, key list or offer refused, and why (in the status).
+    refused: Option<String>,
+    install: Delivery<M>,
+    shadow: Shadow<M>,
+    requests: Requests<M>,
+    /// The last failed write to the store and the directory it failed in: shown as the status's
+    /// `last_error` until a write in or below that directory succeeds.
+    store_error: Option<(PathBuf, String)>,
+    status_dirty: bool,
+    /// Statuses built so far (the next status's `seq`).
+    status_seq: u64,
+    /// The effects of the input being handled, and the lanes whose journal changed.
+    out: Vec<Effect<M>>,
+    journal_dirty: [bool; 2],
+    now: Now,
+}
+
+impl<M: Model> Core<M> {
+    pub fn new(cfg: Config, saved: Saved, now: Now) -> Self {
+        let max = cfg.limits.max_artifact_bytes;
+        let mut updater = saved.journal.updater.unwrap_or_else(|| Updater::new(max));
+        updater.max_bytes = max;
+        (updater.active, updater.previous) = saved.installed;
+        let topics = Topics::new(&cfg.broker.prefix);
+        Self {
+            install: Delivery::new(Lane::Install, updater, saved.offer, now),
+            shadow: Shadow::new(saved.shadow, saved.shadow_offer, max, now),
+            requests: Requests::new(&cfg, saved.capture, now),
+            topics,
+            trust: saved.trust,
+            desired: saved.journal.desired,
+            pursued: saved.journal.pursued,
+            refused: None,
+            store_error: None,
+            status_dirty: true,
+            status_seq: 0,
+            out: Vec::new(),
+            journal_dirty: [false; 2],
+            now,
+            cfg,
+        }
+    }
+
+    /// Handles one input; returns what to do, journals first.
+    pub fn handle(&mut self, input: Input<M>, now: Now) -> Vec<Effect<M>> {
+        self.now = now;
+        match input {
+            Input::Connected => self.connected(),
+            Input::Message { topic, payload } => self.route(&topic, payload),
+            Input::Tick => self.tick(),
+            Input::ChunkWritten {
+                lane,
+                version,
+                index,
+                ok,
+            } => self.chunk_written(lane, version, index, ok),
+            Input::Verified {
+                lane,
+                version,
+                result,
+            } => self.verified(lane, version, result),
+            Input::Staged {
+                lane,
+                version,
+                result,
+            } => self.staged(lane, version, result),
+            Input::Loaded {
+                lane: Lane::Install,
+                version,
+                result,
+            } => self.install_loaded(version, result),
+            Input::Loaded {
+                lane: Lane::Shadow,
+                version,
+                result,
+            } => self.shadow_loaded(version, result),
+            Input::Activated { version } => {
+                self.step(Lane::Install, crate::update::Event::Activated { version })
+            }
+            Input::ActiveLoadFailed { version, reason } => {
+                tracing::error!("{}: active v{version} does not load: {reason}", self.id());
+                self.install.updater.last_error =
+                    Some(format!("active v{version} does not load: {reason}"));
+                self.status_dirty = true;
+            }
+            Input::Answered { reply, observed } => self.answered(reply, observed),
+            Input::NotQueued { request, busy } => self.not_queued(request, busy),
+            Input::ShadowRan { version, run } => self.shadow.record(version, run),
+            Input::CaptureQueued { id, result } => self.capture_queued(&id, result),
+            Input::CaptureAcked => self.capture_acked(),
+        }
+        self.take_effects()
+    }
+
+    /// After a start: load the active model, continue the journaled shadow and update.
+    pub fn resume(&mut self, now: Now) -> Vec<Effect<M>> {
+        self.now = now;
+        if let Some(version) = self.install.updater.active {
+            tracing::info!("{}: loading active v{version}", self.id());
+            self.out.push(Effect::LoadActive { version });
+        }
+        let want = self.pursued.as_ref().and_then(|p| p.shadow.clone());
+        self.set_shadow(want);
+        self.resume_shadow();
+        let actions = self.install.updater.resume();
+        self.journal_dirty[0] = true;
+        self.act_all(Lane::Install, actions);
+        self.take_effects()
+    }
+
+    /// The journal of `lane` as it stands.
+    pub fn journal(&self, lane: Lane) -> Vec<u8> {
+        let bytes = match lane {
+            Lane::Install => serde_json::to_vec_pretty(&Journal {
+                updater: Some(self.install.updater.clone()),
+                pursued: self.pursued.clone(),
+                desired: self.desired.clone(),
+            }),
+            Lane::Shadow => serde_json::to_vec_pretty(&self.shadow.journal()),
+        };
+        bytes.expect("serializable")
+    }
+
+    /// Records the outcome of a write to the store at `path`: a failure is logged and shown in
+    /// the status until a later write in or below the same directory succeeds (the agent goes on
+    /// from memory meanwhile). Returns whether it succeeded.
+    pub fn stored(&mut self, path: &Path, r: Result<(), String>) -> bool {
+        let dir = path.parent().unwrap_or(path).to_path_buf();
+        match r {
+            Ok(()) => {
+                if self
+                    .store_error
+                    .as_ref()
+                    .is_some_and(|(d, _)| dir.starts_with(d))
+                {
+                    self.store_error = None;
+                    self.status_dirty = true;
+                }
+                true
+            }
+            Err(e) => {
+                let msg = format!("store: writing {}: {e}; retrying", path.display());
+                tracing::error!("{}: {msg}", self.id());
+                self.store_error = Some((dir, msg));
+                self.status_dirty = true;
+                false
+            }
+        }
+    }
+
+    /// The status as it stands: `model` is the manifest of the model serving now, `queued` the
+    /// capture queue's (messages, bytes). Counts as published (the next one's `seq` follows).
+    pub fn status(&mut self, model: Option<&Manifest>, queued: (u64, u64)) -> Status {
+        let u = &self.install.updater;
+        let progress = match &u.phase {
+            Phase::Downloading { offer, have, .. } => Some((have.len() as u32, offer.chunks)),
+            _ => None,
+        };
+        let status = Status {
+            device: self.cfg.device_id.clone(),
+            groups: self.cfg.groups.clone(),
+            state: u.phase.name().to_string(),
+            model: model.map(|m| m.name.clone()),
+            active: u.active,
+            previous: u.previous,
+            target: u.phase.target(),
+            progress,
+            last_error: self
+                .store_error
+                .as_ref()
+                .map(|(_, e)| e.clone())
+                .or_else(|| u.last_error.clone()),
+            failed_version: u.last_failed,
+            latency: self.requests.latency(),
+            updated: kestrel_shared::now_rfc3339(),
+            started: kestrel_shared::time::process_started_ms(),
+            seq: self.status_seq,
+            source: model.and_then(|m| m.registry.clone()),
+            refused: self.refused.clone(),
+            keys_version: self.trust.version(),
+            shadow: self.shadow.status(),
+            captures: self.requests.capture_stats(queued),
+            counters: self.requests.counters.clone(),
+        };
+        self.status_dirty = false;
+        self.status_seq += 1;
+        status
+    }
+
+    /// Whether the next capture (of `bytes`) may go out now under the upload cap.
+    pub fn may_send_capture(&mut self, bytes: usize, now_ms: u64) -> bool {
+        self.requests.may_send_capture(bytes, now_ms)
+    }
+
+    /// The device's (pursued) state, for tests and the shell's log lines.
+    pub fn updater(&self) -> &Updater {
+        &self.install.updater
+    }
+
+    fn id(&self) -> &str {
+        &self.cfg.device_id
+    }
+
+    /// The effects gathered, with the changed journals first (written before anything they
+    /// lead to is done) and one status last.
+    fn take_effects(&mut self) -> Vec<Effect<M>> {
+        let mut out = Vec::with_capacity(self.out.len() + 3);
+        for (i, lane) in [Lane::Install, Lane::Shadow].into_iter().enumerate() {
+            if std::mem::take(&mut self.journal_dirty[i]) {
+                out.push(Effect::Journal(lane));
+            }
+        }
+        let mut status = false;
+        for e in self.out.drain(..) {
+            match e {
+                Effect::Status => status = true,
+                e => out.push(e),
+            }
+        }
+        if status {
+            out.push(Effect::Status);
+        }
+        out
+    }
+
+    fn publish_status(&mut self) {
+        self.out.push(Effect::Status);
+    }
+
+    /// A device event (durable), with a log line.
+    fn event(&mut self, kind: &str, version: u64, reason: Option<String>) {
+        let why = reason
+            .as_deref()
+            .map(|r| format!(": {r}"))
+            .unwrap_or_default();
+        match kind {
+            "rejected" | "rolled-back" | "refused" => {
+                tracing::warn!("{}: v{version} {kind}{why}", self.id())
+            }
+            _ => tracing::info!("{}: v{version} {kind}{why}", self.id()),
+        }
+        let ev = DeviceEvent {
+            device: self.cfg.device_id.clone(),
+            kind: kind.into(),
+            version,
+            reason,
+            time: self.now.rfc3339(),
+        };
+        let message = Message {
+            topic: self.topics.events(&self.cfg.device_id),
+            retain: false,
+            payload: serde_json::to_string(&ev).expect("serializable"),
+        };
+        self.out.push(Effect::Publish(How::Durable, message));
+    }
+
+    /// After a (re)connect: every subscription, online, the status.
+    fn connected(&mut self) {
+        self.subscribe_all();
+        let online = Message {
+            topic: self.topics.online(&self.cfg.device_id),
+            retain: true,
+            payload: "1".into(),
+        };
+        self.out.push(Effect::Publish(How::Latest, online));
+        self.publish_status();
+    }
+
+    /// Every subscription the state calls for (the key list first, so a rotated list is in
+    /// force before the states it signs arrive).
+    fn subscribe_all(&mut self) {
+        let id = self.cfg.device_id.clone();
+        let mut filters = Vec::new();
+        if self.trust.has_root() {
+            filters.push(self.topics.keys());
+        }
+        filters.push(self.topics.desired(&Target::Device(id.clone())));
+        filters.push(self.topics.infer_filter(&id));
+        for g in &self.cfg.groups {
+            filters.push(self.topics.desired(&Target::Group(g.clone())));
+        }
+        if let Some(p) = &self.pursued {
+            filters.push(self.topics.artifact_manifest(&p.name, p.version));
+        }
+        filters.extend(self.install.chunk_filter(&self.topics));
+        filters.extend(self.shadow.filters(&self.topics));
+        self.out.extend(filters.into_iter().map(Effect::Subscribe));
+    }
+
+    /// A message, by its topic (the only identity a message has; nothing in a payload says
+    /// where it comes from or whom it is for).
+    fn route(&mut self, topic: &str, payload: Vec<u8>) {
+        let topics = self.topics.clone();
+        match topics.parse(topic) {
+            Some(Route::Offer { name, version }) => {
+                let lane = self.lane_of(name, version);
+                self.on_offer(lane, topic, (name, version), &payload)
+            }
+            Some(Route::Chunk {
+                name,
+                version,
+                index,
+            }) => {
+                let lane = self.lane_of(name, version);
+                self.on_chunk(lane, topic, (name, version, index), payload)
+            }
+            Some(Route::Desired(target)) => self.on_desired(topic, &target, &payload),
+            Some(Route::Keys) => self.on_keys(topic, &payload),
+            Some(Route::Device {
+                device,
+                kind: DeviceTopic::Infer { request },
+            }) if device == self.cfg.device_id => self.on_infer(topic, request, payload),
+            _ => {}
+        }
+    }
+
+    /// Which lane an artifact's topics belong to: the shadow's when it is the wanted shadow.
+    fn lane_of(&self, name: &str, version: u64) -> Lane {
+        if self.shadow.wants(name, version) {
+            Lane::Shadow
+        } else {
+            Lane::Install
+        }
+    }
+
+    fn tick(&mut self) {
+        let stall = std::time::Duration::from_secs(self.cfg.limits.download_stall_s);
+        for lane in [Lane::Install, Lane::Shadow] {
+            if let Some((version, chunks)) = self.delivery(lane).stalled(self.now, stall) {
+                let action = crate::update::Action::Fetch { version, chunks };
+                self.act_all(lane, vec![action]);
+            }
+        }
+        self.publish_quality_when_due();
+        if self.status_dirty {
+            self.publish_status();
+        }
+    }
+}

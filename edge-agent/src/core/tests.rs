@@ -1,0 +1,597 @@
+//! The agent's paths without a broker: signed desired states and offers go in as messages on
+//! their topics, a fake shell answers the core's effects as a store and the workers would
+//! (or fails them on purpose), and the tests read what came out: events, subscriptions, the
+//! effects' order, the status.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ed25519_dalek::SigningKey;
+use kestrel_shared::manifest::Manifest;
+use kestrel_shared::mqtt::BrokerConfig;
+use kestrel_shared::protocol::{
+    ArtifactOffer, Class, Desired, DeviceEvent, InferReply, ModelRef, SignedDesired, Target, Topics,
+};
+use kestrel_shared::signing::{PayloadType, sign};
+
+use super::*;
+use crate::config::CapturePolicy;
+
+/// A model as the fake shell loads it: its manifest only.
+struct Fake(Manifest);
+
+impl Model for Fake {
+    fn manifest(&self) -> &Manifest {
+        &self.0
+    }
+}
+
+const DEVICE: &str = "dev-1";
+
+fn key() -> SigningKey {
+    SigningKey::from_bytes(&[7; 32])
+}
+
+fn config() -> Config {
+    Config {
+        device_id: DEVICE.into(),
+        groups: vec![],
+        store: "/nonexistent".into(),
+        trusted_keys: vec![],
+        trusted_root: None,
+        broker: BrokerConfig::new("mqtt://127.0.0.1:1883"),
+        limits: Default::default(),
+        inference: Default::default(),
+        quality: Default::default(),
+        capture: Default::default(),
+    }
+}
+
+fn manifest(name: &str, version: u64, size: u64) -> Manifest {
+    serde_json::from_value(serde_json::json!({
+        "format_version": 1, "name": name, "version": version, "arch": "test",
+        "labels": ["cat", "dog"],
+        "preprocess": kestrel_shared::PreprocessSpec::imagenet(),
+        "input": {"name": "input", "dtype": "f32", "shape": ["N", 3, 224, 224]},
+        "output": {"name": "logits", "dtype": "f32", "shape": ["N", 2]},
+        "quantization": {"form": "none", "int8_ops": [], "calibration_samples": 0,
+            "f32_accuracy": 1.0, "accuracy": 1.0, "accuracy_delta_pt": 0.0},
+        "training": {}, "verification": [], "golden": [],
+        "files": [{"path": "model.onnx", "sha256": "00", "size": size}],
+        "created": "2026-12-06T00:00:00Z",
+    }))
+    .expect("a manifest")
+}
+
+/// What a fake shell does with a lane's work.
+#[derive(Clone, Copy, PartialEq)]
+enum Outcome {
+    Pass,
+    FailVerify,
+    FailHealth,
+    FailWrite,
+}
+
+struct Rig {
+    core: Core<Fake>,
+    topics: Topics,
+    now: Now,
+    /// Every effect carried out, in order.
+    log: Vec<Effect<Fake>>,
+    outcome: Outcome,
+    /// What a health check loads, when not the manifest offered (a model of another name).
+    loads: Option<Manifest>,
+    manifests: Vec<Manifest>,
+}
+
+impl Rig {
+    fn new(cfg: Config) -> Self {
+        let trust = crate::trust::Trust::new(None, vec![key().verifying_key()], None).unwrap();
+        let now = Now {
+            mono: Instant::now(),
+            unix_ms: 1_796_000_000_000,
+        };
+        let saved = Saved {
+            trust,
+            journal: Journal::default(),
+            offer: None,
+            installed: (None, None),
+            shadow: ShadowJournal::default(),
+            shadow_offer: None,
+            capture: Some((Default::default(), 42)),
+        };
+        Self {
+            topics: Topics::new(&cfg.broker.prefix),
+            core: Core::new(cfg, saved, now),
+            now,
+            log: vec![],
+            outcome: Outcome::Pass,
+            loads: None,
+            manifests: vec![],
+        }
+    }
+
+    fn send(&mut self, topic: String, payload: Vec<u8>) {
+        self.input(Input::Message { topic, payload });
+    }
+
+    /// Hands `input` to the core and answers the effects as the shell would, to completion.
+    fn input(&mut self, input: Input<Fake>) {
+        let mut inputs = VecDeque::from([input]);
+        while let Some(i) = inputs.pop_front() {
+            for e in self.core.handle(i, self.now) {
+                inputs.extend(self.answer(&e));
+                self.log.push(e);
+            }
+        }
+    }
+
+    fn answer(&self, e: &Effect<Fake>) -> Option<Input<Fake>> {
+        let o = self.outcome;
+        Some(match e {
+            Effect::WriteChunk {
+                lane,
+                version,
+                index,
+                ..
+            } => Input::ChunkWritten {
+                lane: *lane,
+                version: *version,
+                index: *index,
+                ok: o != Outcome::FailWrite,
+            },
+            Effect::Verify { lane, version, .. } => Input::Verified {
+                lane: *lane,
+                version: *version,
+                result: match o {
+                    Outcome::FailVerify => Err("model.onnx: sha256 mismatch".into()),
+                    _ => Ok(()),
+                },
+            },
+            Effect::Stage { lane, version } => Input::Staged {
+                lane: *lane,
+                version: *version,
+                result: Ok(()),
+            },
+            Effect::Load { lane, version } => Input::Loaded {
+                lane: *lane,
+                version: *version,
+                result: match o {
+                    Outcome::FailHealth => Err("golden sample 0: top-1 1, expected 0".into()),
+                    _ => Ok(Arc::new(Fake(self.loads.clone().unwrap_or_else(|| {
+                        self.manifests
+                            .iter()
+                            .find(|m| m.version == *version)
+                            .expect("offered")
+                            .clone()
+                    })))),
+                },
+            },
+            Effect::Activate { version, .. } => Input::Activated { version: *version },
+            _ => return None,
+        })
+    }
+
+    fn desired(&mut self, name: &str, version: u64, shadow: Option<(&str, u64)>) {
+        self.desired_signed_by(&key(), name, version, shadow);
+    }
+
+    fn desired_signed_by(
+        &mut self,
+        key: &SigningKey,
+        name: &str,
+        version: u64,
+        shadow: Option<(&str, u64)>,
+    ) {
+        let target = Target::Device(DEVICE.into());
+        self.now.unix_ms += 1;
+        let d = Desired {
+            target: target.clone(),
+            name: name.into(),
+            version,
+            rollback: false,
+            issued: self.now.unix_ms,
+            expires: None,
+            clear: false,
+            rollout: None,
+            source: None,
+            shadow: shadow.map(|(name, version)| ModelRef {
+                name: name.into(),
+                version,
+            }),
+        };
+        let payload = serde_json::to_vec(&SignedDesired::new(key, &d)).unwrap();
+        self.send(self.topics.desired(&target), payload);
+    }
+
+    /// Publishes `name` v`version` (`bytes` long, in 3 chunks) signed by `key`: the offer, then
+    /// the chunks (`corrupt`: the chunks' bytes changed after hashing).
+    fn publish(&mut self, key: &SigningKey, name: &str, version: u64, bytes: u64, corrupt: bool) {
+        let m = manifest(name, version, bytes);
+        let text = serde_json::to_string(&m).unwrap();
+        let sig = sign(key, PayloadType::Manifest, text.as_bytes());
+        let bundle: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
+        let chunk = (bytes as usize).div_ceil(3).max(1);
+        let offer = ArtifactOffer::new(&m, text, sig, &bundle, chunk);
+        self.manifests.push(m);
+        let payload = serde_json::to_vec(&offer).unwrap();
+        self.send(self.topics.artifact_manifest(name, version), payload);
+        for (i, c) in bundle.chunks(chunk).enumerate() {
+            let mut c = c.to_vec();
+            if corrupt {
+                c[0] ^= 0xff;
+            }
+            self.send(self.topics.chunk(name, version, i as u32), c);
+        }
+    }
+
+    /// The device events published, as (kind, version).
+    fn events(&self) -> Vec<(String, u64)> {
+        self.published(How::Durable)
+            .map(|p| serde_json::from_str::<DeviceEvent>(p).unwrap())
+            .map(|e| (e.kind, e.version))
+            .collect()
+    }
+
+    fn published(&self, how: How) -> impl Iterator<Item = &str> {
+        self.log.iter().filter_map(move |e| match e {
+            Effect::Publish(h, m) if *h == how => Some(m.payload.as_str()),
+            _ => None,
+        })
+    }
+
+    fn replies(&self) -> Vec<InferReply> {
+        self.published(How::Reply)
+            .map(|p| serde_json::from_str(p).unwrap())
+            .collect()
+    }
+
+    fn subscribed(&self) -> Vec<&str> {
+        self.log
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Subscribe(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn count(&self, f: impl Fn(&Effect<Fake>) -> bool) -> usize {
+        self.log.iter().filter(|e| f(e)).count()
+    }
+
+    fn status(&mut self) -> kestrel_shared::protocol::Status {
+        self.core.status(None, (0, 0))
+    }
+
+    /// A request the active model answered, with `score` as its top-1 score.
+    fn answered(&mut self, request: &str, model: &Manifest, score: f32) {
+        let top = vec![
+            Class {
+                class: 0,
+                label: "cat".into(),
+                score,
+            },
+            Class {
+                class: 1,
+                label: "dog".into(),
+                score: 1.0 - score,
+            },
+        ];
+        let observed = Observed {
+            request: request.into(),
+            model: Arc::new(Fake(model.clone())),
+            top,
+            image: Some(vec![0xff, 0xd8, 0xff]),
+            logits: vec![1.0, 0.0],
+            features: None,
+            latency_ms: 4.0,
+        };
+        self.input(Input::Answered {
+            reply: None,
+            observed: Some(observed),
+        });
+    }
+}
+
+#[test]
+fn install_goes_from_desired_state_to_active_journaling_before_activating() {
+    let mut r = Rig::new(config());
+    r.input(Input::Connected);
+    r.desired("faces", 1, None);
+    assert!(
+        r.subscribed()
+            .contains(&r.topics.artifact_manifest("faces", 1).as_str())
+    );
+    r.publish(&key(), "faces", 1, 3000, false);
+    assert_eq!(
+        r.events(),
+        [("downloading".to_string(), 1), ("active".to_string(), 1)]
+    );
+    assert_eq!(r.core.updater().active, Some(1));
+    assert_eq!(r.count(|e| matches!(e, Effect::WriteChunk { .. })), 3);
+    // The health-checked model is the one activated (not loaded again), and the journal that
+    // says "activating" is written before the switch.
+    let at = r
+        .log
+        .iter()
+        .position(|e| matches!(e, Effect::Activate { model: Some(_), .. }))
+        .expect("activated with the checked model");
+    assert!(matches!(r.log[at - 1], Effect::Journal(Lane::Install)));
+    let s = r.status();
+    assert_eq!(
+        (s.state.as_str(), s.active, s.counters.updates_active),
+        ("idle", Some(1), 1)
+    );
+    // The same offer again changes nothing.
+    let before = r.log.len();
+    r.publish(&key(), "faces", 1, 3000, false);
+    assert_eq!(r.count(|e| matches!(e, Effect::WriteChunk { .. })), 3);
+    assert!(
+        r.log[before..]
+            .iter()
+            .all(|e| !matches!(e, Effect::Verify { .. }))
+    );
+}
+
+#[test]
+fn a_failed_health_check_rolls_back_to_the_active_version() {
+    let mut r = Rig::new(config());
+    r.desired("faces", 1, None);
+    r.publish(&key(), "faces", 1, 3000, false);
+    r.outcome = Outcome::FailHealth;
+    r.desired("faces", 2, None);
+    r.publish(&key(), "faces", 2, 3000, false);
+    let events = r.events();
+    assert_eq!(events.last().unwrap(), &("rolled-back".to_string(), 2));
+    assert!(r.log.iter().any(|e| matches!(
+        e,
+        Effect::Discard {
+            lane: Lane::Install,
+            version: 2
+        }
+    )));
+    assert_eq!(r.count(|e| matches!(e, Effect::Activate { .. })), 1);
+    let s = r.status();
+    assert_eq!((s.active, s.failed_version), (Some(1), Some(2)));
+    assert!(s.last_error.unwrap().contains("golden sample 0"));
+    assert_eq!(s.counters.updates_rolled_back, 1);
+}
+
+#[test]
+fn unsigned_or_foreign_states_and_offers_are_refused_and_change_nothing() {
+    let mut r = Rig::new(config());
+    let stranger = SigningKey::from_bytes(&[9; 32]);
+    r.desired_signed_by(&stranger, "faces", 1, None);
+    assert_eq!(r.events(), [("refused".to_string(), 0)]);
+    assert!(r.subscribed().is_empty());
+    r.send(r.topics.desired(&Target::Device(DEVICE.into())), vec![]); // an unsigned clear
+    assert_eq!(r.events().len(), 2);
+    // A trusted state, then an offer signed by a stranger: refused, nothing written.
+    r.desired("faces", 1, None);
+    r.publish(&stranger, "faces", 1, 3000, false);
+    assert_eq!(r.events().last().unwrap().0, "refused");
+    assert_eq!(r.count(|e| matches!(e, Effect::WriteOffer { .. })), 0);
+    let s = r.status();
+    assert!(
+        s.refused.as_deref().unwrap().contains("offer refused"),
+        "status: {s:?}"
+    );
+    // Chunks that fail their sha256 three times: rejected, downloaded bytes discarded.
+    r.publish(&key(), "faces", 1, 3000, true);
+    assert_eq!(r.events().last().unwrap(), &("rejected".to_string(), 1));
+    assert_eq!(r.count(|e| matches!(e, Effect::WriteChunk { .. })), 0);
+    // Over the artifact limit: rejected before a chunk is fetched, the offer removed.
+    let mut cfg = config();
+    cfg.limits.max_artifact_bytes = 1000;
+    let mut r = Rig::new(cfg);
+    r.desired("faces", 1, None);
+    r.publish(&key(), "faces", 1, 3000, false);
+    assert_eq!(r.events(), [("rejected".to_string(), 1)]);
+    assert_eq!(r.count(|e| matches!(e, Effect::RemoveDownload { .. })), 1);
+    assert!(!r.subscribed().iter().any(|t| t.contains("/chunks")));
+}
+
+#[test]
+fn a_failed_verification_rejects_and_a_full_disk_stalls_then_fetches_again() {
+    let mut r = Rig::new(config());
+    r.outcome = Outcome::FailVerify;
+    r.desired("faces", 1, None);
+    r.publish(&key(), "faces", 1, 3000, false);
+    assert_eq!(r.events().last().unwrap(), &("rejected".to_string(), 1));
+    // Chunks not written (the store full) are asked for again once the download stalls.
+    let mut r = Rig::new(config());
+    r.outcome = Outcome::FailWrite;
+    r.desired("faces", 2, None);
+    r.publish(&key(), "faces", 2, 3000, false);
+    assert_eq!(r.status().progress, Some((0, 3)));
+    let asked =
+        |r: &Rig| r.count(|e| matches!(e, Effect::Resubscribe(t) if t.ends_with("/chunks/+")));
+    r.input(Input::Tick);
+    assert_eq!(asked(&r), 1);
+    r.now.mono += Duration::from_secs(config().limits.download_stall_s + 1);
+    r.input(Input::Tick);
+    assert_eq!(asked(&r), 2);
+}
+
+#[test]
+fn a_shadow_passes_every_check_runs_beside_and_is_never_activated() {
+    let mut r = Rig::new(config());
+    r.desired("faces", 1, Some(("faces-next", 2)));
+    let subscribed = r.subscribed();
+    assert!(subscribed.contains(&r.topics.artifact_manifest("faces-next", 2).as_str()));
+    r.publish(&key(), "faces", 1, 3000, false);
+    r.publish(&key(), "faces-next", 2, 3000, false);
+    assert_eq!(r.core.updater().active, Some(1));
+    assert_eq!(r.count(|e| matches!(e, Effect::Activate { .. })), 1);
+    let ran = r
+        .log
+        .iter()
+        .any(|e| matches!(e, Effect::RunShadow(Some((m, _))) if m.0.version == 2));
+    assert!(ran, "the shadow runs");
+    // Its files went to the shadow's store, and its steps are not the device's update events.
+    assert_eq!(
+        r.count(|e| matches!(
+            e,
+            Effect::WriteChunk {
+                lane: Lane::Shadow,
+                ..
+            }
+        )),
+        3
+    );
+    assert!(r.events().iter().all(|(_, v)| *v == 1));
+    let shadow = r.status().shadow.unwrap();
+    assert_eq!((shadow.state.as_str(), shadow.version), ("running", 2));
+    // Its comparisons go into the quality report when it is due.
+    let active = r.manifests[0].clone();
+    r.answered("r1", &active, 0.9);
+    let run = ShadowRun {
+        active: (vec![1.0, 0.0], 4.0),
+        shadow: (vec![1.0, 0.0], 5.0),
+    };
+    r.input(Input::ShadowRan {
+        version: 2,
+        run: Some(run),
+    });
+    r.now.mono += Duration::from_secs(config().quality.period_s + 1);
+    r.input(Input::Tick);
+    let q = r.published(How::Latest).last().unwrap().to_string();
+    let q: kestrel_shared::quality::DeviceQuality = serde_json::from_str(&q).unwrap();
+    assert_eq!(q.shadow.expect("a shadow report").compared, 1);
+    // No longer named: stopped, its files discarded.
+    r.desired("faces", 1, None);
+    assert!(matches!(
+        r.log
+            .iter()
+            .rev()
+            .find(|e| matches!(e, Effect::RunShadow(_))),
+        Some(Effect::RunShadow(None))
+    ));
+    assert!(r.status().shadow.is_none());
+}
+
+#[test]
+fn a_shadow_of_another_name_fails_its_health_check_and_the_active_model_stays() {
+    let mut r = Rig::new(config());
+    r.desired("faces", 1, Some(("faces-next", 2)));
+    r.publish(&key(), "faces", 1, 3000, false);
+    r.loads = Some(manifest("other", 2, 3000));
+    r.publish(&key(), "faces-next", 2, 3000, false);
+    let shadow = r.status().shadow.unwrap();
+    assert_eq!(shadow.state, "failed");
+    assert!(shadow.error.unwrap().contains("the model is other"));
+    assert!(
+        !r.log
+            .iter()
+            .any(|e| matches!(e, Effect::RunShadow(Some(_))))
+    );
+    assert_eq!(r.core.updater().active, Some(1));
+}
+
+#[test]
+fn a_shadow_needs_quality_telemetry() {
+    let mut cfg = config();
+    cfg.quality.enabled = false;
+    let mut r = Rig::new(cfg);
+    r.desired("faces", 1, Some(("faces-next", 2)));
+    assert!(!r.subscribed().iter().any(|t| t.contains("faces-next")));
+    let shadow = r.status().shadow.unwrap();
+    assert_eq!(shadow.state, "failed");
+    assert!(shadow.error.unwrap().contains("quality telemetry"));
+}
+
+#[test]
+fn capture_keeps_what_the_policy_picks_within_the_hourly_limit() {
+    let mut cfg = config();
+    cfg.capture.enabled = true;
+    cfg.capture.policy = CapturePolicy::LowConfidence;
+    cfg.capture.max_per_hour = 1;
+    let mut r = Rig::new(cfg);
+    let m = manifest("faces", 1, 3000);
+    r.answered("sure", &m, 0.95); // confident: not kept
+    assert_eq!(r.count(|e| matches!(e, Effect::Capture { .. })), 0);
+    r.answered("unsure", &m, 0.4);
+    let captured: Vec<_> = r
+        .log
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Capture { id, message, .. } => Some((id.clone(), message.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(captured.len(), 1);
+    let (id, message) = &captured[0];
+    assert_eq!(message.topic, r.topics.capture(DEVICE, id));
+    let c: kestrel_shared::capture::Capture = serde_json::from_str(&message.payload).unwrap();
+    assert_eq!(
+        (c.request.as_str(), c.reason.as_str(), c.version),
+        ("unsure", "low-confidence", 1)
+    );
+    // The state is saved before the capture is queued (a crash in between never exceeds the limit).
+    let saved = r
+        .log
+        .iter()
+        .position(|e| matches!(e, Effect::SaveCaptureState(_)));
+    let queued = r
+        .log
+        .iter()
+        .position(|e| matches!(e, Effect::Capture { .. }));
+    assert!(saved < queued);
+    r.answered("unsure-again", &m, 0.4); // over the hourly limit
+    assert_eq!(r.count(|e| matches!(e, Effect::Capture { .. })), 1);
+    r.input(Input::CaptureAcked);
+    let stats = r.status().captures.unwrap();
+    assert_eq!((stats.taken, stats.rate_limited, stats.sent), (1, 1, 1));
+    assert_eq!(r.status().counters.requests_answered, 3);
+}
+
+#[test]
+fn a_capture_over_the_packet_limit_is_dropped_and_counted() {
+    let mut cfg = config();
+    cfg.capture.enabled = true;
+    cfg.capture.policy = CapturePolicy::Random;
+    cfg.capture.rate = 1.0;
+    cfg.broker.max_packet_bytes = 100;
+    let mut r = Rig::new(cfg);
+    r.answered("big", &manifest("faces", 1, 3000), 0.9);
+    assert_eq!(r.count(|e| matches!(e, Effect::Capture { .. })), 0);
+    assert_eq!(r.status().captures.unwrap().evicted, 1);
+}
+
+#[test]
+fn requests_are_queued_or_refused_with_a_reason() {
+    let mut cfg = config();
+    cfg.limits.max_image_bytes = 10;
+    let mut r = Rig::new(cfg);
+    let infer = |r: &Rig, id: &str| r.topics.infer(DEVICE, id);
+    r.send(infer(&r, "a"), vec![1; 5]);
+    assert!(matches!(
+        r.log.last(),
+        Some(Effect::Infer { request, bytes }) if request == "a" && bytes.len() == 5
+    ));
+    r.send(infer(&r, "big"), vec![1; 11]);
+    // A full queue: busy.
+    r.input(Input::NotQueued {
+        request: "b".into(),
+        busy: true,
+    });
+    // Another device's requests are not ours.
+    r.send(
+        format!("{}/devices/dev-2/infer/c", r.topics.prefix()),
+        vec![1; 5],
+    );
+    let replies = r.replies();
+    let errors: Vec<_> = replies
+        .iter()
+        .map(|x| (x.request.as_str(), x.error.clone().unwrap_or_default()))
+        .collect();
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert_eq!(errors[0].0, "big");
+    assert!(errors[0].1.contains("11 bytes is over the limit of 10"));
+    assert_eq!(errors[1].0, "b");
+    assert!(errors[1].1.starts_with("busy: 16 requests queued"));
+    assert_eq!(r.count(|e| matches!(e, Effect::Infer { .. })), 1);
+    assert_eq!(r.status().counters.requests_refused, 2);
+}
