@@ -5,7 +5,7 @@
 //! active one, queue a request. Work whose outcome matters comes back as another input (a chunk
 //! written, files staged, a model loaded). Nothing here touches the network, the disk or the
 //! clock, so every path (install, rollback, shadow, refusal, capture, busy) is unit-tested
-//! without a broker ([`tests`]).
+//! without a broker (`core/tests.rs`).
 //!
 //! Here: the inputs, effects and state, routing and status; [`delivery`]: the two lanes of
 //! downloads (the update of the active model and the shadow), each an [`Updater`];
@@ -498,7 +498,7 @@ impl<M: Model> Core<M> {
         self.requests.may_send_capture(bytes, now_ms)
     }
 
-    /// The device's (pursued) state, for tests and the shell's log lines.
+    /// The install lane's update machine (what is active, what is being installed).
     pub fn updater(&self) -> &Updater {
         &self.install.updater
     }
