@@ -552,23 +552,30 @@ impl<M: Model> Core<M> {
             reason,
             time: self.now.rfc3339(),
         };
+        let topic = self.topics.events(&self.cfg.device_id);
+        self.publish(
+            How::Durable,
+            topic,
+            serde_json::to_string(&ev).expect("serializable"),
+        );
+    }
+
+    /// A message out: retained when only the newest counts ([`How::Latest`]).
+    fn publish(&mut self, how: How, topic: String, payload: String) {
+        let retain = how == How::Latest;
         let message = Message {
-            topic: self.topics.events(&self.cfg.device_id),
-            retain: false,
-            payload: serde_json::to_string(&ev).expect("serializable"),
+            topic,
+            retain,
+            payload,
         };
-        self.out.push(Effect::Publish(How::Durable, message));
+        self.out.push(Effect::Publish(how, message));
     }
 
     /// After a (re)connect: every subscription, online, the status.
     fn connected(&mut self) {
         self.subscribe_all();
-        let online = Message {
-            topic: self.topics.online(&self.cfg.device_id),
-            retain: true,
-            payload: "1".into(),
-        };
-        self.out.push(Effect::Publish(How::Latest, online));
+        let topic = self.topics.online(&self.cfg.device_id);
+        self.publish(How::Latest, topic, "1".into());
         self.publish_status();
     }
 

@@ -156,12 +156,12 @@ impl<M: Model> Core<M> {
     }
 
     fn reply(&mut self, reply: InferReply) {
-        let message = Message {
-            topic: self.topics.result(&self.cfg.device_id, &reply.request),
-            retain: false,
-            payload: serde_json::to_string(&reply).expect("serializable"),
-        };
-        self.out.push(Effect::Publish(How::Reply, message));
+        let topic = self.topics.result(&self.cfg.device_id, &reply.request);
+        self.publish(
+            How::Reply,
+            topic,
+            serde_json::to_string(&reply).expect("serializable"),
+        );
     }
 
     /// A request answered (or failed): the reply goes out, what the active model did is counted.
@@ -327,11 +327,11 @@ impl<M: Model> Core<M> {
             shadow: self.shadow.report(),
             updated: self.now.rfc3339(),
         };
-        let message = Message {
-            topic: self.topics.quality(&self.cfg.device_id),
-            retain: true,
-            payload: serde_json::to_string(&q).expect("serializable"),
-        };
-        self.out.push(Effect::Publish(How::Latest, message));
+        let topic = self.topics.quality(&self.cfg.device_id);
+        self.publish(
+            How::Latest,
+            topic,
+            serde_json::to_string(&q).expect("serializable"),
+        );
     }
 }
