@@ -35,6 +35,13 @@ AZURITE_VERSION=3.35.0
 # The Python package's Spark tests: pyspark (Java 17 from Debian), the wheel built by maturin.
 PYSPARK_VERSION=4.3.0
 MATURIN_VERSION=1.16.0
+# CUDA (scripts/setup-cuda.sh, behind its own flag): the CUDA 13 toolkit's wheels that build candle's
+# kernels (13.4: the newest CUDA that cudarc 0.19 knows; CCCL has its own numbering), and the
+# onnxruntime-gpu release (CUDA 13, cuDNN 9) whose library runs ONNX graphs on a GPU (the newest;
+# ort 2.0.0-rc.15 loads ONNX Runtime 1.17 and later).
+CUDA_TOOLKIT_VERSION=13.4.92
+CUDA_CCCL_VERSION=13.3.5.0.6
+ORT_GPU_VERSION=1.31.1
 # Progress lines with the wall-clock time, so a slow step shows in any log.
 log() { printf '\033[1m==> %s %s\033[0m\n' "$(date +%T)" "$*" >&2; }
 # A free TCP port on loopback, and waiting (up to 10 s) until something listens on one.

@@ -54,6 +54,13 @@ log "layers: no trainer module uses one that builds on it (scripts/layers.py)"
 python3 "$here/layers.py" --self-test
 log "function length: no function over 120 lines without a written reason"
 python3 "$here/long-functions.py" --max 120 --top 5
+# The trainer's CUDA build compiles on these CPU machines (docs/gpu.md): candle's CUDA backend with its
+# kernels, nvcc from PyPI's CUDA wheels (scripts/setup-cuda.sh, ~90 MB of downloads). In its own shell, so
+# the CUDA variables stay out of the build below. Cold: ~9 min on 2 cores (nvcc); unchanged: seconds.
+log "CUDA: scripts/setup-cuda.sh, then cargo check -p kestrel-trainer --features kestrel-trainer/cuda"
+"$here/setup-cuda.sh"
+# shellcheck disable=SC1091
+(source "$KESTREL_HOME/cuda/env.sh" && cargo check --release --locked -p kestrel-trainer --features kestrel-trainer/cuda)
 # cargo-nextest (.config/nextest.toml): a process per test, a 5-minute deadline per test, no retries,
 # and a JUnit report whose slowest tests scripts/test-times.sh prints.
 if ! cargo nextest --version >/dev/null 2>&1; then

@@ -430,6 +430,105 @@ mod tests {
         }
     }
 
+    /// The composed forms of the depthwise and bias ops (what a GPU runs) compute the CPU ops'
+    /// values and gradients, in both layouts, for odd and even sizes, strides 1 and 2,
+    /// symmetric and asymmetric padding.
+    #[test]
+    fn composed_ops_equal_the_cpu_ops() {
+        use crate::depthwise::depthwise_composed;
+        use crate::planes::bias_act_composed;
+        let dev = Device::Cpu;
+        // (kernel, stride, top, left, h, w, oh, ow)
+        let cases = [
+            (3, 1, 1, 1, 7, 7, 7, 7),
+            (3, 2, 0, 0, 8, 8, 4, 4),
+            (3, 2, 0, 1, 7, 6, 3, 3),
+            (3, 2, 1, 1, 7, 7, 4, 4),
+            (5, 2, 2, 2, 9, 9, 5, 5),
+            (3, 1, 0, 0, 5, 4, 3, 2),
+        ];
+        for planes in [PlaneOrder::Nchw, PlaneOrder::Cnhw] {
+            for (k, s, top, left, h, w, oh, ow) in cases {
+                let op = Depthwise {
+                    kernel: k,
+                    stride: s,
+                    top,
+                    left,
+                    out_hw: [oh, ow],
+                    planes,
+                };
+                let (xs, c) = match planes {
+                    PlaneOrder::Nchw => ((2, 4, h, w), 4),
+                    PlaneOrder::Cnhw => ((4, 2, h, w), 4),
+                };
+                let x = CTensor::randn(0f32, 1f32, xs, &dev).unwrap();
+                let wt = CTensor::randn(0f32, 1f32, (c, 1, k, k), &dev).unwrap();
+                let what = format!("depthwise {planes:?} k{k} s{s} pads {top},{left} {h}x{w}");
+                same_values_and_gradients(
+                    &what,
+                    &[x, wt],
+                    |v| depthwise(&v[0], &v[1], op),
+                    |v| depthwise_composed(&v[0], &v[1], op),
+                );
+            }
+            for relu6 in [false, true] {
+                let xs = match planes {
+                    PlaneOrder::Nchw => (2, 4, 5, 5),
+                    PlaneOrder::Cnhw => (4, 2, 5, 5),
+                };
+                // Values spread over (-3, 9): below, inside and above (0, 6).
+                let x = (CTensor::randn(0f32, 1f32, xs, &dev).unwrap() * 4.0).unwrap();
+                let x = (x + 3.0).unwrap();
+                let b = CTensor::randn(0f32, 1f32, 4, &dev).unwrap();
+                let op = BiasAct { relu6, planes };
+                same_values_and_gradients(
+                    &format!("bias {planes:?} relu6 {relu6}"),
+                    &[x, b],
+                    |v| bias_act(&v[0], &v[1], op),
+                    |v| bias_act_composed(&v[0], &v[1], op),
+                );
+            }
+        }
+    }
+
+    /// `f` and `g` give the same output and the same gradients of `sum(out * r)` for each input.
+    fn same_values_and_gradients(
+        what: &str,
+        inputs: &[CTensor],
+        f: impl Fn(&[CTensor]) -> candle_core::Result<CTensor>,
+        g: impl Fn(&[CTensor]) -> candle_core::Result<CTensor>,
+    ) {
+        let run = |h: &dyn Fn(&[CTensor]) -> candle_core::Result<CTensor>, r: Option<&CTensor>| {
+            let vars: Vec<Var> = inputs
+                .iter()
+                .map(|t| Var::from_tensor(t).unwrap())
+                .collect();
+            let ts: Vec<CTensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let out = h(&ts).unwrap();
+            let r = r
+                .cloned()
+                .unwrap_or_else(|| CTensor::randn(0f32, 1f32, out.dims(), &Device::Cpu).unwrap());
+            let grads = (&out * &r).unwrap().sum_all().unwrap().backward().unwrap();
+            let gs: Vec<CTensor> = vars
+                .iter()
+                .map(|v| grads.get(v.as_tensor()).unwrap().clone())
+                .collect();
+            (out, r, gs)
+        };
+        let (out_f, r, grads_f) = run(&f, None);
+        let (out_g, _, grads_g) = run(&g, Some(&r));
+        assert_eq!(out_f.dims(), out_g.dims(), "{what}: shapes");
+        let diff = max_diff(&out_f, &out_g);
+        assert!(diff < 1e-5, "{what}: outputs differ by {diff}");
+        for (k, (a, b)) in grads_f.iter().zip(&grads_g).enumerate() {
+            let diff = max_diff(&a.flatten_all().unwrap(), &b.flatten_all().unwrap());
+            assert!(
+                diff < 1e-4,
+                "{what}: gradients of input {k} differ by {diff}"
+            );
+        }
+    }
+
     /// For every input, the analytic gradient of `sum(f(inputs) * r)` at a few coordinates
     /// equals the central difference.
     fn check_gradients(

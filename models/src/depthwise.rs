@@ -23,9 +23,72 @@ pub struct Depthwise {
 }
 
 /// `x [n, c, h, w]` (or `[c, n, h, w]`) convolved with `weight [c, 1, k, k]`: `[n, c, oh, ow]`
-/// (or `[c, n, oh, ow]`).
+/// (or `[c, n, oh, ow]`). On the CPU the op below; on another device (a GPU) the same
+/// computation composed of candle's ops ([`depthwise_composed`]), which candle differentiates.
 pub fn depthwise(x: &Tensor, weight: &Tensor, op: Depthwise) -> Result<Tensor> {
+    if !x.device().is_cpu() {
+        return depthwise_composed(x, weight, op);
+    }
     x.contiguous()?.apply_op2(&weight.contiguous()?, op)
+}
+
+/// The depthwise convolution as a sum over the `k x k` taps of shifted views of the zero-padded
+/// input times the tap's weight per channel: candle's generic ops, so it runs (and has a backward
+/// pass) on any device. With stride `s` the padded input is first split into its `s x s` phases
+/// (rows `a, a+s, ...`, columns `b, b+s, ...`), so that every tap reads one phase at stride 1.
+/// Keeps `k^2` full-size intermediates: on the CPU the custom op is faster, on a GPU these are a
+/// few elementwise kernels each.
+pub fn depthwise_composed(x: &Tensor, weight: &Tensor, op: Depthwise) -> Result<Tensor> {
+    let (d0, d1, h, w) = x.dims4()?;
+    let (k, s) = (op.kernel, op.stride);
+    let [oh, ow] = op.out_hw;
+    // Tap (kh, kw) reads rows kh + i*s (i < oh) = row kh/s + i of phase kh % s.
+    let (rows, cols) = (oh + (k - 1) / s, ow + (k - 1) / s);
+    let x = fit_rows(x, 2, op.top, h, rows * s)?;
+    let x = fit_rows(&x, 3, op.left, w, cols * s)?;
+    let split = x.reshape((d0, d1, rows, s, cols, s))?;
+    let phase = |a: usize, b: usize| -> Result<Tensor> {
+        split
+            .narrow(3, a, 1)?
+            .narrow(5, b, 1)?
+            .reshape((d0, d1, rows, cols))
+    };
+    let phases = (0..s)
+        .map(|a| (0..s).map(|b| phase(a, b)).collect::<Result<Vec<_>>>())
+        .collect::<Result<Vec<_>>>()?;
+    let channel_shape = match op.planes {
+        PlaneOrder::Nchw => (1, d1, 1, 1),
+        PlaneOrder::Cnhw => (d0, 1, 1, 1),
+    };
+    let mut y: Option<Tensor> = None;
+    for kh in 0..k {
+        for kw in 0..k {
+            let tap = phases[kh % s][kw % s]
+                .narrow(2, kh / s, oh)?
+                .narrow(3, kw / s, ow)?;
+            let wt = weight
+                .narrow(2, kh, 1)?
+                .narrow(3, kw, 1)?
+                .reshape(channel_shape)?;
+            let term = tap.broadcast_mul(&wt)?;
+            y = Some(match y {
+                Some(y) => (y + term)?,
+                None => term,
+            });
+        }
+    }
+    y.ok_or_else(|| candle_core::Error::Msg("depthwise: a 0x0 kernel".into()))
+}
+
+/// Dimension `dim` (of length `len`) padded with `before` zeros in front and cut or padded
+/// with zeros behind to `total`.
+fn fit_rows(x: &Tensor, dim: usize, before: usize, len: usize, total: usize) -> Result<Tensor> {
+    if before + len >= total {
+        x.narrow(dim, 0, total - before)?
+            .pad_with_zeros(dim, before, 0)
+    } else {
+        x.pad_with_zeros(dim, before, total - before - len)
+    }
 }
 
 impl Depthwise {

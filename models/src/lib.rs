@@ -23,6 +23,8 @@ pub mod candle;
 #[cfg(feature = "candle")]
 pub mod depthwise;
 #[cfg(feature = "candle")]
+pub mod op_timing;
+#[cfg(feature = "candle")]
 pub mod planes;
 #[cfg(feature = "candle")]
 pub mod torch;

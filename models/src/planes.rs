@@ -52,8 +52,24 @@ pub struct BiasAct {
 }
 
 /// `x [d0, d1, h, w]` (laid out as `op.planes` says) plus the bias `[c]` (any shape of `c` values).
+/// On the CPU the op below; on another device (a GPU) [`bias_act_composed`].
 pub fn bias_act(x: &Tensor, bias: &Tensor, op: BiasAct) -> Result<Tensor> {
+    if !x.device().is_cpu() {
+        return bias_act_composed(x, bias, op);
+    }
     x.contiguous()?.apply_op2(&bias.contiguous()?, op)
+}
+
+/// The same as [`BiasAct`] with candle's generic ops (a broadcast add, then a clamp), which run
+/// and differentiate on any device.
+pub fn bias_act_composed(x: &Tensor, bias: &Tensor, op: BiasAct) -> Result<Tensor> {
+    let (d0, d1, _, _) = x.dims4()?;
+    let b = match op.planes {
+        PlaneOrder::Nchw => bias.reshape((1, d1, 1, 1))?,
+        PlaneOrder::Cnhw => bias.reshape((d0, 1, 1, 1))?,
+    };
+    let y = x.broadcast_add(&b)?;
+    if op.relu6 { y.clamp(0f32, 6f32) } else { Ok(y) }
 }
 
 impl CustomOp2 for BiasAct {

@@ -374,6 +374,23 @@ mod ort_engine {
         r.as_ref().map_err(|e| EngineError::Ort(e.clone()))
     }
 
+    /// ONNX Runtime loads its CUDA execution provider from `libonnxruntime_providers_cuda.so`
+    /// beside its own library: a CPU build (the `onnxruntime` wheel) has none.
+    fn cuda_provider_present() -> Result<(), EngineError> {
+        let lib = ort_library_path();
+        let provider = lib.with_file_name("libonnxruntime_providers_cuda.so");
+        if provider.exists() {
+            return Ok(());
+        }
+        Err(EngineError::Ort(format!(
+            "--execution-provider cuda: {} is missing: the ONNX Runtime at {} is a CPU build; \
+             scripts/setup-cuda.sh --runtime installs onnxruntime-gpu, and `source \
+             $KESTREL_HOME/cuda/env.sh` sets ORT_DYLIB_PATH to it",
+            provider.display(),
+            lib.display()
+        )))
+    }
+
     /// ONNX Runtime (CPU execution provider) on an ONNX graph.
     pub struct OrtEngine {
         session: Mutex<ort::session::Session>,
@@ -398,6 +415,7 @@ mod ort_engine {
                 .with_optimization_level(ort::session::builder::GraphOptimizationLevel::All)
                 .map_err(|e| EngineError::Ort(e.to_string()))?;
             if super::ort_device() == super::OrtDevice::Cuda {
+                cuda_provider_present()?;
                 builder = builder
                     .with_execution_providers([ort::ep::CUDA::default()
                         .build()
@@ -405,8 +423,9 @@ mod ort_engine {
                     .map_err(|e| {
                         EngineError::Ort(format!(
                             "--execution-provider cuda: the CUDA execution provider is unavailable ({e}); it needs \
-                             an ONNX Runtime library with CUDA (the onnxruntime-gpu wheel, via \
-                             ORT_DYLIB_PATH), the CUDA and cuDNN libraries and a GPU"
+                             the CUDA 13 libraries it names (cuBLAS, cuDNN 9, cuFFT, cuRAND: scripts/setup-cuda.sh \
+                             --runtime fetches them, and `source $KESTREL_HOME/cuda/env.sh` puts them on \
+                             LD_LIBRARY_PATH) and a GPU"
                         ))
                     })?;
             }

@@ -381,8 +381,8 @@ fn a_killed_two_worker_run_resumes_to_identical_weights() {
 }
 
 /// `--execution-provider cuda` asks ONNX Runtime for its CUDA execution provider (loaded at run time). The
-/// CPU-only library set up here lacks it: the run must fail saying what is missing (with an
-/// onnxruntime-gpu library and a GPU it would run).
+/// CPU-only library set up here lacks it: the run must fail naming the missing provider library and
+/// how to get it (with an onnxruntime-gpu library and a GPU it would run).
 #[test]
 fn execution_provider_cuda_uses_or_clearly_misses_the_cuda_provider() {
     let tmp = tempfile::tempdir().unwrap();
@@ -400,11 +400,75 @@ fn execution_provider_cuda_uses_or_clearly_misses_the_cuda_provider() {
             tmp.path().to_str().unwrap(),
         ],
     );
-    if !o.status.success() {
-        let e = stderr(&o);
+    let e = stderr(&o);
+    let lib = std::env::var("ORT_DYLIB_PATH").expect("the test command sets ORT_DYLIB_PATH");
+    if !Path::new(&lib)
+        .with_file_name("libonnxruntime_providers_cuda.so")
+        .exists()
+    {
+        assert!(
+            !o.status.success(),
+            "prepared on CUDA without a CUDA provider"
+        );
+        assert!(
+            e.contains("libonnxruntime_providers_cuda.so is missing")
+                && e.contains(&lib)
+                && e.contains("scripts/setup-cuda.sh --runtime"),
+            "{e}"
+        );
+    } else if !o.status.success() {
         assert!(
             e.contains("--execution-provider cuda: the CUDA execution provider is unavailable"),
             "{e}"
         );
     }
+}
+
+/// `fit --compute-device` takes cpu, cuda or cuda:N; a trainer built without the `cuda` feature (the
+/// default build, as here) refuses a GPU before any work, naming the flag and how to build one,
+/// and a word that is no device is refused by the parser.
+#[test]
+fn compute_device_cuda_is_refused_clearly_without_cuda() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let fit = |device: &str| {
+        run(
+            "trainer",
+            &[
+                "fit",
+                "--data",
+                &lfw(),
+                "--cache",
+                cache.to_str().unwrap(),
+                "--out",
+                tmp.path().join("run").to_str().unwrap(),
+                "--fine-tune",
+                "1",
+                "--epochs",
+                "1",
+                "--compute-device",
+                device,
+            ],
+        )
+    };
+    let o = fit("cuda:0");
+    assert!(!o.status.success(), "fine-tuned on cuda:0 without CUDA");
+    let e = stderr(&o);
+    assert!(
+        e.contains("--compute-device cuda:0: this trainer was built without CUDA")
+            && e.contains("--features kestrel-trainer/cuda")
+            || e.contains("--compute-device cuda:0: GPU 0"),
+        "{e}"
+    );
+    assert!(
+        !cache.exists(),
+        "the refusal came after work: {cache:?} exists"
+    );
+    let o = fit("tpu");
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("`tpu` is not a device: cpu, cuda or cuda:N"),
+        "{}",
+        stderr(&o)
+    );
 }

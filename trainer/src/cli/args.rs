@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::data::SourceOpts;
 use crate::distributed::{JobOpts, default_cache_root, default_threads};
-use crate::train::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule};
+use crate::train::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule, TrainDevice};
 use anyhow::{Context, Result, bail};
 use kestrel_models::backbone::{Backbone, OnnxOpts, is_onnx_graph};
 use kestrel_models::engine::{OrtDevice, set_ort_device};
@@ -376,6 +376,10 @@ pub struct FitArgs {
     /// linear (lr x workers, Horovod's recipe when the global batch grows with the workers).
     #[arg(long, value_enum, default_value = "none")]
     pub lr_scaling: LrScaling,
+    /// Where the trainable blocks and the head run: cpu, cuda (each rank on the GPU of its local
+    /// rank) or cuda:N. CUDA needs a trainer built with `--features cuda` (docs/gpu.md).
+    #[arg(long, default_value = "cpu", value_name = "WHERE")]
+    pub compute_device: TrainDevice,
 }
 
 impl FitArgs {
@@ -447,6 +451,7 @@ impl FitArgs {
             class_weights: self.class_weights,
             label_smoothing: self.label_smoothing,
             head_first: fine_tune > 0,
+            compute_device: self.compute_device.check_built()?,
             feature_output: onnx.feature_output,
             preprocess: onnx.preprocess,
             backbone_sha256: onnx.sha256,

@@ -5,7 +5,9 @@ use std::process::ExitCode;
 
 use crate::classify::throughput;
 use crate::distributed::{Job, JobOpts};
+use crate::train::TrainDevice;
 use anyhow::Result;
+use kestrel_models::op_timing::time_ops;
 
 use super::args::{BackboneArgs, EngineArgs};
 
@@ -25,7 +27,15 @@ pub struct Args {
     /// Print the throughput as JSON.
     #[arg(long)]
     json: bool,
-    #[arg(required = true)]
+    /// Time the trainable convolutions' ops instead (forward + backward, ms): each CPU op against
+    /// its composed form, on the CPU and on --compute-device (what a GPU runs; docs/gpu.md).
+    #[arg(long)]
+    ops: bool,
+    /// Where the trainable blocks and the head run: cpu, cuda (each rank on the GPU of its local
+    /// rank) or cuda:N. CUDA needs a trainer built with `--features cuda` (docs/gpu.md).
+    #[arg(long, default_value = "cpu", value_name = "WHERE")]
+    compute_device: TrainDevice,
+    #[arg(required_unless_present = "ops")]
     images: Vec<PathBuf>,
 }
 
@@ -34,6 +44,9 @@ pub fn job_opts(a: &Args) -> Result<JobOpts> {
 }
 
 pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
+    if a.ops {
+        return ops(&a);
+    }
     let b = a.backbone.load()?;
     let t = throughput(
         &b,
@@ -53,6 +66,38 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
             t.batch,
             t.threads,
             t.images_per_s
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--ops`: the custom ops against their composed forms.
+fn ops(a: &Args) -> Result<ExitCode> {
+    let device = a.compute_device.check_built()?.candle(0)?;
+    let timings = time_ops(&device, a.rounds)?;
+    if a.json {
+        outln!("{}", serde_json::to_string(&timings)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    outln!(
+        "{:<20}{:>18}{:>12}{:>16}{:>10}{:>18}",
+        "op (fwd+bwd)",
+        "shape [c,n,h,w]",
+        "CPU op ms",
+        "composed ms",
+        "ratio",
+        format!("on {} ms", a.compute_device)
+    );
+    for t in &timings {
+        outln!(
+            "{:<20}{:>18}{:>12.2}{:>16.2}{:>9.2}x{:>18}",
+            t.op,
+            format!("{:?}", t.shape),
+            t.cpu_op_ms,
+            t.composed_cpu_ms,
+            t.composed_cpu_ms / t.cpu_op_ms,
+            t.composed_device_ms
+                .map_or("-".into(), |ms| format!("{ms:.2}"))
         );
     }
     Ok(ExitCode::SUCCESS)

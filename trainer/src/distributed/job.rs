@@ -246,6 +246,20 @@ impl Rank<'_> {
         self.comm.rank() == 0
     }
 
+    /// This rank's index among the ranks on its machine (one GPU each): what the launcher says
+    /// (Open MPI, MPICH, Slurm, torchrun), else the rank (local workers share one machine).
+    pub fn local_rank(&self) -> usize {
+        [
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "MPI_LOCALRANKID",
+            "SLURM_LOCALID",
+            "LOCAL_RANK",
+        ]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.parse().ok())
+        .unwrap_or_else(|| self.rank())
+    }
+
     /// Logs a line on rank 0 only.
     pub fn log(&self, line: impl AsRef<str>) {
         if self.is_lead() && self.logs {

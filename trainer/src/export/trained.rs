@@ -43,6 +43,7 @@ impl Trained {
             Some(&weights),
             params.seed,
             None,
+            &Device::Cpu,
         )?;
         let (folded, head) = trained_network(&pp, &weights)?;
         let pixels = pp.prepared.load_pixels()?;

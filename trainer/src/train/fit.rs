@@ -89,7 +89,16 @@ pub fn train_rank(
     if p.optimizer == Optimizer::Lbfgs {
         return fit.solve_head(feature_seconds, start.as_ref());
     }
-    let mut model = Trainable::new(&pp.backbone, pp.boundary, classes, None, p.seed, None)?;
+    let device = p.compute_device.candle(r.local_rank())?;
+    let mut model = Trainable::new(
+        &pp.backbone,
+        pp.boundary,
+        classes,
+        None,
+        p.seed,
+        None,
+        &device,
+    )?;
     let first_stage = if p.head_first {
         Some(fit.head_first(&mut model, start.as_ref())?)
     } else {
@@ -313,7 +322,7 @@ impl Fit<'_> {
             let aug_feats = aug
                 .map(|a| a.features(pp, b, mine, &mut aug_rng))
                 .transpose()?;
-            let (x, y) = batch_tensor(pp, part, aug_feats.as_deref())?;
+            let (x, y) = batch_tensor(pp, part, aug_feats.as_deref(), model.device())?;
             let logits = model.forward(&x)?;
             let labels: Vec<usize> = part.iter().map(|&i| pp.labels()[i]).collect();
             let loss = loss_fn.mean(&logits, &labels)?;

@@ -2,7 +2,7 @@
 //! in the sgd/adamw loop and in the L-BFGS head. Reported validation losses stay the plain
 //! cross-entropy, comparable between runs whatever their weights.
 
-use candle_core::{D, Device, Tensor as CTensor};
+use candle_core::{D, Tensor as CTensor};
 
 use super::{ClassWeights, FitParams};
 
@@ -77,7 +77,11 @@ impl Loss {
     /// Mean over the batch of the weighted, smoothed cross-entropy (differentiable).
     pub fn mean(&self, logits: &CTensor, y: &[usize]) -> candle_core::Result<CTensor> {
         let n = y.len();
-        let t = CTensor::from_vec(self.weighted_targets(y), (n, self.classes()), &Device::Cpu)?;
+        let t = CTensor::from_vec(
+            self.weighted_targets(y),
+            (n, self.classes()),
+            logits.device(),
+        )?;
         let logp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
         (t * logp)?.sum_all()?.affine(-1.0 / n as f64, 0.0)
     }

@@ -33,7 +33,7 @@ mod solve;
 
 pub use fit::train_rank;
 pub use model::{Trainable, model_summary};
-pub use params::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule};
+pub use params::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule, TrainDevice};
 pub use prepare::{SplitRecord, TrainingData, prepare};
 pub use run_dir::RunDir;
 
@@ -203,10 +203,12 @@ pub fn fit(
     job.run(|rank| train_rank(&p, &pp, Some(&rec), rank, feature_seconds))
 }
 
+/// The inputs and labels of samples `idx` (or the features `feats` of them), on `device`.
 fn batch_tensor(
     pp: &TrainingData,
     idx: &[usize],
     feats: Option<&[f32]>,
+    device: &Device,
 ) -> Result<(CTensor, CTensor), TrainError> {
     let per = pp.features.per_sample();
     let mut x = Vec::with_capacity(idx.len() * per);
@@ -222,8 +224,8 @@ fn batch_tensor(
     shape.extend(&pp.features.meta.dims);
     let y: Vec<u32> = idx.iter().map(|&i| pp.labels()[i] as u32).collect();
     Ok((
-        CTensor::from_vec(x, shape, &Device::Cpu)?,
-        CTensor::from_vec(y, idx.len(), &Device::Cpu)?,
+        CTensor::from_vec(x, shape, &Device::Cpu)?.to_device(device)?,
+        CTensor::from_vec(y, idx.len(), &Device::Cpu)?.to_device(device)?,
     ))
 }
 
@@ -247,7 +249,7 @@ pub fn predict_sum(
     let mut preds = Vec::with_capacity(idx.len());
     // Small chunks: the forward pass keeps its graph (the variables are tracked) until the chunk is done.
     for chunk in idx.chunks(32) {
-        let (x, y) = batch_tensor(pp, chunk, None)?;
+        let (x, y) = batch_tensor(pp, chunk, None, model.device())?;
         let logits = model.forward(&x)?;
         loss_sum += candle_nn::loss::cross_entropy(&logits, &y)?.to_scalar::<f32>()? as f64
             * chunk.len() as f64;
@@ -293,6 +295,7 @@ pub fn evaluate_run(run_dir: &Path, data: &Path, job: &Job) -> Result<Evaluation
         Some(&weights),
         p.seed,
         None,
+        &Device::Cpu,
     )?;
     let idx: Vec<usize> = (0..pp.prepared.len()).collect();
     let (loss, pred) = predict(&pp, &model, &idx)?;

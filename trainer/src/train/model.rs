@@ -31,6 +31,7 @@ impl Trainable {
         init: Option<&Weights>,
         seed: u64,
         standardize: Option<Standardizer>,
+        device: &Device,
     ) -> Result<Self, TrainError> {
         let net = &backbone.net;
         let folded = backbone
@@ -58,7 +59,7 @@ impl Trainable {
             probe: false,
             features_output: None,
         };
-        let (cnet, vars) = CandleNet::trainable(net, &folded, &opts, &Device::Cpu)?;
+        let (cnet, vars) = CandleNet::trainable(net, &folded, &opts, device)?;
         let mut this = Self {
             net: cnet,
             vars,
@@ -78,8 +79,8 @@ impl Trainable {
     /// are, i.e. they now act on standardized features).
     pub fn set_standardizer(&mut self, st: Standardizer) -> Result<(), TrainError> {
         let d = st.mean.len();
-        let mean = CTensor::from_slice(&st.mean, (1, d), &Device::Cpu)?;
-        let inv_std = CTensor::from_slice(&st.inv_std, (1, d), &Device::Cpu)?;
+        let mean = CTensor::from_slice(&st.mean, (1, d), self.device())?;
+        let inv_std = CTensor::from_slice(&st.inv_std, (1, d), self.device())?;
         self.standardize = Some((st, mean, inv_std));
         Ok(())
     }
@@ -105,7 +106,7 @@ impl Trainable {
             var.set(&CTensor::from_slice(
                 &t.data,
                 t.shape.as_slice(),
-                &Device::Cpu,
+                var.device(),
             )?)?;
         }
         Ok(())
@@ -160,6 +161,14 @@ impl Trainable {
         w.insert("classifier.weight".into(), Tensor::new(ws, weight.to_vec()));
         w.insert("classifier.bias".into(), Tensor::new(bs, bias.to_vec()));
         self.load(&w)
+    }
+
+    /// Where the variables live (and the batches go).
+    pub fn device(&self) -> &Device {
+        self.vars
+            .first()
+            .map(|(_, v)| v.device())
+            .unwrap_or(&Device::Cpu)
     }
 
     /// The pooled features of `x` (the unfrozen blocks and the pooling, not the classifier),

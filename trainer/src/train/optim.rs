@@ -1,7 +1,7 @@
 //! Optimizers for head training, written out (rather than candle-nn's) so that their state can be
 //! checkpointed and a resumed run continues bit for bit.
 
-use candle_core::{Device, Tensor as CTensor, Var};
+use candle_core::{Tensor as CTensor, Var};
 use kestrel_models::Weights;
 
 use super::model::to_plain;
@@ -74,7 +74,7 @@ impl Opt {
             g.push(Some(CTensor::from_slice(
                 &flat[at..at + n],
                 v.dims(),
-                &Device::Cpu,
+                v.device(),
             )?));
             at += n;
         }
@@ -149,7 +149,7 @@ impl Opt {
         for slot in &mut self.slots {
             for t in slot.iter_mut() {
                 let n = t.elem_count();
-                *t = CTensor::from_slice(&flat[at..at + n], t.dims(), &Device::Cpu)?;
+                *t = CTensor::from_slice(&flat[at..at + n], t.dims(), t.device())?;
                 at += n;
             }
         }
@@ -179,7 +179,7 @@ impl Opt {
                 let s = w.get(&key).ok_or_else(|| {
                     TrainError::Invalid(format!("checkpoint lacks optimizer state `{key}`"))
                 })?;
-                *t = CTensor::from_slice(&s.data, s.shape.as_slice(), &Device::Cpu)?;
+                *t = CTensor::from_slice(&s.data, s.shape.as_slice(), t.device())?;
             }
         }
         self.step = step;
@@ -226,7 +226,7 @@ pub fn set_vars(vars: &[(String, Var)], flat: &[f32]) -> Result<(), TrainError> 
         v.set(&CTensor::from_slice(
             &flat[at..at + n],
             v.dims(),
-            &Device::Cpu,
+            v.device(),
         )?)?;
         at += n;
     }

@@ -78,6 +78,85 @@ pub enum LrScaling {
     Linear,
 }
 
+/// Where the trainable blocks and the head run (`--compute-device`): the CPU, or an NVIDIA GPU through
+/// candle's CUDA backend (a trainer built with `--features cuda`; docs/gpu.md). The frozen
+/// backbone's features come from the feature cache either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum TrainDevice {
+    #[default]
+    Cpu,
+    /// `cuda`: each rank takes the GPU of its local rank (one rank per GPU); `cuda:N`: GPU N.
+    Cuda(Option<usize>),
+}
+
+impl TrainDevice {
+    pub fn is_cpu(&self) -> bool {
+        *self == TrainDevice::Cpu
+    }
+
+    /// The candle device of a rank whose rank on its machine is `local_rank`.
+    pub fn candle(self, local_rank: usize) -> Result<candle_core::Device, TrainError> {
+        let gpu = match self {
+            TrainDevice::Cpu => return Ok(candle_core::Device::Cpu),
+            TrainDevice::Cuda(n) => n.unwrap_or(local_rank),
+        };
+        candle_core::Device::new_cuda(gpu)
+            .map_err(|e| TrainError::Invalid(format!("--compute-device {self}: GPU {gpu}: {e}")))
+    }
+
+    /// Refuses a GPU in a trainer built without the `cuda` feature, before any work is done.
+    pub fn check_built(self) -> Result<Self, TrainError> {
+        if self.is_cpu() || cfg!(feature = "cuda") {
+            return Ok(self);
+        }
+        Err(TrainError::Invalid(format!(
+            "--compute-device {self}: this trainer was built without CUDA (cargo build --release \
+             --features kestrel-trainer/cuda, with nvcc from scripts/setup-cuda.sh; see docs/gpu.md)"
+        )))
+    }
+}
+
+impl std::fmt::Display for TrainDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TrainDevice::Cpu => f.write_str("cpu"),
+            TrainDevice::Cuda(None) => f.write_str("cuda"),
+            TrainDevice::Cuda(Some(n)) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl std::str::FromStr for TrainDevice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(TrainDevice::Cpu),
+            "cuda" => Ok(TrainDevice::Cuda(None)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(|n| TrainDevice::Cuda(Some(n)))
+                .ok_or_else(|| format!("`{s}` is not a device: cpu, cuda or cuda:N")),
+        }
+    }
+}
+
+impl From<TrainDevice> for String {
+    fn from(d: TrainDevice) -> String {
+        d.to_string()
+    }
+}
+
+impl TryFrom<String> for TrainDevice {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
 /// Everything that determines a run (saved as `params.json`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FitParams {
@@ -137,6 +216,10 @@ pub struct FitParams {
     /// An ONNX backbone's preprocessing (`--preprocess`), kept in full with the run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preprocess: Option<PreprocessSpec>,
+    /// Where the trainable part runs (`--compute-device`); absent: the CPU. The results do not
+    /// depend on it beyond rounding.
+    #[serde(default, skip_serializing_if = "TrainDevice::is_cpu")]
+    pub compute_device: TrainDevice,
     /// sha256 of the ONNX backbone file: a run whose file changed is not prepared again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backbone_sha256: Option<String>,

@@ -42,7 +42,15 @@ impl Fit<'_> {
         let init = start.map(|h| (h.weight.as_slice(), h.bias.as_slice()));
         let head = head::fit_head(pp.rows(), &sets.train, p.l2, loss, p.seed, r, init)?;
         let classes = pp.dataset_labels.len();
-        let model = Trainable::new(&pp.backbone, pp.boundary, classes, None, p.seed, None)?;
+        let model = Trainable::new(
+            &pp.backbone,
+            pp.boundary,
+            classes,
+            None,
+            p.seed,
+            None,
+            &candle_core::Device::Cpu,
+        )?;
         model.set_classifier(&head.weight, &head.bias)?;
         let train_seconds = started.elapsed().as_secs_f64();
         r.log(format!(
@@ -115,7 +123,7 @@ impl Fit<'_> {
         let mine: Vec<usize> = distributed::share(n, r.rank(), r.world()).collect();
         let mut local = Vec::new();
         for chunk in mine.chunks(32) {
-            let (x, _) = batch_tensor(pp, chunk, None)?;
+            let (x, _) = batch_tensor(pp, chunk, None, model.device())?;
             local.extend(model.pooled(&x)?.flatten_all()?.to_vec1::<f32>()?);
         }
         let pooled = r.comm.allgather_f32(&local)?;
