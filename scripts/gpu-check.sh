@@ -8,8 +8,8 @@
 #   3. `fit --fine-tune 2`, one epoch, on CUDA and on the CPU: the losses within 1e-3;
 #   4. the custom ops on the CPU against their composed forms on the GPU (`trainer bench --ops`), and a
 #      table of throughputs (images/s of extraction, samples/s of the epoch).
-# Without a GPU it says so, checks that the set-up is there and that the `cuda` build compiles and
-# links, and exits 0. Exit 1: a check failed.
+# Without a GPU it says so, checks that the set-up is there and that the `cuda` build compiles, links
+# and starts, and exits 0. Exit 1: a check failed.
 #   KESTREL_GPU_SKIP_BUILD=1  use the trainer already in $KESTREL_HOME/target-cuda/release
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -20,7 +20,8 @@ if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   gpu=$(nvidia-smi -L | head -1)
 fi
 "$here/setup.sh" --demo
-if [ -n "$gpu" ]; then "$here/setup-cuda.sh" --runtime; else "$here/setup-cuda.sh"; fi
+# --runtime also without a GPU: linking the `cuda` build needs its libraries.
+"$here/setup-cuda.sh" --runtime
 # shellcheck disable=SC1091
 source "$KESTREL_HOME/cuda/env.sh"
 export CARGO_TARGET_DIR="$KESTREL_HOME/target-cuda"
@@ -29,9 +30,11 @@ if [ "${KESTREL_GPU_SKIP_BUILD:-0}" != 1 ]; then
   log "building the trainer with --features cuda (CARGO_TARGET_DIR=$CARGO_TARGET_DIR)"
   cargo build --release --locked -p kestrel-trainer --features kestrel-trainer/cuda
 fi
-"$trainer" fit --help | grep -q -- '--compute-device' \
-  || { echo "gpu-check: $trainer has no --compute-device" >&2; exit 1; }
 if [ -z "$gpu" ]; then
+  # The binary needs the driver's libcuda.so.1 to start: here the link stub stands in (--help calls
+  # no CUDA function).
+  LD_LIBRARY_PATH="$KESTREL_HOME/cuda/link:$LD_LIBRARY_PATH" "$trainer" fit --help | grep -q -- '--compute-device' \
+    || { echo "gpu-check: $trainer does not start or has no --compute-device" >&2; exit 1; }
   log "no GPU here (nvidia-smi lists none): the CUDA set-up is in $KESTREL_HOME/cuda and the trainer" \
     "builds with CUDA ($trainer); nothing was run on a GPU"
   exit 0

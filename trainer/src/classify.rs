@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use kestrel_models::backbone::{Backbone, BackboneError};
+use kestrel_models::engine::EngineOpts;
 use kestrel_models::onnx::LowerOpts;
 use kestrel_models::{Engine, EngineKind};
 use kestrel_shared::{ImageLimits, PreprocessError};
@@ -47,13 +48,13 @@ impl Classifier {
     pub fn new(
         backbone: Backbone,
         kind: EngineKind,
-        threads: usize,
+        run: EngineOpts,
     ) -> Result<Self, ClassifyError> {
         let head = backbone
             .classifier()
             .ok_or_else(|| ClassifyError::NoClassifier(backbone.net.arch.to_string()))?;
         let opts = LowerOpts::logits(&backbone.net, head);
-        let engine = backbone.engine(kind, &opts, threads)?;
+        let engine = backbone.engine(kind, &opts, run)?;
         Ok(Self { backbone, engine })
     }
 
@@ -119,10 +120,11 @@ pub fn throughput(
     kind: EngineKind,
     paths: &[PathBuf],
     batch: usize,
-    threads: usize,
+    engine_opts: EngineOpts,
     rounds: usize,
 ) -> Result<Throughput, ClassifyError> {
-    let engine = backbone.engine(kind, &LowerOpts::features(&backbone.net), threads)?;
+    let threads = engine_opts.threads;
+    let engine = backbone.engine(kind, &LowerOpts::features(&backbone.net), engine_opts)?;
     let spec = &backbone.net.preprocess;
     let batch_paths: Vec<PathBuf> = paths.iter().cycle().take(batch).cloned().collect();
     let run = || -> Result<(), ClassifyError> {

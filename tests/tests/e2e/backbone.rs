@@ -78,7 +78,7 @@ fn engines_agree(backbone: Backbone) {
             (
                 k,
                 backbone
-                    .engine(k, &opts, 2)
+                    .engine(k, &opts, kestrel_models::engine::EngineOpts::cpu(2))
                     .unwrap_or_else(|e| panic!("{arch} {k}: {e}"))
                     .run(&x)
                     .unwrap(),

@@ -10,7 +10,7 @@ use crate::distributed::{JobOpts, default_cache_root, default_threads};
 use crate::train::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule, TrainDevice};
 use anyhow::{Context, Result, bail};
 use kestrel_models::backbone::{Backbone, OnnxOpts, is_onnx_graph};
-use kestrel_models::engine::{OrtDevice, set_ort_device};
+use kestrel_models::engine::OrtDevice;
 use kestrel_models::onnx_backbone::file_sha256;
 use kestrel_models::{Arch, EngineKind};
 use kestrel_shared::PreprocessSpec;
@@ -125,13 +125,19 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
-    /// Sets the process-wide engine settings (ONNX Runtime's provider, candle's thread pool) and
-    /// returns the job settings with these threads.
+    /// The job settings: these threads and ONNX Runtime's execution provider.
     pub fn job_opts(&self) -> JobOpts {
-        if self.execution_provider == "cuda" {
-            set_ort_device(OrtDevice::Cuda);
+        JobOpts {
+            ort_device: self.ort_device(),
+            ..self.threads.job_opts()
         }
-        self.threads.job_opts()
+    }
+
+    pub fn ort_device(&self) -> OrtDevice {
+        match self.execution_provider.as_str() {
+            "cuda" => OrtDevice::Cuda,
+            _ => OrtDevice::Cpu,
+        }
     }
 }
 

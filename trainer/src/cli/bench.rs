@@ -53,7 +53,7 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         a.engine.engine,
         &a.images,
         a.batch,
-        job.threads(),
+        job.engine_opts(),
         a.rounds,
     )?;
     if a.json {

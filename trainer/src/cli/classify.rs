@@ -31,7 +31,7 @@ pub fn job_opts(a: &Args) -> Result<JobOpts> {
 }
 
 pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
-    let classifier = Classifier::new(a.backbone.load()?, a.engine.engine, job.threads())?;
+    let classifier = Classifier::new(a.backbone.load()?, a.engine.engine, job.engine_opts())?;
     let mut failed = 0;
     for r in classifier.classify(&a.images, a.top_k)? {
         match r {

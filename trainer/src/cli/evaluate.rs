@@ -53,7 +53,7 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
             &a.data.source(),
             a.engine.engine,
             job.cache_root(),
-            job.threads(),
+            job.engine_opts(),
         )?,
         (None, None) => bail!("pass --run RUN_DIR or --model ART_DIR"),
     };

@@ -20,10 +20,9 @@ pub struct Args {
 /// An extractor from flags as `trainer prepare` takes them (`--backbone`, `--engine`, `--threads`...).
 pub fn extractor<S: AsRef<str>>(flags: &[S]) -> Result<Extractor> {
     let a = Args::try_parse_from(flags.iter().map(AsRef::as_ref))?;
-    let threads = a.engine.job_opts().threads;
     Ok(Extractor::new(
         a.backbone.load()?,
         a.engine.engine,
-        threads,
+        a.engine.job_opts().engine_opts(),
     )?)
 }

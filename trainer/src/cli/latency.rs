@@ -34,7 +34,13 @@ pub fn job_opts(a: &Args) -> Result<JobOpts> {
 
 pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
     let engine = a.engine.engine;
-    let ms = export::latency_ms(&a.model.model, engine, &a.image, a.rounds, job.threads())?;
+    let ms = export::latency_ms(
+        &a.model.model,
+        engine,
+        &a.image,
+        a.rounds,
+        job.engine_opts(),
+    )?;
     let model = a.model.model.display();
     if a.json {
         outln!(

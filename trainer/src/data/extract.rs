@@ -7,6 +7,7 @@
 use image::RgbImage;
 use indicatif::ProgressBar;
 use kestrel_models::backbone::{Backbone, BackboneError};
+use kestrel_models::engine::EngineOpts;
 use kestrel_models::{Engine, EngineKind};
 use kestrel_shared::preprocess::decode;
 use kestrel_shared::{ImageLimits, PreprocessError};
@@ -33,9 +34,13 @@ pub struct Extractor {
 }
 
 impl Extractor {
-    pub fn new(backbone: Backbone, kind: EngineKind, threads: usize) -> Result<Self, ExtractError> {
+    pub fn new(
+        backbone: Backbone,
+        kind: EngineKind,
+        run: EngineOpts,
+    ) -> Result<Self, ExtractError> {
         let opts = frozen_opts(&backbone, backbone.net.blocks.len());
-        let engine = backbone.engine(kind, &opts, threads)?;
+        let engine = backbone.engine(kind, &opts, run)?;
         Ok(Extractor {
             backbone,
             engine,

@@ -404,7 +404,7 @@ pub fn extract_while_decoding(
         return Ok(None);
     }
     let start = Instant::now();
-    let frozen = backbone.engine(engine, &target.opts, job.threads())?;
+    let frozen = backbone.engine(engine, &target.opts, job.engine_opts())?;
     let per = target.per_sample();
     let mut data = Vec::with_capacity(content.len() * per);
     let prepared = Prepared::open_or_build(plan, ds, 1, job.threads(), skip_invalid, &mut |px| {
@@ -603,7 +603,7 @@ fn extract_samples(
     let local = if mine.is_empty() {
         Vec::new()
     } else {
-        let engine_impl = backbone.engine(engine, opts, r.threads)?;
+        let engine_impl = backbone.engine(engine, opts, r.engine_opts())?;
         let pixels = prepared.load_samples(mine)?;
         let refs: Vec<&[u8]> = pixels.iter().map(Vec::as_slice).collect();
         let label = match world {
@@ -642,7 +642,7 @@ pub fn extract_rank(
 ) -> Result<Vec<f32>, CacheError> {
     let (comm, rank, world) = (r.comm, r.rank(), r.world());
     let per: usize = opts.output_shape(&backbone.net).iter().product();
-    let engine_impl = backbone.engine(engine, opts, r.threads)?;
+    let engine_impl = backbone.engine(engine, opts, r.engine_opts())?;
     let mut mine: Vec<(usize, Vec<u8>)> = Vec::new();
     for shard in (rank..prepared.meta.shards).step_by(world) {
         mine.extend(prepared.load_shard(shard)?);

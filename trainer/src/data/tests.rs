@@ -725,7 +725,12 @@ fn stored_feature_rows_spare_the_backbone() {
     let (fresh, stored) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let (_, want) = built(fresh.path());
     // Eight of the twelve images, in another order, from an extractor.
-    let ex = super::extract::Extractor::new(backbone().unwrap(), tract, 1).unwrap();
+    let ex = super::extract::Extractor::new(
+        backbone().unwrap(),
+        tract,
+        kestrel_models::engine::EngineOpts::cpu(1),
+    )
+    .unwrap();
     let some: Vec<&Sample> = ds.samples.iter().rev().take(8).collect();
     let bytes: Vec<Vec<u8>> = some
         .iter()

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use indicatif::ProgressBar;
+use kestrel_models::engine::{EngineOpts, OrtDevice};
 
 use super::{
     Collective, CollectiveError, DEFAULT_TIMEOUT, RankError, launched_by_mpi, run_workers,
@@ -20,6 +21,8 @@ pub struct JobOpts {
     pub workers: usize,
     /// Engine threads of this process (split evenly over local workers).
     pub threads: usize,
+    /// ONNX Runtime's execution provider for every engine the job builds.
+    pub ort_device: OrtDevice,
     /// Root of the sample and feature caches.
     pub cache_root: PathBuf,
     /// How long a collective waits for the other ranks.
@@ -33,9 +36,20 @@ impl Default for JobOpts {
         Self {
             workers: 1,
             threads: default_threads(),
+            ort_device: OrtDevice::Cpu,
             cache_root: default_cache_root(),
             timeout: DEFAULT_TIMEOUT,
             distributed: false,
+        }
+    }
+}
+
+impl JobOpts {
+    /// How the job's engines run: all its threads and ONNX Runtime's execution provider.
+    pub fn engine_opts(&self) -> EngineOpts {
+        EngineOpts {
+            threads: self.threads,
+            ort_device: self.ort_device,
         }
     }
 }
@@ -66,6 +80,7 @@ pub struct Rank<'a> {
     pub comm: &'a dyn Collective,
     /// Engine threads of this rank.
     pub threads: usize,
+    ort_device: OrtDevice,
     /// Whether this process logs (rank 0's process, not quiet).
     logs: bool,
 }
@@ -137,6 +152,11 @@ impl Job {
         self.opts.threads
     }
 
+    /// How the job's engines run: its threads and ONNX Runtime's execution provider.
+    pub fn engine_opts(&self) -> EngineOpts {
+        self.opts.engine_opts()
+    }
+
     pub fn cache_root(&self) -> &Path {
         &self.opts.cache_root
     }
@@ -187,15 +207,18 @@ impl Job {
             return f(&Rank {
                 comm,
                 threads: self.opts.threads,
+                ort_device: self.opts.ort_device,
                 logs,
             });
         }
         let world = self.world();
         let threads = (self.opts.threads / world).max(1);
+        let ort_device = self.opts.ort_device;
         run_workers(world, self.opts.timeout, |comm| {
             f(&Rank {
                 comm,
                 threads,
+                ort_device,
                 logs,
             })
         })
@@ -244,6 +267,14 @@ impl Rank<'_> {
 
     pub fn is_lead(&self) -> bool {
         self.comm.rank() == 0
+    }
+
+    /// How this rank's engines run: its threads and ONNX Runtime's execution provider.
+    pub fn engine_opts(&self) -> EngineOpts {
+        EngineOpts {
+            threads: self.threads,
+            ort_device: self.ort_device,
+        }
     }
 
     /// This rank's index among the ranks on its machine (one GPU each): what the launcher says

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use kestrel_models::artifact::argmax;
-use kestrel_models::engine::{self, Engine};
+use kestrel_models::engine::{self, Engine, EngineOpts};
 use kestrel_models::{EngineKind, Tensor};
 use kestrel_shared::ImageLimits;
 use kestrel_shared::manifest::Manifest;
@@ -28,7 +28,7 @@ pub fn read_manifest(model: &Path) -> Result<(PathBuf, Manifest), ExportError> {
 fn load_model(
     model: &Path,
     kind: EngineKind,
-    threads: usize,
+    run: EngineOpts,
 ) -> Result<(Manifest, Box<dyn Engine>), ExportError> {
     let (dir, m) = read_manifest(model)?;
     let onnx_path = if model.is_dir() {
@@ -45,7 +45,7 @@ fn load_model(
     if kind == EngineKind::Candle {
         return Err(ExportError::CandleEngine);
     }
-    Ok((m, engine::from_onnx(kind, &bytes, input_shape, threads)?))
+    Ok((m, engine::from_onnx(kind, &bytes, input_shape, run)?))
 }
 
 /// Median (nearest rank) batch-1 inference time in milliseconds over `rounds` timed runs (after
@@ -55,9 +55,9 @@ pub fn latency_ms(
     kind: EngineKind,
     image: &Path,
     rounds: usize,
-    threads: usize,
+    run: EngineOpts,
 ) -> Result<f64, ExportError> {
-    let (m, engine) = load_model(model, kind, threads)?;
+    let (m, engine) = load_model(model, kind, run)?;
     let x = m.preprocess.run_file(image, &ImageLimits::default())?;
     let [h, w] = m.preprocess.input_size.map(|v| v as usize);
     let input = Tensor::new(vec![1, 3, h, w], x.data);
@@ -80,12 +80,12 @@ pub fn evaluate_model(
     source: &data::SourceOpts,
     engine: EngineKind,
     cache_root: &Path,
-    threads: usize,
+    run: EngineOpts,
 ) -> Result<crate::report::Evaluation, ExportError> {
-    let (m, engine) = load_model(model, engine, threads)?;
+    let (m, engine) = load_model(model, engine, run)?;
     let ds = data::load(data_path, source)?;
     let plan = SamplePlan::new(cache_root, &ds, &m.preprocess);
-    let prepared = Prepared::open_or_build(&plan, &ds, 1, threads, false, &mut |_| Ok(()))?;
+    let prepared = Prepared::open_or_build(&plan, &ds, 1, run.threads, false, &mut |_| Ok(()))?;
     let map: Vec<usize> = prepared
         .meta
         .labels

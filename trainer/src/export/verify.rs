@@ -6,7 +6,7 @@
 
 use kestrel_models::Tensor;
 use kestrel_models::artifact::argmax;
-use kestrel_models::engine::{Engine, OrtEngine, TractEngine};
+use kestrel_models::engine::{Engine, EngineOpts, OrtEngine, TractEngine};
 use kestrel_shared::PreprocessSpec;
 use kestrel_shared::manifest::RuntimeCheck;
 use kestrel_shared::quality::QualityReference;
@@ -43,7 +43,7 @@ pub(super) fn engines(
             threads,
         )?),
     )];
-    match OrtEngine::from_onnx(&lowered.onnx, shape.clone(), threads) {
+    match OrtEngine::from_onnx(&lowered.onnx, shape.clone(), EngineOpts::cpu(threads)) {
         Ok(e) => engines.push(("ort".into(), Box::new(e))),
         Err(e) => log(format!("ONNX Runtime not verified: {e}")),
     }

@@ -3,6 +3,7 @@
 
 use indicatif::ProgressBar;
 use kestrel_models::Engine;
+use kestrel_models::engine::EngineOpts;
 use rand::{Rng, rngs::StdRng};
 
 use super::{FitParams, TrainError, TrainingData};
@@ -58,7 +59,7 @@ impl Augmenter {
     pub fn new(
         p: &FitParams,
         pp: &TrainingData,
-        threads: usize,
+        run: EngineOpts,
     ) -> Result<Option<Self>, TrainError> {
         if !(p.augment_flip || p.augment_crop) {
             return Ok(None);
@@ -66,7 +67,7 @@ impl Augmenter {
         let opts = frozen_opts(&pp.backbone, pp.boundary);
         Ok(Some(Augmenter {
             pixels: pp.prepared.load_pixels()?,
-            frozen: pp.backbone.engine(p.engine, &opts, threads)?,
+            frozen: pp.backbone.engine(p.engine, &opts, run)?,
             hw: pp.prepared.meta.spec.input_size,
             flip: p.augment_flip,
             crop: p.augment_crop,

@@ -90,15 +90,7 @@ pub fn train_rank(
         return fit.solve_head(feature_seconds, start.as_ref());
     }
     let device = p.compute_device.candle(r.local_rank())?;
-    let mut model = Trainable::new(
-        &pp.backbone,
-        pp.boundary,
-        classes,
-        None,
-        p.seed,
-        None,
-        &device,
-    )?;
+    let mut model = Trainable::fresh(pp, p.seed, &device)?;
     let first_stage = if p.head_first {
         Some(fit.head_first(&mut model, start.as_ref())?)
     } else {
@@ -118,7 +110,7 @@ pub fn train_rank(
         r.log(model_summary(pp, &model));
     }
     let lr_factor = lr_factor(p, r);
-    let aug = Augmenter::new(p, pp, r.threads)?;
+    let aug = Augmenter::new(p, pp, r.engine_opts())?;
     // The best epoch's weights (also in best.safetensors when writing a run).
     let mut best: Option<Weights> = None;
     let started = Instant::now();

@@ -163,6 +163,12 @@ impl Trainable {
         self.load(&w)
     }
 
+    /// A new model of `pp`'s classes on `device`, initialised from `seed`.
+    pub fn fresh(pp: &TrainingData, seed: u64, device: &Device) -> Result<Self, TrainError> {
+        let classes = pp.dataset_labels.len();
+        Self::new(&pp.backbone, pp.boundary, classes, None, seed, None, device)
+    }
+
     /// Where the variables live (and the batches go).
     pub fn device(&self) -> &Device {
         self.vars

@@ -41,16 +41,7 @@ impl Fit<'_> {
         let started = Instant::now();
         let init = start.map(|h| (h.weight.as_slice(), h.bias.as_slice()));
         let head = head::fit_head(pp.rows(), &sets.train, p.l2, loss, p.seed, r, init)?;
-        let classes = pp.dataset_labels.len();
-        let model = Trainable::new(
-            &pp.backbone,
-            pp.boundary,
-            classes,
-            None,
-            p.seed,
-            None,
-            &candle_core::Device::Cpu,
-        )?;
+        let model = Trainable::fresh(pp, p.seed, &candle_core::Device::Cpu)?;
         model.set_classifier(&head.weight, &head.bias)?;
         let train_seconds = started.elapsed().as_secs_f64();
         r.log(format!(
