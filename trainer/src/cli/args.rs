@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::data::SourceOpts;
 use crate::distributed::{JobOpts, default_cache_root, default_threads};
-use crate::train::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule, TrainDevice};
+use crate::train::{ClassWeights, ComputeDevice, FitParams, LrScaling, Optimizer, Schedule};
 use anyhow::{Context, Result, bail};
 use kestrel_models::backbone::{Backbone, OnnxOpts, is_onnx_graph};
 use kestrel_models::engine::OrtDevice;
@@ -383,9 +383,10 @@ pub struct FitArgs {
     #[arg(long, value_enum, default_value = "none")]
     pub lr_scaling: LrScaling,
     /// Where the trainable blocks and the head run: cpu, cuda (each rank on the GPU of its local
-    /// rank) or cuda:N. CUDA needs a trainer built with `--features cuda` (docs/gpu.md).
+    /// rank) or cuda:N. CUDA needs a trainer built with `--features kestrel-trainer/cuda`
+    /// (docs/gpu.md).
     #[arg(long, default_value = "cpu", value_name = "WHERE")]
-    pub compute_device: TrainDevice,
+    pub compute_device: ComputeDevice,
 }
 
 impl FitArgs {

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use crate::classify::throughput;
 use crate::distributed::{Job, JobOpts};
-use crate::train::TrainDevice;
+use crate::train::ComputeDevice;
 use anyhow::Result;
 use kestrel_models::op_timing::time_ops;
 
@@ -32,9 +32,10 @@ pub struct Args {
     #[arg(long)]
     ops: bool,
     /// Where the trainable blocks and the head run: cpu, cuda (each rank on the GPU of its local
-    /// rank) or cuda:N. CUDA needs a trainer built with `--features cuda` (docs/gpu.md).
+    /// rank) or cuda:N. CUDA needs a trainer built with `--features kestrel-trainer/cuda`
+    /// (docs/gpu.md).
     #[arg(long, default_value = "cpu", value_name = "WHERE")]
-    compute_device: TrainDevice,
+    compute_device: ComputeDevice,
     #[arg(required_unless_present = "ops")]
     images: Vec<PathBuf>,
 }

@@ -33,7 +33,7 @@ mod solve;
 
 pub use fit::train_rank;
 pub use model::{Trainable, model_summary};
-pub use params::{ClassWeights, FitParams, LrScaling, Optimizer, Schedule, TrainDevice};
+pub use params::{ClassWeights, ComputeDevice, FitParams, LrScaling, Optimizer, Schedule};
 pub use prepare::{SplitRecord, TrainingData, prepare};
 pub use run_dir::RunDir;
 

@@ -78,28 +78,28 @@ pub enum LrScaling {
     Linear,
 }
 
-/// Where the trainable blocks and the head run (`--compute-device`): the CPU, or an NVIDIA GPU through
-/// candle's CUDA backend (a trainer built with `--features cuda`; docs/gpu.md). The frozen
+/// Where the trainable blocks and the head run (`--compute-device`): the CPU, or an NVIDIA GPU
+/// through candle's CUDA backend (a trainer built with `--features kestrel-trainer/cuda`; docs/gpu.md). The frozen
 /// backbone's features come from the feature cache either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(into = "String", try_from = "String")]
-pub enum TrainDevice {
+pub enum ComputeDevice {
     #[default]
     Cpu,
     /// `cuda`: each rank takes the GPU of its local rank (one rank per GPU); `cuda:N`: GPU N.
     Cuda(Option<usize>),
 }
 
-impl TrainDevice {
+impl ComputeDevice {
     pub fn is_cpu(&self) -> bool {
-        *self == TrainDevice::Cpu
+        *self == ComputeDevice::Cpu
     }
 
     /// The candle device of a rank whose rank on its machine is `local_rank`.
     pub fn candle(self, local_rank: usize) -> Result<candle_core::Device, TrainError> {
         let gpu = match self {
-            TrainDevice::Cpu => return Ok(candle_core::Device::Cpu),
-            TrainDevice::Cuda(n) => n.unwrap_or(local_rank),
+            ComputeDevice::Cpu => return Ok(candle_core::Device::Cpu),
+            ComputeDevice::Cuda(n) => n.unwrap_or(local_rank),
         };
         candle_core::Device::new_cuda(gpu)
             .map_err(|e| TrainError::Invalid(format!("--compute-device {self}: GPU {gpu}: {e}")))
@@ -117,39 +117,39 @@ impl TrainDevice {
     }
 }
 
-impl std::fmt::Display for TrainDevice {
+impl std::fmt::Display for ComputeDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            TrainDevice::Cpu => f.write_str("cpu"),
-            TrainDevice::Cuda(None) => f.write_str("cuda"),
-            TrainDevice::Cuda(Some(n)) => write!(f, "cuda:{n}"),
+            ComputeDevice::Cpu => f.write_str("cpu"),
+            ComputeDevice::Cuda(None) => f.write_str("cuda"),
+            ComputeDevice::Cuda(Some(n)) => write!(f, "cuda:{n}"),
         }
     }
 }
 
-impl std::str::FromStr for TrainDevice {
+impl std::str::FromStr for ComputeDevice {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "cpu" => Ok(TrainDevice::Cpu),
-            "cuda" => Ok(TrainDevice::Cuda(None)),
+            "cpu" => Ok(ComputeDevice::Cpu),
+            "cuda" => Ok(ComputeDevice::Cuda(None)),
             _ => s
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
-                .map(|n| TrainDevice::Cuda(Some(n)))
+                .map(|n| ComputeDevice::Cuda(Some(n)))
                 .ok_or_else(|| format!("`{s}` is not a device: cpu, cuda or cuda:N")),
         }
     }
 }
 
-impl From<TrainDevice> for String {
-    fn from(d: TrainDevice) -> String {
+impl From<ComputeDevice> for String {
+    fn from(d: ComputeDevice) -> String {
         d.to_string()
     }
 }
 
-impl TryFrom<String> for TrainDevice {
+impl TryFrom<String> for ComputeDevice {
     type Error = String;
 
     fn try_from(s: String) -> Result<Self, String> {
@@ -218,8 +218,8 @@ pub struct FitParams {
     pub preprocess: Option<PreprocessSpec>,
     /// Where the trainable part runs (`--compute-device`); absent: the CPU. The results do not
     /// depend on it beyond rounding.
-    #[serde(default, skip_serializing_if = "TrainDevice::is_cpu")]
-    pub compute_device: TrainDevice,
+    #[serde(default, skip_serializing_if = "ComputeDevice::is_cpu")]
+    pub compute_device: ComputeDevice,
     /// sha256 of the ONNX backbone file: a run whose file changed is not prepared again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backbone_sha256: Option<String>,
@@ -316,5 +316,32 @@ impl FitParams {
         };
         p.validate()?;
         Ok(p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ComputeDevice;
+
+    /// `--compute-device` reads back as written, in params.json too, and refuses other words.
+    #[test]
+    fn compute_device_round_trips() {
+        for (s, d) in [
+            ("cpu", ComputeDevice::Cpu),
+            ("cuda", ComputeDevice::Cuda(None)),
+            ("cuda:3", ComputeDevice::Cuda(Some(3))),
+        ] {
+            assert_eq!(s.parse::<ComputeDevice>().unwrap(), d);
+            assert_eq!(d.to_string(), s);
+            let json = serde_json::to_string(&d).unwrap();
+            assert_eq!(json, format!("\"{s}\""));
+            assert_eq!(serde_json::from_str::<ComputeDevice>(&json).unwrap(), d);
+        }
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CPU"] {
+            let e = bad.parse::<ComputeDevice>().unwrap_err();
+            assert!(e.contains(&format!("`{bad}`")), "{e}");
+        }
+        assert!(serde_json::from_str::<ComputeDevice>("\"tpu\"").is_err());
+        assert!(ComputeDevice::Cpu.candle(5).unwrap().is_cpu());
     }
 }
