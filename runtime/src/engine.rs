@@ -394,7 +394,7 @@ mod ort_engine {
         )))
     }
 
-    /// ONNX Runtime (CPU execution provider) on an ONNX graph.
+    /// ONNX Runtime (its CPU or CUDA execution provider) on an ONNX graph.
     pub struct OrtEngine {
         session: Mutex<ort::session::Session>,
         input_shape: Vec<usize>,
