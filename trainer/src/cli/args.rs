@@ -133,7 +133,7 @@ impl EngineArgs {
         }
     }
 
-    pub fn ort_device(&self) -> OrtDevice {
+    fn ort_device(&self) -> OrtDevice {
         match self.execution_provider.as_str() {
             "cuda" => OrtDevice::Cuda,
             _ => OrtDevice::Cpu,

@@ -224,8 +224,8 @@ fn batch_tensor(
     shape.extend(&pp.features.meta.dims);
     let y: Vec<u32> = idx.iter().map(|&i| pp.labels()[i] as u32).collect();
     Ok((
-        CTensor::from_vec(x, shape, &Device::Cpu)?.to_device(device)?,
-        CTensor::from_vec(y, idx.len(), &Device::Cpu)?.to_device(device)?,
+        CTensor::from_vec(x, shape, device)?,
+        CTensor::from_vec(y, idx.len(), device)?,
     ))
 }
 
