@@ -137,6 +137,6 @@ fn parse_engine(s: &str) -> Result<EngineKind, String> {
     match s.parse() {
         Ok(EngineKind::Candle) => Err("the agent runs tract or ort".into()),
         Ok(k) => Ok(k),
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(kestrel_shared::chain(&e)),
     }
 }

@@ -5,16 +5,25 @@
 use std::path::{Path, PathBuf};
 
 use kestrel_runtime::EngineKind;
+use kestrel_shared::error::Cause;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::check_name;
 use serde::Deserialize;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{path}: {reason}")]
-    Read { path: String, reason: String },
-    #[error("{path}: {reason}")]
-    Invalid { path: String, reason: String },
+    #[error("{path}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}")]
+    Invalid {
+        path: String,
+        #[source]
+        source: Cause,
+    },
 }
 
 fn default_max_artifact() -> u64 {
@@ -236,7 +245,7 @@ pub fn drop_ins(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
         Err(e) => {
             return Err(ConfigError::Read {
                 path: dir.display().to_string(),
-                reason: e.to_string(),
+                source: e,
             });
         }
     };
@@ -257,11 +266,11 @@ fn merged(path: &Path) -> Result<(toml::Table, Vec<String>), ConfigError> {
         let p = file.display().to_string();
         let text = std::fs::read_to_string(&file).map_err(|e| ConfigError::Read {
             path: p.clone(),
-            reason: e.to_string(),
+            source: e,
         })?;
         let t: toml::Table = toml::from_str(&text).map_err(|e| ConfigError::Invalid {
             path: p.clone(),
-            reason: e.to_string(),
+            source: e.into(),
         })?;
         merge(&mut table, t);
         sources.push(p);
@@ -320,16 +329,14 @@ impl Config {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let (table, sources) = merged(path)?;
         let p = sources.join(" + ");
-        let invalid = |reason: String| ConfigError::Invalid {
+        let invalid = |e: Cause| ConfigError::Invalid {
             path: p.clone(),
-            reason,
+            source: e,
         };
-        let mut c: Config = table.try_into().map_err(|e| invalid(e.to_string()))?;
+        let mut c: Config = table.try_into().map_err(|e| invalid(e.into()))?;
         if c.device_id.is_empty() {
             c.device_id = host_name().map_err(|e| {
-                invalid(format!(
-                    "device_id is not set and the host name is unreadable: {e}"
-                ))
+                invalid(format!("device_id is not set and the host name is unreadable: {e}").into())
             })?;
         }
         let base = path.parent().unwrap_or(Path::new("."));
@@ -344,14 +351,14 @@ impl Config {
         }
         c.broker.resolve(base);
         for name in std::iter::once(&c.device_id).chain(&c.groups) {
-            check_name(name).map_err(|e| invalid(e.to_string()))?;
+            check_name(name).map_err(|e| invalid(e.into()))?;
         }
         if c.trusted_keys.is_empty() {
             return Err(invalid(
                 "trusted_keys is empty: the agent accepts only signed models".into(),
             ));
         }
-        c.broker.endpoint().map_err(|e| invalid(e.to_string()))?;
+        c.broker.endpoint().map_err(|e| invalid(e.into()))?;
         if c.quality.window == 0 || c.quality.period_s == 0 || c.quality.shadow_every == 0 {
             return Err(invalid(
                 "[quality] window, period_s and shadow_every must be at least 1".into(),
@@ -406,11 +413,11 @@ fn read_public_key(p: &PathBuf) -> Result<ed25519_dalek::VerifyingKey, ConfigErr
     let path = p.display().to_string();
     let text = std::fs::read_to_string(p).map_err(|e| ConfigError::Read {
         path: path.clone(),
-        reason: e.to_string(),
+        source: e,
     })?;
     kestrel_shared::signing::public_key(&text, &path).map_err(|e| ConfigError::Invalid {
         path,
-        reason: e.to_string(),
+        source: e.into(),
     })
 }
 
@@ -428,7 +435,7 @@ mod tests {
         let write = |body: &str| {
             let p = dir.path().join("agent.toml");
             std::fs::write(&p, body).unwrap();
-            Config::load(&p).map(|_| ()).unwrap_err().to_string()
+            kestrel_shared::chain(&Config::load(&p).map(|_| ()).unwrap_err())
         };
         let base = "store = \"s\"\ntrusted_keys = [\"k.pub\"]\n[broker]\nurl = \"mqtt://h:1\"\n";
         let e = write(&format!("device_id = \"a/b\"\n{base}"));
@@ -468,7 +475,8 @@ mod tests {
             }
             Err(e) => {
                 assert!(!kestrel_runtime::engine::ORT_COMPILED);
-                assert!(e.to_string().contains("without ONNX Runtime"), "{e}");
+                let e = kestrel_shared::chain(&e);
+                assert!(e.contains("without ONNX Runtime"), "{e}");
             }
         }
     }
@@ -509,10 +517,10 @@ mod tests {
         assert_eq!(c.limits.queue, 4);
         // A bad drop-in is named.
         std::fs::write(d.join("30-bad.toml"), "[broker\n").unwrap();
-        let e = Config::load(&p).unwrap_err().to_string();
+        let e = kestrel_shared::chain(&Config::load(&p).unwrap_err());
         assert!(e.contains("30-bad.toml"), "{e}");
         std::fs::write(d.join("30-bad.toml"), "bogus = 1\n").unwrap();
-        let e = Config::load(&p).unwrap_err().to_string();
+        let e = kestrel_shared::chain(&Config::load(&p).unwrap_err());
         assert!(e.contains("bogus") && e.contains("30-bad.toml"), "{e}");
     }
 }

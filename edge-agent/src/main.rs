@@ -17,7 +17,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            tracing::error!("{e:#}");
+            tracing::error!("{}", kestrel_shared::Chain(e.as_ref()));
             // 78 (EX_CONFIG): a configuration systemd should not restart into
             // (RestartPreventExitStatus=78 in deploy/debian/kestrel-agent.service).
             if e.chain().any(|c| c.is::<edge_agent::config::ConfigError>()) {
@@ -80,7 +80,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     }
                     Err(e) => {
                         failed += 1;
-                        tracing::error!("{e:#}");
+                        tracing::error!("{}", kestrel_shared::Chain(e.as_ref()));
                     }
                 }
             }

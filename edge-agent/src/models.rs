@@ -55,11 +55,11 @@ impl ModelCache {
         let mut models = self.models.lock().expect("lock");
         if let Some(m) = models.get(&key) {
             artifact::verify_device_files(dir, &m.manifest, self.max_bytes)
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| kestrel_shared::chain(&e))?;
             return Ok(m.clone());
         }
         let mut m = LoadedModel::load(dir, self.max_bytes, self.engine, self.threads)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| kestrel_shared::chain(&e))?;
         m.limits = self.limits;
         let m = Arc::new(m);
         models.insert(key, m.clone());
@@ -95,8 +95,10 @@ pub fn watch_dir(dir: PathBuf, model: ModelSlot<LoadedModel>, top_k: usize) {
             let name = p.display().to_string();
             let line = match std::fs::read(&p)
                 .map_err(|e| format!("{name}: {e}"))
-                .and_then(|b| m.predict(&b, &name, top_k).map_err(|e| e.to_string()))
-            {
+                .and_then(|b| {
+                    m.predict(&b, &name, top_k)
+                        .map_err(|e| kestrel_shared::chain(&e))
+                }) {
                 Ok(pred) => serde_json::to_string(&pred).expect("serializable"),
                 Err(e) => serde_json::json!({ "image": name, "error": e }).to_string(),
             };

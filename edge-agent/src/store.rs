@@ -191,7 +191,7 @@ impl Store {
         let _ = std::fs::remove_dir_all(&dir);
         let mut at = 0usize;
         for f in device_files(m) {
-            let rel = artifact::safe_relative(&f.path).map_err(|e| e.to_string())?;
+            let rel = artifact::safe_relative(&f.path).map_err(|e| kestrel_shared::chain(&e))?;
             let end = at + f.size as usize;
             let bytes = bundle
                 .get(at..end)

@@ -27,14 +27,14 @@ impl Bundle {
         let mpath = dir.join(MANIFEST_FILE);
         let text = std::fs::read_to_string(&mpath).map_err(|e| FleetError::Io {
             path: mpath.display().to_string(),
-            reason: e.to_string(),
+            source: e,
         })?;
         let mut bundle = Vec::new();
         for f in device_files(&manifest) {
             let p = dir.join(artifact::safe_relative(&f.path)?);
             bundle.extend(std::fs::read(&p).map_err(|e| FleetError::Io {
                 path: p.display().to_string(),
-                reason: e.to_string(),
+                source: e,
             })?);
         }
         let chunk_bytes = chunk_bytes.max(1);

@@ -41,23 +41,23 @@ impl CaptureFeed {
         opts.set_manual_acks(true);
         let (client, conn) = Client::new(opts, 256);
         let events = Events::new(conn);
-        let err = |reason: String| FleetError::Broker {
+        let err = |e: kestrel_shared::error::Cause| FleetError::Broker {
             url: cfg.url.clone(),
-            reason,
+            source: e,
         };
         let deadline = Instant::now() + Duration::from_secs(10);
         let resumed = loop {
             match events.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok(Ok(Event::Incoming(Packet::ConnAck(a)))) => break a.session_present,
                 Ok(Ok(_)) => {}
-                Ok(Err(e)) => return Err(err(e.to_string())),
+                Ok(Err(e)) => return Err(err(e.into())),
                 Err(_) => return Err(err("no answer within 10 s".into())),
             }
         };
         let topics = Topics::new(&cfg.prefix);
         client
             .subscribe(topics.captures_filter(), QoS::AtLeastOnce)
-            .map_err(|e| err(e.to_string()))?;
+            .map_err(|e| err(e.into()))?;
         Ok(Self {
             client,
             events,
@@ -68,10 +68,10 @@ impl CaptureFeed {
         })
     }
 
-    fn err(&self, reason: String) -> FleetError {
+    fn err(&self, e: impl Into<kestrel_shared::error::Cause>) -> FleetError {
         FleetError::Broker {
             url: self.url.clone(),
-            reason,
+            source: e.into(),
         }
     }
 
@@ -96,7 +96,7 @@ impl CaptureFeed {
                 Ok(Err(e)) => return Err(self.err(format!("connection lost: {e}"))),
                 Err(RecvTimeoutError::Timeout) => return Ok(None),
                 Err(RecvTimeoutError::Disconnected) => {
-                    return Err(self.err("client stopped".into()));
+                    return Err(self.err("client stopped"));
                 }
             }
         }
@@ -113,7 +113,8 @@ impl CaptureFeed {
         else {
             return Err(format!("{topic}: not a capture topic"));
         };
-        let (c, bytes) = Capture::parse(payload).map_err(|e| format!("{topic}: {e}"))?;
+        let (c, bytes) = Capture::parse(payload)
+            .map_err(|e| format!("{topic}: {}", kestrel_shared::Chain(&e)))?;
         if c.device != device || c.id != id {
             return Err(format!(
                 "{topic}: the payload says it is capture `{}` of device `{}`; refused (a device \
@@ -127,9 +128,7 @@ impl CaptureFeed {
 
     /// Acknowledges a message once it is stored (or refused for good).
     pub fn ack(&mut self, r: &Received) -> Result<(), FleetError> {
-        self.client
-            .ack(&r.publish)
-            .map_err(|e| self.err(e.to_string()))?;
+        self.client.ack(&r.publish).map_err(|e| self.err(e))?;
         self.unwritten += 1;
         Ok(())
     }

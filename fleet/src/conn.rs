@@ -137,16 +137,16 @@ impl Conn {
             {
                 Ok(Ok(Event::Incoming(Packet::ConnAck(_)))) => return Ok(c),
                 Ok(Ok(_)) => {}
-                Ok(Err(e)) => return Err(c.err(e.to_string())),
-                Err(_) => return Err(c.err("no answer within 10 s".into())),
+                Ok(Err(e)) => return Err(c.err(e)),
+                Err(_) => return Err(c.err("no answer within 10 s")),
             }
         }
     }
 
-    fn err(&self, reason: String) -> FleetError {
+    fn err(&self, e: impl Into<kestrel_shared::error::Cause>) -> FleetError {
         FleetError::Broker {
             url: self.url.clone(),
-            reason,
+            source: e.into(),
         }
     }
 
@@ -155,7 +155,7 @@ impl Conn {
     fn client_err(&self, e: rumqttc::ClientError) -> FleetError {
         match self.events.try_iter().find_map(Result::err) {
             Some(lost) => self.err(format!("connection lost: {lost}")),
-            None => self.err(e.to_string()),
+            None => self.err(e),
         }
     }
 
@@ -179,7 +179,7 @@ impl Conn {
             }
             Ok(Err(e)) => Err(self.err(format!("connection lost: {e}"))),
             Err(RecvTimeoutError::Timeout) => Ok(None),
-            Err(RecvTimeoutError::Disconnected) => Err(self.err("client stopped".into())),
+            Err(RecvTimeoutError::Disconnected) => Err(self.err("client stopped")),
         }
     }
 

@@ -38,11 +38,17 @@ pub use status::{qualities, statuses, wait_status};
 
 use kestrel_models::artifact;
 
+use kestrel_shared::error::Cause;
+
 #[derive(Debug, thiserror::Error)]
 pub enum FleetError {
     /// The broker could not be reached, or the connection failed.
-    #[error("broker {url}: {reason}")]
-    Broker { url: String, reason: String },
+    #[error("broker {url}")]
+    Broker {
+        url: String,
+        #[source]
+        source: Cause,
+    },
     /// The operation was refused (versions, names, plans) or its condition was not met.
     #[error("{0}")]
     Refused(String),
@@ -55,8 +61,12 @@ pub enum FleetError {
     Protocol(#[from] kestrel_shared::protocol::ProtocolError),
     #[error(transparent)]
     Config(#[from] kestrel_shared::mqtt::BrokerError),
-    #[error("{path}: {reason}")]
-    Io { path: String, reason: String },
+    #[error("{path}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// A progress bar on stderr (hidden when stderr is not a terminal).

@@ -98,7 +98,7 @@ pub fn wait_status(
         first = false;
         let topic = conn.topics.status(device);
         if let Err(e) = conn.subscribe(&topic) {
-            tracing::warn!("{e}; reconnecting");
+            tracing::warn!("{}; reconnecting", kestrel_shared::Chain(&e));
             continue;
         }
         loop {
@@ -116,8 +116,8 @@ pub fn wait_status(
                 }
                 Ok(Some(_)) => {}
                 Ok(None) => break,
-                Err(FleetError::Broker { reason, .. }) => {
-                    tracing::warn!("{}: {reason}; reconnecting", cfg.url);
+                Err(e @ FleetError::Broker { .. }) => {
+                    tracing::warn!("{}; reconnecting", kestrel_shared::Chain(&e));
                     break;
                 }
                 Err(e) => return Err(e),

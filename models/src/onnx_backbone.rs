@@ -30,14 +30,18 @@ const FLOAT: i32 = pb::tensor_proto::DataType::Float as i32;
 
 #[derive(Debug, thiserror::Error)]
 pub enum OnnxBackboneError {
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         path: String,
         #[source]
         source: std::io::Error,
     },
-    #[error("{path}: not an ONNX model ({reason})")]
-    NotOnnx { path: String, reason: String },
+    #[error("{path}: not an ONNX model")]
+    NotOnnx {
+        path: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error(
         "{path}: default-domain opset {found}; Kestrel reads ONNX graphs of opset {MIN_OPSET} or later"
     )]
@@ -72,8 +76,12 @@ pub enum OnnxBackboneError {
         name: String,
         found: String,
     },
-    #[error("{path}: tract cannot load the feature graph: {reason}")]
-    Tract { path: String, reason: String },
+    #[error("{path}: tract cannot load the feature graph")]
+    Tract {
+        path: String,
+        #[source]
+        source: tract_onnx::prelude::TractError,
+    },
 }
 
 /// Memory layout of the user's image input.
@@ -136,12 +144,12 @@ pub fn read_model(path: &Path) -> Result<(ModelProto, Vec<u8>), OnnxBackboneErro
     let bytes = read(path)?;
     let model = ModelProto::decode(bytes.as_slice()).map_err(|e| OnnxBackboneError::NotOnnx {
         path: p.clone(),
-        reason: e.to_string(),
+        source: e.into(),
     })?;
     if model.graph.is_none() {
         return Err(OnnxBackboneError::NotOnnx {
             path: p,
-            reason: "no graph".into(),
+            source: "no graph".into(),
         });
     }
     let opset = default_opset(&model);
@@ -420,7 +428,7 @@ fn feature_dim(
 ) -> Result<usize, OnnxBackboneError> {
     let tract = |e: tract_onnx::prelude::TractError| OnnxBackboneError::Tract {
         path: path.into(),
-        reason: format!("{e:#}"),
+        source: e,
     };
     let m = tract_onnx::onnx()
         .model_for_read(&mut std::io::Cursor::new(onnx::to_bytes(model)))

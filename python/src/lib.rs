@@ -56,7 +56,7 @@ fn captured(
     match r {
         Ok(code) if code == ExitCode::SUCCESS => Ok(out),
         Ok(_) => Err(format!("trainer {} failed\n{out}", argv.join(" "))),
-        Err(e) => Err(format!("{e:#}")),
+        Err(e) => Err(kestrel_shared::chain(e.as_ref())),
     }
 }
 
@@ -156,7 +156,9 @@ impl Extractor {
     #[new]
     fn new(py: Python<'_>, flags: Vec<String>) -> PyResult<Extractor> {
         let inner = py
-            .detach(|| cli::features::extractor(&flags).map_err(|e| format!("{e:#}")))
+            .detach(|| {
+                cli::features::extractor(&flags).map_err(|e| kestrel_shared::chain(e.as_ref()))
+            })
             .map_err(py_err)?;
         Ok(Extractor { inner })
     }
@@ -184,7 +186,9 @@ impl Extractor {
                     .map(String::as_str)
                     .zip(images.iter().map(Vec::as_slice))
                     .collect();
-                self.inner.extract(&items).map_err(|e| format!("{e:#}"))
+                self.inner
+                    .extract(&items)
+                    .map_err(|e| kestrel_shared::chain(&e))
             })
             .map_err(py_err)?;
         let dims = rows
@@ -199,7 +203,7 @@ impl Extractor {
                     out.extend(v.iter().flat_map(|f| f.to_le_bytes()));
                     errors.push(None);
                 }
-                Err(e) => errors.push(Some(e.to_string())),
+                Err(e) => errors.push(Some(kestrel_shared::chain(&e))),
             }
         }
         Ok((PyBytes::new(py, &out), dims, errors))
@@ -225,7 +229,7 @@ impl Extractor {
             self.inner
                 .store(&cache, content, &data, seconds)
                 .map(|d| d.display().to_string())
-                .map_err(|e| format!("{}: {:#}", cache.display(), anyhow::Error::new(e)))
+                .map_err(|e| format!("{}: {}", cache.display(), kestrel_shared::chain(&e)))
         })
         .map_err(py_err)
     }
@@ -245,7 +249,7 @@ impl Predictor {
         let model = py
             .detach(|| {
                 LoadedModel::load(&artifact, max_bytes, EngineKind::Tract, threads)
-                    .map_err(|e| format!("{}: {e}", artifact.display()))
+                    .map_err(|e| format!("{}: {}", artifact.display(), kestrel_shared::Chain(&e)))
             })
             .map_err(py_err)?;
         Ok(Predictor { model })
@@ -278,7 +282,10 @@ impl Predictor {
                                 .map(|c| (c.label, c.class, c.score))
                                 .collect()
                         })
-                        .map_or_else(|e| (None, Some(e.to_string())), |top| (Some(top), None))
+                        .map_or_else(
+                            |e| (None, Some(kestrel_shared::chain(&e))),
+                            |top| (Some(top), None),
+                        )
                 })
                 .collect()
         })

@@ -18,10 +18,18 @@ pub const GOLDEN_TOLERANCE: f32 = 1e-3;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ArtifactError {
-    #[error("{path}: {reason}")]
-    Io { path: String, reason: String },
-    #[error("{path}: invalid manifest: {reason}")]
-    Manifest { path: String, reason: String },
+    #[error("{path}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid manifest")]
+    Manifest {
+        path: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("unsafe file name `{0}` in the manifest (absolute, `..` or empty)")]
     UnsafePath(String),
     #[error("{file}: sha256 {found} does not match the manifest's {expected}")]
@@ -51,7 +59,7 @@ pub enum ArtifactError {
 fn io(path: &Path, e: std::io::Error) -> ArtifactError {
     ArtifactError::Io {
         path: path.display().to_string(),
-        reason: e.to_string(),
+        source: e,
     }
 }
 
@@ -70,16 +78,12 @@ pub fn safe_relative(name: &str) -> Result<&Path, ArtifactError> {
 pub fn read_manifest(dir: &Path) -> Result<Manifest, ArtifactError> {
     let path = dir.join(MANIFEST_FILE);
     let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
-    let m: Manifest = serde_json::from_str(&text).map_err(|e| ArtifactError::Manifest {
+    let invalid = |e: Box<dyn std::error::Error + Send + Sync>| ArtifactError::Manifest {
         path: path.display().to_string(),
-        reason: e.to_string(),
-    })?;
-    m.preprocess
-        .validate()
-        .map_err(|e| ArtifactError::Manifest {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+        source: e,
+    };
+    let m: Manifest = serde_json::from_str(&text).map_err(|e| invalid(e.into()))?;
+    m.preprocess.validate().map_err(|e| invalid(e.into()))?;
     Ok(m)
 }
 
@@ -138,7 +142,7 @@ fn verify_entries(dir: &Path, files: &[&FileEntry], max_bytes: u64) -> Result<()
     if !files.iter().any(|f| f.path == "model.onnx") {
         return Err(ArtifactError::Manifest {
             path: MANIFEST_FILE.into(),
-            reason: "no model.onnx listed".into(),
+            source: "no model.onnx listed".into(),
         });
     }
     for f in files {
@@ -335,5 +339,31 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    /// The causes are kept as sources (a caller can match on them), and `chain` prints them.
+    #[test]
+    fn errors_keep_their_causes() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = read_manifest(dir.path()).unwrap_err();
+        let io = std::error::Error::source(&e).and_then(|c| c.downcast_ref::<std::io::Error>());
+        assert_eq!(io.map(|c| c.kind()), Some(std::io::ErrorKind::NotFound));
+        std::fs::write(dir.path().join(MANIFEST_FILE), "{\"name\": 3").unwrap();
+        let e = read_manifest(dir.path()).unwrap_err();
+        assert!(matches!(e, ArtifactError::Manifest { .. }), "{e:?}");
+        let line = kestrel_shared::chain(&e);
+        assert!(
+            line.contains("invalid manifest: invalid type: integer `3`"),
+            "{line}"
+        );
+        let Err(e) = engine::TractEngine::from_onnx(b"not onnx", vec![3, 8, 8], 1) else {
+            panic!("bytes that are not ONNX load");
+        };
+        assert!(matches!(e, EngineError::Tract(_)), "{e:?}");
+        let line = kestrel_shared::chain(&e);
+        assert!(
+            line.starts_with("tract: ") && line.len() > "tract: ".len() + 10,
+            "{line}"
+        );
     }
 }

@@ -14,7 +14,9 @@ use tract_onnx::pb::{ModelProto, NodeProto, TensorProto, tensor_proto::DataType}
 use crate::engine::EngineError;
 
 fn bad(what: String) -> EngineError {
-    EngineError::Tract(format!("dequantizing int8 weights: {what}"))
+    EngineError::Tract(tract_onnx::prelude::TractError::msg(format!(
+        "dequantizing int8 weights: {what}"
+    )))
 }
 
 /// The graph with constant `DequantizeLinear`s folded into f32 initializers; returns the new

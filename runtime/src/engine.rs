@@ -22,12 +22,12 @@ use tract_onnx::prelude::{
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    #[error("tract: {0}")]
-    Tract(String),
-    #[error("ONNX Runtime: {0}")]
-    Ort(String),
-    #[error("candle: {0}")]
-    Candle(String),
+    #[error("tract")]
+    Tract(#[source] tract_onnx::prelude::TractError),
+    #[error("ONNX Runtime")]
+    Ort(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("candle")]
+    Candle(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("engine `{0}` is not compiled into this binary (cargo feature `{0}`)")]
     NotCompiled(&'static str),
     #[error("input batch has shape {found:?}, the graph expects [N, {expected:?}]")]
@@ -119,7 +119,7 @@ pub struct TractEngine {
 }
 
 fn tract_err(e: tract_onnx::prelude::TractError) -> EngineError {
-    EngineError::Tract(format!("{e:#}"))
+    EngineError::Tract(e)
 }
 
 impl TractEngine {
@@ -374,7 +374,7 @@ mod ort_engine {
                 .build()
                 .map_err(|e| format!("cannot create environment from {}: {e}", path.display()))
         });
-        r.as_ref().map_err(|e| EngineError::Ort(e.clone()))
+        r.as_ref().map_err(|e| EngineError::Ort(e.clone().into()))
     }
 
     /// ONNX Runtime loads its CUDA execution provider from `libonnxruntime_providers_cuda.so`
@@ -385,13 +385,16 @@ mod ort_engine {
         if provider.exists() {
             return Ok(());
         }
-        Err(EngineError::Ort(format!(
-            "--execution-provider cuda: {} is missing: the ONNX Runtime at {} is a CPU build; \
-             scripts/setup-cuda.sh --runtime installs onnxruntime-gpu, and `source \
-             $KESTREL_HOME/cuda/env.sh` sets ORT_DYLIB_PATH to it",
-            provider.display(),
-            lib.display()
-        )))
+        Err(EngineError::Ort(
+            format!(
+                "--execution-provider cuda: {} is missing: the ONNX Runtime at {} is a CPU build; \
+                 scripts/setup-cuda.sh --runtime installs onnxruntime-gpu, and `source \
+                 $KESTREL_HOME/cuda/env.sh` sets ORT_DYLIB_PATH to it",
+                provider.display(),
+                lib.display()
+            )
+            .into(),
+        ))
     }
 
     /// ONNX Runtime (its CPU or CUDA execution provider) on an ONNX graph.
@@ -407,16 +410,20 @@ mod ort_engine {
             opts: EngineOpts,
         ) -> Result<Self, EngineError> {
             let env = init()?;
-            let err = |e: ort::Error| EngineError::Ort(e.to_string());
+            let err = |e: ort::Error| EngineError::Ort(e.into());
+            // The builder's errors carry the builder back (to recover it): keep their code and words.
+            let builder_err = |e: ort::Error<ort::session::builder::SessionBuilder>| {
+                EngineError::Ort(ort::Error::new_with_code(e.code(), e.message()).into())
+            };
             let mut builder = ort::session::Session::builder(env)
                 .map_err(err)?
                 .with_intra_threads(opts.threads.max(1))
-                .map_err(|e| EngineError::Ort(e.to_string()))?
+                .map_err(builder_err)?
                 // What Python's `InferenceSession` uses by default: every optimization, layout
                 // ones included (NHWC integer convolutions for static int8: without them its
                 // QLinearConvs ran 1.4x slower here).
                 .with_optimization_level(ort::session::builder::GraphOptimizationLevel::All)
-                .map_err(|e| EngineError::Ort(e.to_string()))?;
+                .map_err(builder_err)?;
             if opts.ort_device == OrtDevice::Cuda {
                 cuda_provider_present()?;
                 builder = builder
@@ -432,10 +439,13 @@ mod ort_engine {
                              scripts/setup-cuda.sh --runtime fetches them, and `source \
                              $KESTREL_HOME/cuda/env.sh` puts them on LD_LIBRARY_PATH) and a GPU"
                         };
-                        EngineError::Ort(format!(
-                            "--execution-provider cuda: the CUDA execution provider is unavailable ({}); {needs}",
-                            e.trim_end()
-                        ))
+                        EngineError::Ort(
+                            format!(
+                                "--execution-provider cuda: the CUDA execution provider is unavailable ({}); {needs}",
+                                e.trim_end()
+                            )
+                            .into(),
+                        )
                     })?;
             }
             let session = builder.commit_from_memory(bytes).map_err(err)?;
@@ -458,7 +468,7 @@ mod ort_engine {
         /// Every output of a batch (ONNX Runtime runs any batch size as one).
         fn run_outputs(&self, input: &Tensor) -> Result<Vec<Tensor>, EngineError> {
             check_input(&self.input_shape, input)?;
-            let err = |e: ort::Error| EngineError::Ort(e.to_string());
+            let err = |e: ort::Error| EngineError::Ort(e.into());
             let value = ort::value::Tensor::from_array((input.shape.clone(), input.data.clone()))
                 .map_err(err)?;
             let mut session = self.session.lock().expect("ort session lock");

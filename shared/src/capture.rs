@@ -31,8 +31,12 @@ pub struct Capture {
 pub enum CaptureError {
     #[error("capture: not JSON of a capture: {0}")]
     Json(#[from] serde_json::Error),
-    #[error("capture {id}: content is not base64: {reason}")]
-    Content { id: String, reason: String },
+    #[error("capture {id}: content is not base64")]
+    Content {
+        id: String,
+        #[source]
+        source: base64::DecodeError,
+    },
 }
 
 impl Capture {
@@ -45,9 +49,9 @@ impl Capture {
         let c: Capture = serde_json::from_slice(payload)?;
         let bytes = base64::engine::general_purpose::STANDARD
             .decode(&c.content)
-            .map_err(|e| CaptureError::Content {
+            .map_err(|source| CaptureError::Content {
                 id: c.id.clone(),
-                reason: e.to_string(),
+                source,
             })?;
         Ok((c, bytes))
     }

@@ -8,6 +8,7 @@
 //! - [`time`]: wall-clock helpers ([`now_unix`]).
 
 pub mod capture;
+pub mod error;
 pub mod fsutil;
 #[cfg(feature = "logging")]
 pub mod logging;
@@ -23,5 +24,6 @@ pub mod stats;
 pub mod time;
 pub mod topics;
 
+pub use error::{Chain, chain};
 pub use preprocess::{ImageLimits, PreprocessError, PreprocessSpec, Preprocessed};
 pub use time::{issued_now, now_rfc3339, now_unix};

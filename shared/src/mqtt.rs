@@ -16,10 +16,20 @@ use crate::protocol::DEFAULT_PREFIX;
 pub enum BrokerError {
     #[error("broker URL `{0}`: expected mqtt://HOST:PORT or mqtts://HOST:PORT")]
     Url(String),
-    #[error("{path}: {reason}")]
-    File { path: String, reason: String },
+    #[error("{path}")]
+    File {
+        path: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("TLS: {0}")]
     Tls(String),
+    #[error("TLS: {context}")]
+    Rustls {
+        context: String,
+        #[source]
+        source: rustls::Error,
+    },
 }
 
 fn default_prefix() -> String {
@@ -164,10 +174,7 @@ impl BrokerConfig {
         if let Some(user) = &self.username {
             let password = match self.password_file.clone().or_else(credential) {
                 Some(p) => std::fs::read_to_string(&p)
-                    .map_err(|e| BrokerError::File {
-                        path: p.display().to_string(),
-                        reason: e.to_string(),
-                    })?
+                    .map_err(|e| file_error(&p, e))?
                     .lines()
                     .next()
                     .unwrap_or_default()
@@ -209,7 +216,10 @@ impl BrokerConfig {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
-            .map_err(|e| BrokerError::Tls(e.to_string()))?
+            .map_err(|source| BrokerError::Rustls {
+                context: "protocol versions".into(),
+                source,
+            })?
             .with_root_certificates(roots);
         let config = match (&self.cert_file, &self.key_file) {
             (None, None) => builder.with_no_client_auth(),
@@ -220,7 +230,10 @@ impl BrokerConfig {
                 let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| file_error(key, e))?;
                 builder
                     .with_client_auth_cert(chain, key_der)
-                    .map_err(|e| BrokerError::Tls(format!("{}: {e}", key.display())))?
+                    .map_err(|source| BrokerError::Rustls {
+                        context: key.display().to_string(),
+                        source,
+                    })?
             }
             _ => {
                 return Err(BrokerError::Tls(
@@ -232,10 +245,10 @@ impl BrokerConfig {
     }
 }
 
-fn file_error(path: &Path, e: impl std::fmt::Display) -> BrokerError {
+fn file_error(path: &Path, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> BrokerError {
     BrokerError::File {
         path: path.display().to_string(),
-        reason: e.to_string(),
+        source: e.into(),
     }
 }
 
@@ -292,11 +305,8 @@ mod tests {
         std::fs::write(&junk, "not a certificate\n").unwrap();
         let mut c = BrokerConfig::new("mqtts://x:8883");
         c.ca_file = Some(junk.clone());
-        let err = c.options("c", true).unwrap_err().to_string();
-        assert!(
-            err.contains("junk.pem") && err.contains("no certificate"),
-            "{err}"
-        );
+        let err = crate::chain(&c.options("c", true).unwrap_err());
+        assert!(err.contains("junk.pem: no certificate found"), "{err}");
         c.ca_file = None;
         c.system_roots = true;
         c.cert_file = Some(junk);

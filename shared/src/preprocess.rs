@@ -261,10 +261,24 @@ pub enum PreprocessError {
         max_width: u32,
         max_height: u32,
     },
-    #[error("{source_name}: cannot decode image: {reason}")]
-    Decode { source_name: String, reason: String },
-    #[error("{source_name}: cannot read: {reason}")]
-    Io { source_name: String, reason: String },
+    #[error("{source_name}: cannot decode image")]
+    Decode {
+        source_name: String,
+        #[source]
+        source: image::ImageError,
+    },
+    #[error("{source_name}: cannot decode image: image {width}x{height} has no pixels")]
+    NoPixels {
+        source_name: String,
+        width: u32,
+        height: u32,
+    },
+    #[error("{source_name}: cannot read")]
+    Io {
+        source_name: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("invalid preprocessing spec: {0}")]
     Spec(String),
 }
@@ -293,7 +307,7 @@ pub fn dump_tensors(
 ) -> Result<(), PreprocessError> {
     let io = |p: &std::path::Path, e: std::io::Error| PreprocessError::Io {
         source_name: p.display().to_string(),
-        reason: e.to_string(),
+        source: e,
     };
     std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
     for img in images {
@@ -329,7 +343,7 @@ pub fn decode(
         .with_guessed_format()
         .map_err(|e| PreprocessError::Io {
             source_name: source_name.clone(),
-            reason: e.to_string(),
+            source: e,
         })?;
     let format = reader.format();
     let allowed = |f: image::ImageFormat| {
@@ -354,7 +368,7 @@ pub fn decode(
         .into_dimensions()
         .map_err(|e| PreprocessError::Decode {
             source_name: source_name.clone(),
-            reason: e.to_string(),
+            source: e,
         })?;
     if width > limits.max_width || height > limits.max_height {
         return Err(PreprocessError::TooLarge {
@@ -369,7 +383,7 @@ pub fn decode(
         .with_guessed_format()
         .map_err(|e| PreprocessError::Io {
             source_name: source_name.clone(),
-            reason: e.to_string(),
+            source: e,
         })?;
     let mut l = image::Limits::default();
     l.max_image_width = Some(limits.max_width);
@@ -378,14 +392,15 @@ pub fn decode(
     reader.limits(l);
     let img = reader.decode().map_err(|e| PreprocessError::Decode {
         source_name: source_name.clone(),
-        reason: e.to_string(),
+        source: e,
     })?;
     // An image with no pixels (a GIF's 4x0 screen, found by fuzzing) would scale to an endless
     // size in the resize.
     if img.width() == 0 || img.height() == 0 {
-        return Err(PreprocessError::Decode {
+        return Err(PreprocessError::NoPixels {
             source_name,
-            reason: format!("image {}x{} has no pixels", img.width(), img.height()),
+            width: img.width(),
+            height: img.height(),
         });
     }
     Ok(img)
@@ -412,7 +427,7 @@ impl PreprocessSpec {
         let name = path.display().to_string();
         let meta = std::fs::metadata(path).map_err(|e| PreprocessError::Io {
             source_name: name.clone(),
-            reason: e.to_string(),
+            source: e,
         })?;
         if meta.len() > limits.max_file_bytes {
             return Err(PreprocessError::FileTooLarge {
@@ -423,7 +438,7 @@ impl PreprocessSpec {
         }
         let bytes = std::fs::read(path).map_err(|e| PreprocessError::Io {
             source_name: name.clone(),
-            reason: e.to_string(),
+            source: e,
         })?;
         self.run_bytes(&bytes, &name, limits)
     }
@@ -628,6 +643,15 @@ mod tests {
             matches!(e, PreprocessError::Decode { .. }) && e.to_string().contains("c.png"),
             "{e}"
         );
+        // The decoder's own words are the error's source, and in its one-line form.
+        let why = std::error::Error::source(&e)
+            .expect("decoder error kept")
+            .to_string();
+        let line = crate::chain(&e);
+        assert!(
+            line.starts_with("c.png: cannot decode image: ") && line.ends_with(&why),
+            "{line}"
+        );
         let small = ImageLimits {
             max_width: 32,
             max_height: 32,
@@ -650,7 +674,10 @@ mod tests {
             .run_bytes(gif, "zero.gif", &ImageLimits::default())
             .unwrap_err();
         assert!(
-            matches!(e, PreprocessError::Decode { .. }) && e.to_string().contains("zero.gif"),
+            matches!(
+                e,
+                PreprocessError::Decode { .. } | PreprocessError::NoPixels { .. }
+            ) && e.to_string().contains("zero.gif"),
             "{e}"
         );
     }

@@ -14,7 +14,7 @@ fn main() -> ExitCode {
     match cli::run(cli.cmd) {
         Ok(code) => code,
         Err(e) => {
-            tracing::error!("{e:#}");
+            tracing::error!("{}", kestrel_shared::Chain(e.as_ref()));
             cli::exit::code(&e)
         }
     }

@@ -29,8 +29,12 @@ pub enum PredictError {
     Artifact(#[from] ArtifactError),
     #[error(transparent)]
     Collective(#[from] CollectiveError),
-    #[error("{path}: {reason}")]
-    Output { path: String, reason: String },
+    #[error("{path}")]
+    Output {
+        path: String,
+        #[source]
+        source: kestrel_shared::error::Cause,
+    },
     #[error("only {rows} rows for {workers} workers: every worker needs at least one")]
     TooFewRows { rows: usize, workers: usize },
     #[error(transparent)]
@@ -174,7 +178,7 @@ pub fn predict_rank(
                     prediction: None,
                     class: None,
                     score: None,
-                    error: Some(e.to_string()),
+                    error: Some(kestrel_shared::chain(&e)),
                 },
             })
         })
@@ -198,9 +202,9 @@ pub fn predict_rank(
 /// Writes rows as Parquet (`path`, `label`, `prediction`, `class`, `score`, `error`), crash-safely:
 /// a local file through a renamed temporary, an object-store URL (`s3://...`) in one PUT.
 pub fn write_parquet(out: &Path, rows: &[Row]) -> Result<(), PredictError> {
-    let err = |reason: String| PredictError::Output {
+    let err = |e: kestrel_shared::error::Cause| PredictError::Output {
         path: out.display().to_string(),
-        reason,
+        source: e,
     };
     let schema = Arc::new(Schema::new(vec![
         Field::new("path", DataType::Utf8, false),
@@ -222,17 +226,17 @@ pub fn write_parquet(out: &Path, rows: &[Row]) -> Result<(), PredictError> {
             rows.iter().map(|r| r.error.as_deref()),
         )),
     ];
-    let batch = RecordBatch::try_new(schema.clone(), cols).map_err(|e| err(e.to_string()))?;
+    let batch = RecordBatch::try_new(schema.clone(), cols).map_err(|e| err(e.into()))?;
     let mut buf = Vec::new();
-    let mut w = parquet::arrow::ArrowWriter::try_new(&mut buf, schema, None)
-        .map_err(|e| err(e.to_string()))?;
-    w.write(&batch).map_err(|e| err(e.to_string()))?;
-    w.close().map_err(|e| err(e.to_string()))?;
+    let mut w =
+        parquet::arrow::ArrowWriter::try_new(&mut buf, schema, None).map_err(|e| err(e.into()))?;
+    w.write(&batch).map_err(|e| err(e.into()))?;
+    w.close().map_err(|e| err(e.into()))?;
     if let Some(url) = crate::data::store::object_url(out) {
         return Ok(crate::data::store::put(&url, buf)?);
     }
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
+        std::fs::create_dir_all(dir).map_err(|e| err(e.into()))?;
     }
-    kestrel_shared::fsutil::write_atomic(out, &buf).map_err(|e| err(e.to_string()))
+    kestrel_shared::fsutil::write_atomic(out, &buf).map_err(|e| err(e.into()))
 }

@@ -85,7 +85,7 @@ impl Worker {
                 None => Err("no active model".to_string()),
                 Some(m) => m
                     .infer(&job.bytes, &name, self.top_k)
-                    .map_err(|e| e.to_string()),
+                    .map_err(|e| kestrel_shared::chain(&e)),
             };
             let observed = answer
                 .as_ref()

@@ -313,7 +313,7 @@ impl Agent {
                 Some((o, m)) if o.version == version => store.assemble(&o, &m).and_then(|dir| {
                     artifact::verify_signature(&dir, &keys)
                         .and_then(|_| artifact::verify_device_files(&dir, &m, max))
-                        .map_err(|e| e.to_string())
+                        .map_err(|e| kestrel_shared::chain(&e))
                 }),
                 _ => Err("the offer of this version is gone".into()),
             };

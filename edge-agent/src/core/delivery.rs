@@ -184,7 +184,7 @@ impl<M: Model> Core<M> {
             |e: kestrel_shared::protocol::ProtocolError| OfferError::Unverified(e.to_string());
         let o = parse::<ArtifactOffer>(topic, payload).map_err(unverified)?;
         let m = o.open(self.trust.keys()).map_err(unverified)?;
-        artifact::check_names(&m).map_err(|e| OfferError::Invalid(e.to_string()))?;
+        artifact::check_names(&m).map_err(|e| OfferError::Invalid(kestrel_shared::chain(&e)))?;
         if m.name != name || m.version != version {
             return Err(OfferError::Invalid(format!(
                 "offer is {} v{}, wanted {name} v{version}",

@@ -51,7 +51,7 @@ fn main() -> ExitCode {
     match run(cli.listen, cli.max_payload_bytes) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e}");
+            tracing::error!("{}", kestrel_shared::Chain(&e));
             ExitCode::FAILURE
         }
     }
@@ -78,8 +78,12 @@ fn exit_when_the_router_dies() {
 enum BrokerError {
     #[error("embedded broker: {0}")]
     Config(String),
-    #[error("embedded broker on {listen}: {reason}")]
-    Start { listen: SocketAddr, reason: String },
+    #[error("embedded broker on {listen}")]
+    Start {
+        listen: SocketAddr,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 /// The rumqttd configuration: one MQTT 3.1.1 listener, payloads up to `max_payload` bytes.
@@ -120,11 +124,11 @@ fn run(listen: SocketAddr, max_payload: usize) -> Result<(), BrokerError> {
     // rumqttd logs a bind failure and keeps running; check the port first.
     std::net::TcpListener::bind(listen).map_err(|e| BrokerError::Start {
         listen,
-        reason: e.to_string(),
+        source: e.into(),
     })?;
     let mut broker = rumqttd::Broker::new(config(listen, max_payload)?);
     broker.start().map_err(|e| BrokerError::Start {
         listen,
-        reason: e.to_string(),
+        source: e.into(),
     })
 }

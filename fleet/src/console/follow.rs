@@ -27,7 +27,10 @@ pub fn start(cfg: BrokerConfig, shared: Arc<ConsoleState>) {
     std::thread::spawn(move || {
         loop {
             if let Err(e) = follow(&cfg, &shared) {
-                tracing::warn!("console: {e}; reconnecting in 2 s");
+                tracing::warn!(
+                    "console: {}; reconnecting in 2 s",
+                    kestrel_shared::Chain(&e)
+                );
             }
             shared.connected.store(false, Ordering::Relaxed);
             shared.changed.send_modify(|_| {});

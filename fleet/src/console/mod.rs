@@ -108,8 +108,12 @@ pub enum ConsoleError {
     Tls(String),
     #[error("{0}")]
     Config(String),
-    #[error("listening on {addr}: {reason}")]
-    Listen { addr: SocketAddr, reason: String },
+    #[error("listening on {addr}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{0}")]
     Runtime(String),
 }

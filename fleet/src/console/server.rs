@@ -70,11 +70,11 @@ pub async fn run(opts: Options, ready: impl FnOnce(&str)) -> Result<(), ConsoleE
         .await
         .map_err(|e| ConsoleError::Listen {
             addr: opts.listen,
-            reason: e.to_string(),
+            source: e,
         })?;
     let addr = listener.local_addr().map_err(|e| ConsoleError::Listen {
         addr: opts.listen,
-        reason: e.to_string(),
+        source: e,
     })?;
     let site =
         Site::new(addr, opts.public_url.as_deref(), tls.is_some()).map_err(ConsoleError::Config)?;
@@ -442,7 +442,11 @@ async fn act(
             Json(serde_json::json!({ "published": topic })),
         )
             .into_response(),
-        Ok(Err(e)) => (StatusCode::BAD_GATEWAY, format!("{e}\n")).into_response(),
+        Ok(Err(e)) => (
+            StatusCode::BAD_GATEWAY,
+            format!("{}\n", kestrel_shared::Chain(&e)),
+        )
+            .into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
     }
 }

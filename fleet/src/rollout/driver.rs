@@ -167,7 +167,10 @@ pub fn run(
         let FleetError::Broker { .. } = e else {
             return Err(e);
         };
-        log(format!("{e}; reconnecting (for up to {RECONNECT_S} s)"));
+        log(format!(
+            "{}; reconnecting (for up to {RECONNECT_S} s)",
+            kestrel_shared::chain(&e)
+        ));
         conn = reconnect(cfg, e)?;
     }
     if let RolloutState::Aborted(_) = &c.state {
@@ -339,7 +342,12 @@ fn reconnect(cfg: &BrokerConfig, lost: FleetError) -> Result<Conn, FleetError> {
             Err(e) if Instant::now() >= deadline => {
                 return Err(FleetError::Broker {
                     url: cfg.url.clone(),
-                    reason: format!("{lost}; not back within {RECONNECT_S} s: {e}"),
+                    source: format!(
+                        "{}; not back within {RECONNECT_S} s: {}",
+                        kestrel_shared::chain(&lost),
+                        kestrel_shared::chain(&e)
+                    )
+                    .into(),
                 });
             }
             Err(_) => {}

@@ -173,7 +173,7 @@ fn connections_without_credentials_or_trust_are_refused(sb: &SecureBroker) {
     let refused = |c: &BrokerConfig, what: &str| {
         let e = match Conn::connect(c, "probe") {
             Ok(_) => panic!("{what}: connected"),
-            Err(e) => e.to_string(),
+            Err(e) => kestrel_shared::chain(&e),
         };
         assert!(e.contains(&c.url), "{what}: {e}");
         e

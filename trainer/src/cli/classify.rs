@@ -46,7 +46,7 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
             }
             Err(e) => {
                 failed += 1;
-                tracing::error!("{e}");
+                tracing::error!("{}", kestrel_shared::Chain(&e));
             }
         }
     }

@@ -24,15 +24,22 @@ use crate::distributed::{CollectiveError, ErrorScope, RankError, WorkerError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         path: String,
         source: std::io::Error,
     },
-    #[error("{0}\n(pass --skip-invalid to skip undecodable images and continue)")]
+    #[error(
+        "{}\n(pass --skip-invalid to skip undecodable images and continue)",
+        kestrel_shared::chain(.0)
+    )]
     Invalid(PreprocessError),
-    #[error("{path}: corrupt cache metadata: {reason}")]
-    Meta { path: String, reason: String },
+    #[error("{path}: corrupt cache metadata")]
+    Meta {
+        path: String,
+        #[source]
+        source: kestrel_shared::error::Cause,
+    },
     #[error("{path}: shard has {found} bytes, expected {expected}")]
     Shard {
         path: String,
@@ -98,7 +105,7 @@ pub(super) fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, 
     let text = fs::read_to_string(path).map_err(io(path))?;
     serde_json::from_str(&text).map_err(|e| CacheError::Meta {
         path: path.display().to_string(),
-        reason: e.to_string(),
+        source: e.into(),
     })
 }
 

@@ -478,7 +478,10 @@ impl Table {
                 .map_err(|e| self.err(e))
         });
         if let Err(e) = written {
-            tracing::warn!("checkpoint of version {version} not written: {e}");
+            tracing::warn!(
+                "checkpoint of version {version} not written: {}",
+                kestrel_shared::Chain(&e)
+            );
         }
     }
 

@@ -178,11 +178,12 @@ pub fn store_rows(
     if data.len() != content.len() * per {
         return Err(CacheError::Meta {
             path: root.display().to_string(),
-            reason: format!(
+            source: format!(
                 "{} feature values for {} images of {per}",
                 data.len(),
                 content.len()
-            ),
+            )
+            .into(),
         });
     }
     let meta = FeatureMeta {

@@ -260,7 +260,9 @@ impl Prepared {
                         labels.push(s.label);
                         content.push(sha.clone());
                     }
-                    Err(e) if skip_invalid => skipped.push((s.id.clone(), e.to_string())),
+                    Err(e) if skip_invalid => {
+                        skipped.push((s.id.clone(), kestrel_shared::chain(&e)))
+                    }
                     Err(e) => return Err(CacheError::Invalid(e)),
                 }
             }

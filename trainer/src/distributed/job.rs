@@ -244,11 +244,12 @@ impl Job {
     /// Ends an MPI job with this rank's error: printed with the rank, then `MPI_Abort` makes every
     /// rank exit non-zero (never a hang). A [`Job::ranked`] rank tells the others and returns the
     /// error; a local job just returns it.
-    pub fn fail<E: std::fmt::Display>(&self, e: E) -> E {
+    pub fn fail<E: AsRef<dyn std::error::Error + Send + Sync>>(&self, e: E) -> E {
         if let Some(comm) = self.procs() {
-            comm.abort(&format!("{e:#}"));
+            let line = kestrel_shared::chain(e.as_ref());
+            comm.abort(&line);
             if self.exit_on_fail {
-                tracing::error!("rank {}: {e:#}", comm.rank());
+                tracing::error!("rank {}: {line}", comm.rank());
                 std::process::exit(1)
             }
         }

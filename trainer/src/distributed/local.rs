@@ -195,7 +195,7 @@ pub fn run_workers<T: Send, E: RankError>(
         let _guard = AbortOnPanic(c);
         let r = f(c);
         if let Err(e) = &r {
-            c.abort(&e.to_string());
+            c.abort(&kestrel_shared::chain(e));
         }
         r
     };
@@ -238,7 +238,7 @@ pub fn run_workers<T: Send, E: RankError>(
     Err(match e.scope() {
         ErrorScope::Own if rank != 0 => WorkerError {
             rank,
-            message: e.to_string(),
+            message: kestrel_shared::chain(&e),
         }
         .into(),
         _ => e,

@@ -45,7 +45,10 @@ pub(super) fn engines(
     )];
     match OrtEngine::from_onnx(&lowered.onnx, shape.clone(), EngineOpts::cpu(threads)) {
         Ok(e) => engines.push(("ort".into(), Box::new(e))),
-        Err(e) => log(format!("ONNX Runtime not verified: {e}")),
+        Err(e) => log(format!(
+            "ONNX Runtime not verified: {}",
+            kestrel_shared::Chain(&e)
+        )),
     }
     Ok(engines)
 }

@@ -148,7 +148,7 @@ impl Client {
             .connect_timeout(Duration::from_secs(5))
             .timeout(Duration::from_secs(120))
             .build()
-            .map_err(|e| TrackError::unreachable(uri, &e))?;
+            .map_err(|e| TrackError::unreachable(uri, e))?;
         Ok(Client {
             base: uri.trim_end_matches('/').to_string(),
             http,
@@ -180,7 +180,7 @@ impl Client {
             .auth
             .apply(req)
             .send()
-            .map_err(|e| TrackError::unreachable(&self.base, &e))?;
+            .map_err(|e| TrackError::unreachable(&self.base, e))?;
         let status = resp.status();
         if status.is_success() {
             return Ok(resp);
@@ -205,14 +205,12 @@ impl Client {
 
     fn get(&self, api: &str, query: &[(&str, &str)]) -> Result<Value, TrackError> {
         let r = self.send(api, self.http.get(self.url(api, query)))?;
-        r.json()
-            .map_err(|e| TrackError::unreachable(&self.base, &e))
+        r.json().map_err(|e| TrackError::unreachable(&self.base, e))
     }
 
     fn post(&self, api: &str, body: &Value) -> Result<Value, TrackError> {
         let r = self.send(api, self.http.post(self.url(api, &[])).json(body))?;
-        r.json()
-            .map_err(|e| TrackError::unreachable(&self.base, &e))
+        r.json().map_err(|e| TrackError::unreachable(&self.base, e))
     }
 
     /// The id of experiment `name`, created when it does not exist.
@@ -300,7 +298,7 @@ impl Client {
     pub fn upload(&self, artifact_uri: &str, path: &str, file: &Path) -> Result<(), TrackError> {
         match ArtifactRoot::parse(artifact_uri)? {
             ArtifactRoot::Proxied(root) => {
-                let bytes = std::fs::read(file).map_err(|e| TrackError::io(file, &e))?;
+                let bytes = std::fs::read(file).map_err(|e| TrackError::io(file, e))?;
                 let url = format!(
                     "{}/api/2.0/mlflow-artifacts/artifacts/{}",
                     self.base,
@@ -312,9 +310,9 @@ impl Client {
             ArtifactRoot::Local(root) => {
                 let to = root.join(path);
                 if let Some(d) = to.parent() {
-                    std::fs::create_dir_all(d).map_err(|e| TrackError::io(d, &e))?;
+                    std::fs::create_dir_all(d).map_err(|e| TrackError::io(d, e))?;
                 }
-                std::fs::copy(file, &to).map_err(|e| TrackError::io(&to, &e))?;
+                std::fs::copy(file, &to).map_err(|e| TrackError::io(&to, e))?;
                 Ok(())
             }
         }
@@ -377,12 +375,12 @@ impl Client {
             let bytes = self
                 .send("mlflow-artifacts download", self.http.get(url))?
                 .bytes()
-                .map_err(|e| TrackError::unreachable(&self.base, &e))?;
+                .map_err(|e| TrackError::unreachable(&self.base, e))?;
             let dest = to.join(&path);
             if let Some(d) = dest.parent() {
-                std::fs::create_dir_all(d).map_err(|e| TrackError::io(d, &e))?;
+                std::fs::create_dir_all(d).map_err(|e| TrackError::io(d, e))?;
             }
-            std::fs::write(&dest, &bytes).map_err(|e| TrackError::io(&dest, &e))?;
+            std::fs::write(&dest, &bytes).map_err(|e| TrackError::io(&dest, e))?;
             files.push(path);
         }
         Ok(())
@@ -535,9 +533,9 @@ impl ArtifactRoot {
 
 fn copy_tree(root: &Path, rel: &str, to: &Path, files: &mut Vec<String>) -> Result<(), TrackError> {
     let dir = root.join(rel);
-    let entries = std::fs::read_dir(&dir).map_err(|e| TrackError::io(&dir, &e))?;
+    let entries = std::fs::read_dir(&dir).map_err(|e| TrackError::io(&dir, e))?;
     for e in entries {
-        let e = e.map_err(|e| TrackError::io(&dir, &e))?;
+        let e = e.map_err(|e| TrackError::io(&dir, e))?;
         let name = e.file_name().to_string_lossy().to_string();
         let path = join(rel, &name);
         if e.path().is_dir() {
@@ -545,9 +543,9 @@ fn copy_tree(root: &Path, rel: &str, to: &Path, files: &mut Vec<String>) -> Resu
         } else {
             let dest = to.join(&path);
             if let Some(d) = dest.parent() {
-                std::fs::create_dir_all(d).map_err(|e| TrackError::io(d, &e))?;
+                std::fs::create_dir_all(d).map_err(|e| TrackError::io(d, e))?;
             }
-            std::fs::copy(e.path(), &dest).map_err(|e| TrackError::io(&dest, &e))?;
+            std::fs::copy(e.path(), &dest).map_err(|e| TrackError::io(&dest, e))?;
             files.push(path);
         }
     }

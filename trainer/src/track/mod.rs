@@ -31,6 +31,7 @@ pub use fit::{TrackedFitError, tracked_fit};
 pub use run::{fit_metrics, flatten_params, run_tags, trial_run};
 pub use tune_run::{TrackedTune, TrackedTuneError, tracked_tune};
 
+use kestrel_shared::error::Cause;
 use kestrel_shared::manifest::Manifest;
 
 use crate::report::EpochMetrics;
@@ -54,8 +55,12 @@ pub enum TrackError {
         #[source]
         source: Box<TrackError>,
     },
-    #[error("MLflow tracking server {uri} unreachable: {reason}")]
-    Unreachable { uri: String, reason: String },
+    #[error("MLflow tracking server {uri} unreachable")]
+    Unreachable {
+        uri: String,
+        #[source]
+        source: Cause,
+    },
     #[error("MLflow {what}: HTTP {status} {code}: {message}")]
     Api {
         what: String,
@@ -63,31 +68,29 @@ pub enum TrackError {
         code: String,
         message: String,
     },
-    #[error("{path}: {reason}")]
-    Io { path: String, reason: String },
+    #[error("{path}")]
+    Io {
+        path: String,
+        #[source]
+        source: Cause,
+    },
     #[error("{0}")]
     Unsupported(String),
 }
 
 impl TrackError {
-    /// `e` with its causes (reqwest's own message is only "error sending request").
-    pub fn unreachable(uri: &str, e: &dyn std::error::Error) -> Self {
-        let mut reason = e.to_string();
-        let mut cause = e.source();
-        while let Some(c) = cause {
-            reason = format!("{reason}: {c}");
-            cause = c.source();
-        }
+    /// `e` kept with its causes (reqwest's own message is only "error sending request").
+    pub fn unreachable(uri: &str, e: impl Into<Cause>) -> Self {
         TrackError::Unreachable {
             uri: uri.to_string(),
-            reason,
+            source: e.into(),
         }
     }
 
-    pub fn io(path: &Path, e: &dyn std::fmt::Display) -> Self {
+    pub fn io(path: &Path, e: impl Into<Cause>) -> Self {
         TrackError::Io {
             path: path.display().to_string(),
-            reason: e.to_string(),
+            source: e.into(),
         }
     }
 
@@ -308,9 +311,9 @@ impl Tracker {
             experiment: to.experiment.clone(),
             run,
         };
-        std::fs::create_dir_all(dir).map_err(|e| TrackError::io(dir, &e))?;
+        std::fs::create_dir_all(dir).map_err(|e| TrackError::io(dir, e))?;
         crate::report::write_json_atomic(&dir.join(RUN_FILE), &link)
-            .map_err(|e| TrackError::io(&dir.join(RUN_FILE), &e))?;
+            .map_err(|e| TrackError::io(&dir.join(RUN_FILE), e))?;
         Ok(Tracker::new(client, link, dir))
     }
 
@@ -338,10 +341,11 @@ impl Tracker {
                 Ok(()) => return,
                 Err(e) => {
                     tracing::warn!(
-                        "MLflow: {e}; buffering this and later calls to {}",
+                        "MLflow: {}; buffering this and later calls to {}",
+                        kestrel_shared::Chain(&e),
                         self.dir.join(PENDING_FILE).display()
                     );
-                    st.failed = Some(e.to_string());
+                    st.failed = Some(kestrel_shared::chain(&e));
                 }
             }
         }
@@ -351,7 +355,7 @@ impl Tracker {
         };
         match append_pending(&self.dir, &line) {
             Ok(()) => st.buffered += 1,
-            Err(e) => tracing::warn!("MLflow call lost: {e}"),
+            Err(e) => tracing::warn!("MLflow call lost: {}", kestrel_shared::Chain(&e)),
         }
     }
 
@@ -381,17 +385,20 @@ impl Tracker {
     /// and recorded as the run's output. Returns the count of files per copy.
     pub fn log_model(&self, dir: &Path, m: &Manifest) -> Result<usize, TrackError> {
         let logged = self.logged_model(&m.name).unwrap_or_else(|e| {
-            tracing::warn!("MLflow: no LoggedModel ({e}); the model is in the run's model/ only");
+            tracing::warn!(
+                "MLflow: no LoggedModel ({}); the model is in the run's model/ only",
+                kestrel_shared::Chain(&e)
+            );
             None
         });
         let extra = self.dir.join("mlflow-model");
-        std::fs::create_dir_all(&extra).map_err(|e| TrackError::io(&extra, &e))?;
+        std::fs::create_dir_all(&extra).map_err(|e| TrackError::io(&extra, e))?;
         let model_id = logged.as_ref().map(|l| l.model_id.as_str());
         let files = mlmodel::files(m, self.run_id(), model_id);
         for (name, text) in &files {
             let path = extra.join(name);
             kestrel_shared::fsutil::write_atomic(&path, text.as_bytes())
-                .map_err(|e| TrackError::io(&path, &e))?;
+                .map_err(|e| TrackError::io(&path, e))?;
         }
         let run_root = self.link.run.artifact_uri.clone();
         let mut roots = vec![(run_root, "model")];
@@ -509,8 +516,9 @@ impl Tracker {
                 None
             }
             Err(e) => Some(format!(
-                "MLflow: calls buffered in {} ({e}); replay them with `trainer mlflow sync {}`",
+                "MLflow: calls buffered in {} ({}); replay them with `trainer mlflow sync {}`",
                 self.dir.join(PENDING_FILE).display(),
+                kestrel_shared::Chain(&e),
                 self.dir.display()
             )),
         }
@@ -565,12 +573,12 @@ fn append_pending(dir: &Path, line: &Pending) -> Result<(), TrackError> {
         .create(true)
         .append(true)
         .open(&path)
-        .map_err(|e| TrackError::io(&path, &e))?;
+        .map_err(|e| TrackError::io(&path, e))?;
     let mut text = serde_json::to_string(line).expect("serializable");
     text.push('\n');
     f.write_all(text.as_bytes())
         .and_then(|()| f.sync_data())
-        .map_err(|e| TrackError::io(&path, &e))
+        .map_err(|e| TrackError::io(&path, e))
 }
 
 /// Replays `dir`'s pending calls in order (to `uri`, or the server each was meant for), removing
@@ -581,14 +589,14 @@ pub fn sync(dir: &Path, uri: Option<&str>) -> Result<usize, TrackError> {
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(TrackError::io(&path, &e)),
+        Err(e) => return Err(TrackError::io(&path, e)),
     };
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     let mut done = 0;
     let mut result = Ok(());
     for (i, line) in lines.iter().enumerate() {
         let p: Pending = serde_json::from_str(line)
-            .map_err(|e| TrackError::io(&path, &format!("line {}: {e}", i + 1)))?;
+            .map_err(|e| TrackError::io(&path, format!("line {}: {e}", i + 1)))?;
         let client = Client::new(uri.unwrap_or(&p.uri))?;
         if let Err(e) = p.op.apply(&client) {
             result = Err(e);
@@ -599,11 +607,11 @@ pub fn sync(dir: &Path, uri: Option<&str>) -> Result<usize, TrackError> {
     // Keep what was not delivered (atomically: a crash here leaves the old file or the new one).
     let rest = &lines[done..];
     if rest.is_empty() {
-        std::fs::remove_file(&path).map_err(|e| TrackError::io(&path, &e))?;
+        std::fs::remove_file(&path).map_err(|e| TrackError::io(&path, e))?;
     } else if done > 0 {
         let tmp = path.with_extension("jsonl.tmp");
-        std::fs::write(&tmp, rest.join("\n") + "\n").map_err(|e| TrackError::io(&tmp, &e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| TrackError::io(&path, &e))?;
+        std::fs::write(&tmp, rest.join("\n") + "\n").map_err(|e| TrackError::io(&tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| TrackError::io(&path, e))?;
     }
     result.map(|()| done)
 }
@@ -611,7 +619,7 @@ pub fn sync(dir: &Path, uri: Option<&str>) -> Result<usize, TrackError> {
 fn list_files(dir: &Path, rel: &str, out: &mut Vec<String>) -> Result<(), TrackError> {
     let here = dir.join(rel);
     let mut entries: Vec<_> = std::fs::read_dir(&here)
-        .map_err(|e| TrackError::io(&here, &e))?
+        .map_err(|e| TrackError::io(&here, e))?
         .filter_map(Result::ok)
         .collect();
     entries.sort_by_key(|e| e.file_name());

@@ -89,7 +89,7 @@ pub fn fetch(client: &Client, uri: &ModelUri, cache: &Path) -> Result<Fetched, T
         std::process::id()
     ));
     let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| TrackError::io(&tmp, &e))?;
+    std::fs::create_dir_all(&tmp).map_err(|e| TrackError::io(&tmp, e))?;
     let got = client
         .download_dir(&version.source, &tmp)
         .and_then(|_| check(&tmp, &version));
@@ -98,7 +98,7 @@ pub fn fetch(client: &Client, uri: &ModelUri, cache: &Path) -> Result<Fetched, T
         return Err(e);
     }
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::rename(&tmp, &dir).map_err(|e| TrackError::io(&dir, &e))?;
+    std::fs::rename(&tmp, &dir).map_err(|e| TrackError::io(&dir, e))?;
     Ok(Fetched {
         version,
         dir,
@@ -116,8 +116,8 @@ fn check(dir: &Path, v: &ModelVersion) -> Result<(), TrackError> {
             v.source
         ))
     };
-    let m = read_manifest(dir).map_err(|e| bad(&e))?;
-    verify_files(dir, &m, u64::MAX).map_err(|e| bad(&e))?;
+    let m = read_manifest(dir).map_err(|e| bad(&kestrel_shared::Chain(&e)))?;
+    verify_files(dir, &m, u64::MAX).map_err(|e| bad(&kestrel_shared::Chain(&e)))?;
     let want = version_uri(&v.name, v.version);
     match &m.registry {
         Some(r) if *r != want => Err(bad(&format!("its manifest says it was registered as {r}"))),

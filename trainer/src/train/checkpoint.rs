@@ -18,10 +18,10 @@ fn ckpt_path(run: &Path, epoch: usize, ext: &str) -> PathBuf {
         .join(format!("epoch-{epoch:04}.{ext}"))
 }
 
-fn run_err(run: &Path, reason: String) -> TrainError {
+fn run_err(run: &Path, e: impl Into<kestrel_shared::error::Cause>) -> TrainError {
     TrainError::Run {
         path: run.display().to_string(),
-        reason,
+        source: e.into(),
     }
 }
 
@@ -33,7 +33,7 @@ pub fn create(run: &Path) -> Result<(), TrainError> {
         .and_then(|_| kestrel_shared::fsutil::remove_temp_files(run))
         .and_then(|_| kestrel_shared::fsutil::remove_temp_files(&ckpts))
         .map(|_| ())
-        .map_err(|e| run_err(run, e.to_string()))
+        .map_err(|e| run_err(run, e))
 }
 
 /// The latest complete checkpoint (its `.json` is written last).
@@ -60,8 +60,8 @@ pub fn load_latest(
     let Some(e) = latest_checkpoint(run) else {
         return Ok(None);
     };
-    let text = std::fs::read_to_string(ckpt_path(run, e, "json"))
-        .map_err(|err| run_err(run, err.to_string()))?;
+    let text =
+        std::fs::read_to_string(ckpt_path(run, e, "json")).map_err(|err| run_err(run, err))?;
     let state: TrainState = serde_json::from_str(&text)
         .map_err(|err| run_err(run, format!("checkpoint state: {err}")))?;
     let w = torch::read_safetensors(&ckpt_path(run, e, "safetensors"))?;

@@ -33,9 +33,9 @@ pub struct StartHead {
 }
 
 fn init_err(run_dir: &Path, reason: String) -> TrainError {
-    TrainError::Run {
+    TrainError::InitFrom {
         path: run_dir.display().to_string(),
-        reason: format!("--init-from: {reason}"),
+        source: reason.into(),
     }
 }
 
@@ -136,12 +136,9 @@ mod tests {
             (h.info.matched, h.info.new_classes.clone()),
             (2, vec!["bird".to_string()])
         );
-        let e = load(run, &labels, 4).err().unwrap().to_string();
+        let e = kestrel_shared::chain(&load(run, &labels, 4).err().unwrap());
         assert!(e.contains("feature dims differ"), "{e}");
-        let e = load(&run.join("absent"), &labels, 3)
-            .err()
-            .unwrap()
-            .to_string();
+        let e = kestrel_shared::chain(&load(&run.join("absent"), &labels, 3).err().unwrap());
         assert!(
             e.contains("--init-from") && e.contains("no such run"),
             "{e}"

@@ -37,6 +37,8 @@ pub use params::{ClassWeights, ComputeDevice, FitParams, LrScaling, Optimizer, S
 pub use prepare::{SplitRecord, TrainingData, prepare};
 pub use run_dir::RunDir;
 
+use kestrel_shared::error::Cause;
+
 use crate::data::{self, cache::CacheError};
 use crate::distributed::{CollectiveError, ErrorScope, Job, RankError, WorkerError};
 use crate::report::{self, EpochMetrics, Evaluation};
@@ -68,7 +70,7 @@ pub enum TrainError {
     Cache(#[from] CacheError),
     #[error(transparent)]
     Backbone(#[from] kestrel_models::backbone::BackboneError),
-    #[error("candle: {0}")]
+    #[error("candle")]
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
     Engine(#[from] kestrel_models::EngineError),
@@ -86,8 +88,18 @@ pub enum TrainError {
     Diverged { epochs: usize },
     #[error(transparent)]
     Worker(#[from] WorkerError),
-    #[error("{path}: {reason}")]
-    Run { path: String, reason: String },
+    #[error("{path}")]
+    Run {
+        path: String,
+        #[source]
+        source: Cause,
+    },
+    #[error("{path}: --init-from")]
+    InitFrom {
+        path: String,
+        #[source]
+        source: Cause,
+    },
 }
 
 impl RankError for TrainError {

@@ -79,10 +79,10 @@ impl<'a> RunDir<'a> {
         serde_json::from_str(&text).map_err(|e| self.err(name, e))
     }
 
-    fn err(self, name: &str, e: impl std::fmt::Display) -> TrainError {
+    fn err(self, name: &str, e: impl Into<kestrel_shared::error::Cause>) -> TrainError {
         TrainError::Run {
-            path: self.0.display().to_string(),
-            reason: format!("{name}: {e}"),
+            path: self.file(name).display().to_string(),
+            source: e.into(),
         }
     }
 }

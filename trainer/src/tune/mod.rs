@@ -42,8 +42,12 @@ impl Observer for () {}
 pub enum TuneError {
     #[error("search space: {0}")]
     Space(String),
-    #[error("{path}: {reason}")]
-    File { path: String, reason: String },
+    #[error("{path}")]
+    File {
+        path: String,
+        #[source]
+        source: kestrel_shared::error::Cause,
+    },
     #[error("--trials and --parallel must be positive")]
     NoTrials,
     #[error("trials {first}..{end} came back incomplete or out of order")]
@@ -110,7 +114,7 @@ impl TrialResult {
                 best_epoch: 0,
                 seconds,
                 ended_ms,
-                error: Some(e.to_string()),
+                error: Some(kestrel_shared::chain(&e)),
             },
         }
     }
@@ -255,7 +259,7 @@ pub fn tune(
     if job.is_lead() {
         std::fs::create_dir_all(out).map_err(|e| TuneError::File {
             path: out.display().to_string(),
-            reason: e.to_string(),
+            source: e.into(),
         })?;
         let _ = std::fs::remove_file(&trials_path);
     }

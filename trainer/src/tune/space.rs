@@ -178,12 +178,12 @@ impl Dim {
 
 /// Reads a `--space` TOML file.
 pub fn read_space(path: &Path) -> Result<Space, TuneError> {
-    let err = |reason: String| TuneError::File {
+    let err = |e: kestrel_shared::error::Cause| TuneError::File {
         path: path.display().to_string(),
-        reason,
+        source: e,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-    let space: Space = toml::from_str(&text).map_err(|e| err(e.to_string()))?;
-    space.validate().map_err(|e| err(e.to_string()))?;
+    let text = std::fs::read_to_string(path).map_err(|e| err(e.into()))?;
+    let space: Space = toml::from_str(&text).map_err(|e| err(e.into()))?;
+    space.validate().map_err(|e| err(e.into()))?;
     Ok(space)
 }

@@ -300,13 +300,9 @@ mod tests {
         assert_eq!(s.optimizer, vec![Optimizer::Adamw]);
         assert_eq!(s.batch_size, Space::default().batch_size);
         std::fs::write(&p, "lr = [0.0, 0.1]\n").unwrap();
-        assert!(read_space(&p).unwrap_err().to_string().contains("lr range"));
+        let why = |p: &std::path::Path| kestrel_shared::chain(&read_space(p).unwrap_err());
+        assert!(why(&p).contains("lr range"), "{}", why(&p));
         std::fs::write(&p, "learning_rate = [0.1, 0.2]\n").unwrap();
-        assert!(
-            read_space(&p)
-                .unwrap_err()
-                .to_string()
-                .contains("unknown field")
-        );
+        assert!(why(&p).contains("unknown field"), "{}", why(&p));
     }
 }

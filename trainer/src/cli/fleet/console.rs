@@ -125,7 +125,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         outln!("console: {url} ({mode}) following {broker}");
     });
     if let Err(e) = served {
-        bail!("{e}");
+        bail!("{}", kestrel_shared::Chain(&e));
     }
     Ok(ExitCode::SUCCESS)
 }
