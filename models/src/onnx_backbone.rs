@@ -40,7 +40,7 @@ pub enum OnnxBackboneError {
     NotOnnx {
         path: String,
         #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
+        source: kestrel_shared::error::Cause,
     },
     #[error(
         "{path}: default-domain opset {found}; Kestrel reads ONNX graphs of opset {MIN_OPSET} or later"

@@ -28,7 +28,7 @@ pub enum ArtifactError {
     Manifest {
         path: String,
         #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
+        source: kestrel_shared::error::Cause,
     },
     #[error("unsafe file name `{0}` in the manifest (absolute, `..` or empty)")]
     UnsafePath(String),
@@ -78,7 +78,7 @@ pub fn safe_relative(name: &str) -> Result<&Path, ArtifactError> {
 pub fn read_manifest(dir: &Path) -> Result<Manifest, ArtifactError> {
     let path = dir.join(MANIFEST_FILE);
     let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
-    let invalid = |e: Box<dyn std::error::Error + Send + Sync>| ArtifactError::Manifest {
+    let invalid = |e: kestrel_shared::error::Cause| ArtifactError::Manifest {
         path: path.display().to_string(),
         source: e,
     };

@@ -25,9 +25,9 @@ pub enum EngineError {
     #[error("tract")]
     Tract(#[source] tract_onnx::prelude::TractError),
     #[error("ONNX Runtime")]
-    Ort(#[source] Box<dyn std::error::Error + Send + Sync>),
+    Ort(#[source] kestrel_shared::error::Cause),
     #[error("candle")]
-    Candle(#[source] Box<dyn std::error::Error + Send + Sync>),
+    Candle(#[source] kestrel_shared::error::Cause),
     #[error("engine `{0}` is not compiled into this binary (cargo feature `{0}`)")]
     NotCompiled(&'static str),
     #[error("input batch has shape {found:?}, the graph expects [N, {expected:?}]")]

@@ -20,7 +20,7 @@ pub enum BrokerError {
     File {
         path: String,
         #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
+        source: crate::error::Cause,
     },
     #[error("TLS: {0}")]
     Tls(String),
@@ -245,7 +245,7 @@ impl BrokerConfig {
     }
 }
 
-fn file_error(path: &Path, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> BrokerError {
+fn file_error(path: &Path, e: impl Into<crate::error::Cause>) -> BrokerError {
     BrokerError::File {
         path: path.display().to_string(),
         source: e.into(),

@@ -82,7 +82,7 @@ enum BrokerError {
     Start {
         listen: SocketAddr,
         #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
+        source: kestrel_shared::error::Cause,
     },
 }
 

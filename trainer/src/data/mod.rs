@@ -206,7 +206,7 @@ pub enum DataError {
     ObjectStore {
         url: String,
         #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
+        source: kestrel_shared::error::Cause,
     },
     #[error("{}: --data-version and --data-timestamp apply to Delta tables (a directory with _delta_log/) only", path.display())]
     NotDelta { path: PathBuf },
