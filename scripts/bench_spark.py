@@ -8,7 +8,7 @@ extraction and training, against the CLI on the same images.
   warming up its Arrow path), each after a `trainer prepare` run, medians compared: the machine's
   speed drifts by more than the overhead measured, so the two sides take turns;
 - `kestrel.spark.fit(num_workers=2)` against `trainer fit --workers 2`, on the same staged table;
-- `kestrel.fit` (the Python API, in-process) against `trainer fit`, taking turns, 3 each.
+- `kestrel.fit` (the Python API, in-process) against `trainer fit`, taking turns, 5 each.
 
     python scripts/bench_spark.py PHOTO_DIR   # an ImageFolder (scripts/camera_photos.py writes one)
 """
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python" / "test
 from cluster import BIN, session, standalone  # noqa: E402
 
 ROUNDS = 5  # warm features calls, each beside a `trainer prepare`
-FIT_ROUNDS = 3  # `kestrel.fit` beside `trainer fit`
+FIT_ROUNDS = 5  # `kestrel.fit` beside `trainer fit`
 
 
 def timed(f):
