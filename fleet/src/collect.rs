@@ -41,23 +41,19 @@ impl CaptureFeed {
         opts.set_manual_acks(true);
         let (client, conn) = Client::new(opts, 256);
         let events = Events::new(conn);
-        let err = |e: kestrel_shared::error::Cause| FleetError::Broker {
-            url: cfg.url.clone(),
-            source: e,
-        };
         let deadline = Instant::now() + Duration::from_secs(10);
         let resumed = loop {
             match events.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok(Ok(Event::Incoming(Packet::ConnAck(a)))) => break a.session_present,
                 Ok(Ok(_)) => {}
-                Ok(Err(e)) => return Err(err(e.into())),
-                Err(_) => return Err(err("no answer within 10 s".into())),
+                Ok(Err(e)) => return Err(FleetError::broker(&cfg.url, e)),
+                Err(_) => return Err(FleetError::broker(&cfg.url, "no answer within 10 s")),
             }
         };
         let topics = Topics::new(&cfg.prefix);
         client
             .subscribe(topics.captures_filter(), QoS::AtLeastOnce)
-            .map_err(|e| err(e.into()))?;
+            .map_err(|e| FleetError::broker(&cfg.url, e))?;
         Ok(Self {
             client,
             events,
@@ -69,10 +65,7 @@ impl CaptureFeed {
     }
 
     fn err(&self, e: impl Into<kestrel_shared::error::Cause>) -> FleetError {
-        FleetError::Broker {
-            url: self.url.clone(),
-            source: e.into(),
-        }
+        FleetError::broker(&self.url, e)
     }
 
     /// The next capture message within `timeout` (None on timeout).

@@ -144,10 +144,7 @@ impl Conn {
     }
 
     fn err(&self, e: impl Into<kestrel_shared::error::Cause>) -> FleetError {
-        FleetError::Broker {
-            url: self.url.clone(),
-            source: e.into(),
-        }
+        FleetError::broker(&self.url, e)
     }
 
     /// A request the client could not queue: its event loop has stopped, so name why when the

@@ -69,6 +69,16 @@ pub enum FleetError {
     },
 }
 
+impl FleetError {
+    /// The broker at `url` could not be reached, or the connection to it failed, because of `e`.
+    pub(crate) fn broker(url: &str, e: impl Into<Cause>) -> Self {
+        FleetError::Broker {
+            url: url.to_string(),
+            source: e.into(),
+        }
+    }
+}
+
 /// A progress bar on stderr (hidden when stderr is not a terminal).
 pub fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
     let pb = indicatif::ProgressBar::new(len);

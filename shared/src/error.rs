@@ -18,7 +18,7 @@ pub fn chain(e: &dyn Error) -> String {
     Chain(e).to_string()
 }
 
-/// [`chain`] as a `Display`, for `format!` and `tracing` fields without an allocation.
+/// [`chain`] as a `Display`, for `format!` arguments and `tracing` messages.
 pub struct Chain<'a>(pub &'a dyn Error);
 
 impl fmt::Display for Chain<'_> {

@@ -340,15 +340,14 @@ fn reconnect(cfg: &BrokerConfig, lost: FleetError) -> Result<Conn, FleetError> {
         match Conn::connect(cfg, "rollout") {
             Ok(c) => return Ok(c),
             Err(e) if Instant::now() >= deadline => {
-                return Err(FleetError::Broker {
-                    url: cfg.url.clone(),
-                    source: format!(
+                return Err(FleetError::broker(
+                    &cfg.url,
+                    format!(
                         "{}; not back within {RECONNECT_S} s: {}",
                         kestrel_shared::chain(&lost),
                         kestrel_shared::chain(&e)
-                    )
-                    .into(),
-                });
+                    ),
+                ));
             }
             Err(_) => {}
         }

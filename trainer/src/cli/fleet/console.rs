@@ -124,8 +124,6 @@ pub fn run(args: Args) -> Result<ExitCode> {
         // One line on stdout, for scripts: where the console listens.
         outln!("console: {url} ({mode}) following {broker}");
     });
-    if let Err(e) = served {
-        bail!("{}", kestrel_shared::Chain(&e));
-    }
+    served?;
     Ok(ExitCode::SUCCESS)
 }
