@@ -4,7 +4,7 @@
 
 use std::path::{Component, Path};
 
-use kestrel_shared::manifest::{FileEntry, MANIFEST_FILE, Manifest};
+use kestrel_shared::manifest::{FileEntry, MANIFEST_FILE, MAX_MANIFEST_BYTES, Manifest};
 use kestrel_shared::protocol::sha256_hex;
 pub use kestrel_shared::protocol::{Class, Prediction, device_files};
 use kestrel_shared::{ImageLimits, PreprocessError};
@@ -46,6 +46,8 @@ pub enum ArtifactError {
     },
     #[error("artifact is {bytes} bytes, over the limit of {limit}")]
     TooLarge { bytes: u64, limit: u64 },
+    #[error("{path}: over {limit} bytes, the limit for this file (refused, not read)")]
+    FileTooLarge { path: String, limit: u64 },
     #[error("health check failed: {0}")]
     Health(String),
     #[error(transparent)]
@@ -74,15 +76,36 @@ pub fn safe_relative(name: &str) -> Result<&Path, ArtifactError> {
     }
 }
 
-/// Reads `dir/manifest.json`.
+/// The most bytes a `manifest.sig` is read to (a few hundred in practice).
+pub const MAX_SIGNATURE_BYTES: u64 = 64 << 10;
+
+/// Reads `path` whole when it is at most `limit` bytes; a larger file is refused after reading
+/// `limit + 1` bytes of it.
+fn read_capped(path: &Path, limit: u64) -> Result<Vec<u8>, ArtifactError> {
+    use std::io::Read;
+    let f = std::fs::File::open(path).map_err(|e| io(path, e))?;
+    let mut bytes = Vec::new();
+    f.take(limit.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(|e| io(path, e))?;
+    if bytes.len() as u64 > limit {
+        return Err(ArtifactError::FileTooLarge {
+            path: path.display().to_string(),
+            limit,
+        });
+    }
+    Ok(bytes)
+}
+
+/// Reads `dir/manifest.json` (at most [`MAX_MANIFEST_BYTES`]).
 pub fn read_manifest(dir: &Path) -> Result<Manifest, ArtifactError> {
     let path = dir.join(MANIFEST_FILE);
-    let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
+    let bytes = read_capped(&path, MAX_MANIFEST_BYTES)?;
     let invalid = |e: kestrel_shared::error::Cause| ArtifactError::Manifest {
         path: path.display().to_string(),
         source: e,
     };
-    let m: Manifest = serde_json::from_str(&text).map_err(|e| invalid(e.into()))?;
+    let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| invalid(e.into()))?;
     m.preprocess.validate().map_err(|e| invalid(e.into()))?;
     Ok(m)
 }
@@ -95,11 +118,11 @@ pub fn verify_signature(
 ) -> Result<String, ArtifactError> {
     use kestrel_shared::signing::{PayloadType, SIGNATURE_FILE, SignError, SignatureFile, verify};
     let mpath = dir.join(MANIFEST_FILE);
-    let manifest = std::fs::read(&mpath).map_err(|e| io(&mpath, e))?;
+    let manifest = read_capped(&mpath, MAX_MANIFEST_BYTES)?;
     let spath = dir.join(SIGNATURE_FILE);
-    let text = std::fs::read_to_string(&spath).map_err(|e| io(&spath, e))?;
+    let text = read_capped(&spath, MAX_SIGNATURE_BYTES)?;
     let sig: SignatureFile =
-        serde_json::from_str(&text).map_err(|e| SignError::Format(e.to_string()))?;
+        serde_json::from_slice(&text).map_err(|e| SignError::Format(e.to_string()))?;
     Ok(verify(trusted, PayloadType::Manifest, &manifest, &sig)?)
 }
 
@@ -132,7 +155,9 @@ fn verify_entries(dir: &Path, files: &[&FileEntry], max_bytes: u64) -> Result<()
     for f in files {
         safe_relative(&f.path)?;
     }
-    let total: u64 = files.iter().map(|f| f.size).sum();
+    let total = files
+        .iter()
+        .fold(0u64, |total, f| total.saturating_add(f.size));
     if total > max_bytes {
         return Err(ArtifactError::TooLarge {
             bytes: total,
@@ -147,6 +172,15 @@ fn verify_entries(dir: &Path, files: &[&FileEntry], max_bytes: u64) -> Result<()
     }
     for f in files {
         let path = dir.join(safe_relative(&f.path)?);
+        // The size first: a file larger than the manifest says is never read.
+        let len = std::fs::metadata(&path).map_err(|e| io(&path, e))?.len();
+        if len != f.size {
+            return Err(ArtifactError::Size {
+                file: f.path.clone(),
+                expected: f.size,
+                found: len,
+            });
+        }
         let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
         if bytes.len() as u64 != f.size {
             return Err(ArtifactError::Size {
@@ -339,6 +373,20 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    /// A manifest or signature larger than its cap is refused without being read whole.
+    #[test]
+    fn oversized_manifests_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut big = b"{\"name\": \"".to_vec();
+        big.resize(MAX_MANIFEST_BYTES as usize + 1, b'a');
+        std::fs::write(dir.path().join(MANIFEST_FILE), &big).unwrap();
+        let e = read_manifest(dir.path()).unwrap_err();
+        assert!(matches!(e, ArtifactError::FileTooLarge { .. }), "{e:?}");
+        assert!(e.to_string().contains(MANIFEST_FILE), "{e}");
+        let e = verify_signature(dir.path(), &[]).unwrap_err();
+        assert!(matches!(e, ArtifactError::FileTooLarge { .. }), "{e:?}");
     }
 
     /// The causes are kept as sources (a caller can match on them), and `chain` prints them.

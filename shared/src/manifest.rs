@@ -7,6 +7,10 @@ use serde::{Deserialize, Serialize};
 use crate::PreprocessSpec;
 
 pub const MANIFEST_FILE: &str = "manifest.json";
+/// The most bytes a `manifest.json` is read to: exported manifests are some KiB to some hundreds
+/// of KiB (labels, golden samples, file list and quality reference of a thousand classes), far
+/// below this; a larger file is refused, not read.
+pub const MAX_MANIFEST_BYTES: u64 = 4 << 20;
 pub const FORMAT_VERSION: u32 = 1;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -5,10 +5,16 @@ use std::fs::File;
 use std::io::{self, BufReader, Read};
 use std::path::Path;
 
+use super::limits::{MAX_PICKLE_ENTRY_BYTES, MAX_STORAGE_BYTES};
 use super::pickle::load_one;
-use super::state_dict::{float_tensors_by_storage, gather_all, named_tensors};
+use super::state_dict::{ViewBudget, float_tensors_by_storage, gather_all, named_tensors};
 use super::{ImportError, io_err};
 use crate::tensor::Weights;
+
+type Zip = zip::ZipArchive<BufReader<File>>;
+
+/// Bytes of the `byteorder` entry (`little` or `big`).
+const MAX_BYTEORDER_BYTES: u64 = 64;
 
 pub(super) fn read_zip(path: &Path) -> Result<Weights, ImportError> {
     let zerr = |message: String| ImportError::Zip {
@@ -25,21 +31,13 @@ pub(super) fn read_zip(path: &Path) -> Result<Weights, ImportError> {
         .ok_or_else(|| zerr("no data.pkl entry (not a torch checkpoint?)".into()))?;
     let prefix = &pkl_name[..pkl_name.len() - "data.pkl".len()];
 
-    let read_entry = |zip: &mut zip::ZipArchive<BufReader<File>>,
-                      name: &str|
-     -> Result<Option<Vec<u8>>, ImportError> {
-        let mut e = match zip.by_name(name) {
-            Ok(e) => e,
-            Err(zip::result::ZipError::FileNotFound) => return Ok(None),
-            Err(e) => return Err(zerr(format!("{name}: {e}"))),
-        };
-        let mut v = Vec::with_capacity(usize::try_from(e.size()).unwrap_or(0).min(1 << 26));
-        e.read_to_end(&mut v)
-            .map_err(|e| io_err(path, &format!("reading zip entry {name}"), e))?;
-        Ok(Some(v))
-    };
-
-    if let Some(order) = read_entry(&mut zip, &format!("{prefix}byteorder"))?
+    let order = read_entry(
+        path,
+        &mut zip,
+        &format!("{prefix}byteorder"),
+        MAX_BYTEORDER_BYTES,
+    )?;
+    if let Some(order) = order
         && order.trim_ascii() == b"big"
     {
         return Err(ImportError::Unsupported {
@@ -48,20 +46,70 @@ pub(super) fn read_zip(path: &Path) -> Result<Weights, ImportError> {
         });
     }
 
-    let pkl = read_entry(&mut zip, &pkl_name)?.unwrap_or_default();
+    let pkl = read_entry(path, &mut zip, &pkl_name, MAX_PICKLE_ENTRY_BYTES)?.unwrap_or_default();
     let mut cur = io::Cursor::new(pkl.as_slice());
     let (root, _) = load_one(path, &mut cur, &mut 0, &pkl_name)?;
+    let tensors = named_tensors(&root).map_err(|message| ImportError::Limit {
+        path: path.to_path_buf(),
+        message: format!("{pkl_name}: {message}"),
+    })?;
+    drop(root);
 
-    let by_key = float_tensors_by_storage(named_tensors(&root));
+    let by_key = float_tensors_by_storage(tensors);
     let mut out = Weights::new();
+    let mut views = ViewBudget::new();
     for (key, users) in by_key {
         let name = format!("{prefix}data/{key}");
-        let bytes = read_entry(&mut zip, &name)?.ok_or_else(|| ImportError::MissingStorage {
-            path: path.to_path_buf(),
-            tensor: users[0].0.clone(),
-            key: key.clone(),
+        let bytes = read_entry(path, &mut zip, &name, MAX_STORAGE_BYTES)?.ok_or_else(|| {
+            ImportError::MissingStorage {
+                path: path.to_path_buf(),
+                tensor: users[0].0.clone(),
+                key: key.clone(),
+            }
         })?;
-        gather_all(path, &bytes, &users, &mut out)?;
+        gather_all(path, &bytes, &users, &mut out, &mut views)?;
     }
     Ok(out)
+}
+
+/// The decompressed bytes of entry `name` (`None` when there is none), refused when its header
+/// declares more than `limit` bytes or when it decompresses to more than its header declares
+/// (a decompression bomb): at most `min(declared, limit) + 1` bytes are ever decompressed.
+pub(super) fn read_entry(
+    path: &Path,
+    zip: &mut Zip,
+    name: &str,
+    limit: u64,
+) -> Result<Option<Vec<u8>>, ImportError> {
+    let over = |message: String| ImportError::Limit {
+        path: path.to_path_buf(),
+        message: format!("zip entry `{name}` {message}"),
+    };
+    let e = match zip.by_name(name) {
+        Ok(e) => e,
+        Err(zip::result::ZipError::FileNotFound) => return Ok(None),
+        Err(e) => {
+            return Err(ImportError::Zip {
+                path: path.to_path_buf(),
+                message: format!("{name}: {e}"),
+            });
+        }
+    };
+    let declared = e.size();
+    if declared > limit {
+        return Err(over(format!(
+            "declares {declared} bytes, over the limit of {limit}"
+        )));
+    }
+    let mut v = Vec::with_capacity(usize::try_from(declared).unwrap_or(0).min(1 << 26));
+    e.take(declared + 1)
+        .read_to_end(&mut v)
+        .map_err(|e| io_err(path, &format!("reading zip entry {name}"), e))?;
+    if v.len() as u64 > declared {
+        return Err(over(format!(
+            "decompresses to more than the {declared} bytes its header declares \
+             (a decompression bomb?)"
+        )));
+    }
+    Ok(Some(v))
 }

@@ -6,10 +6,15 @@ use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read};
 use std::path::Path;
 
+use std::rc::Rc;
+
 use super::dtype::{FloatType, StorageType};
+use super::limits::MAX_STORAGE_BYTES;
 use super::pickle::{Value, load_one};
 use super::rebuild::TensorRef;
-use super::state_dict::{float_tensors_by_storage, gather_all, key_name, named_tensors};
+use super::state_dict::{
+    ViewBudget, float_tensors_by_storage, gather_all, key_name, named_tensors,
+};
 use super::{ImportError, io_err};
 use crate::tensor::Weights;
 
@@ -17,13 +22,14 @@ use crate::tensor::Weights;
 const LEGACY_MAGIC: [u8; 10] = [0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19];
 
 /// The float tensors that view each storage, by storage key.
-type Users = BTreeMap<String, Vec<(String, TensorRef, FloatType)>>;
+type Users = BTreeMap<String, Vec<(String, Rc<TensorRef>, FloatType)>>;
 
 /// A legacy checkpoint being read: the file, the reader and its byte offset (for messages).
 struct Reader<'p, R> {
     path: &'p Path,
     r: R,
     pos: u64,
+    views: ViewBudget,
 }
 
 pub(super) fn read_legacy(path: &Path) -> Result<Weights, ImportError> {
@@ -32,11 +38,17 @@ pub(super) fn read_legacy(path: &Path) -> Result<Weights, ImportError> {
         path,
         r: BufReader::with_capacity(1 << 20, f),
         pos: 0,
+        views: ViewBudget::new(),
     };
     rd.header()?;
     let (root, storages) = load_one(path, &mut rd.r, &mut rd.pos, "state dict")?;
     let keys = rd.storage_keys()?;
-    let mut by_key = float_tensors_by_storage(named_tensors(&root));
+    let tensors = named_tensors(&root).map_err(|message| ImportError::Limit {
+        path: path.to_path_buf(),
+        message,
+    })?;
+    drop(root);
+    let mut by_key = float_tensors_by_storage(tensors);
     let mut out = Weights::new();
     for key in &keys {
         let ty = storages.get(key).ok_or_else(|| ImportError::Pickle {
@@ -75,7 +87,7 @@ impl<R: BufRead> Reader<'_, R> {
     /// The first three pickles: magic number, protocol version (1001) and sys info (little-endian).
     fn header(&mut self) -> Result<(), ImportError> {
         let (magic, _) = load_one(self.path, &mut self.r, &mut self.pos, "magic number")?;
-        if !matches!(&magic, Value::BigInt(b) if *b == LEGACY_MAGIC) {
+        if !matches!(&magic, Value::BigInt(b) if **b == LEGACY_MAGIC) {
             return Err(self.unsupported(
                 "pickle file without the torch.save magic number \
                  (a plain pickle, not a checkpoint?)"
@@ -84,14 +96,18 @@ impl<R: BufRead> Reader<'_, R> {
         }
         let (proto, _) = load_one(self.path, &mut self.r, &mut self.pos, "protocol version")?;
         if !matches!(proto, Value::Int(1001)) {
+            let found = match proto {
+                Value::Int(i) => i.to_string(),
+                other => format!("a {}", other.kind()),
+            };
             return Err(
-                self.unsupported(format!("legacy protocol version {proto:?} (expected 1001)"))
+                self.unsupported(format!("legacy protocol version {found} (expected 1001)"))
             );
         }
         let (sys_info, _) = load_one(self.path, &mut self.r, &mut self.pos, "sys info")?;
         if let Value::Dict(d) = &sys_info {
-            for (k, v) in d {
-                if matches!(k, Value::Str(s) if s == "little_endian")
+            for (k, v) in d.iter() {
+                if matches!(k, Value::Str(s) if &**s == "little_endian")
                     && matches!(v, Value::Bool(false))
                 {
                     return Err(self.unsupported("big-endian checkpoint".into()));
@@ -138,6 +154,15 @@ impl<R: BufRead> Reader<'_, R> {
         let nbytes = numel.checked_mul(elem as u64).ok_or_else(|| {
             self.pickle_error(format!("storage `{key}` element count {numel} overflows"))
         })?;
+        if nbytes > MAX_STORAGE_BYTES {
+            return Err(ImportError::Limit {
+                path: path.to_path_buf(),
+                message: format!(
+                    "storage `{key}` at byte {record_pos} is {nbytes} bytes \
+                     (the limit is {MAX_STORAGE_BYTES})"
+                ),
+            });
+        }
         let pos = self.pos;
         let truncated = |got: u64, tensor: String| ImportError::Truncated {
             path: path.to_path_buf(),
@@ -156,7 +181,7 @@ impl<R: BufRead> Reader<'_, R> {
                 if got as u64 != nbytes {
                     return Err(truncated(got as u64, format!(" (tensor `{}`)", users[0].0)));
                 }
-                gather_all(path, &bytes, &users, out)?;
+                gather_all(path, &bytes, &users, out, &mut self.views)?;
             }
             None => {
                 let got = io::copy(&mut data, &mut io::sink())

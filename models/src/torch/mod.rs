@@ -13,12 +13,16 @@
 
 mod archive;
 mod dtype;
+#[cfg(test)]
+mod hostile_tests;
 mod legacy;
+mod limits;
 mod pickle;
 mod rebuild;
 mod state_dict;
 #[cfg(test)]
 mod tests;
+mod value;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -73,6 +77,10 @@ pub enum ImportError {
         tensor: String,
         dtype: String,
     },
+    /// Over one of the reader's bounds (a hostile or absurd file: decompression bomb, memo or
+    /// DUP bomb, nesting too deep, views far larger than their storage).
+    #[error("{}: refused, over a safety limit: {message}", path.display())]
+    Limit { path: PathBuf, message: String },
 }
 
 fn io_err(path: &Path, context: &str, e: io::Error) -> ImportError {

@@ -4,57 +4,16 @@
 use std::collections::HashMap;
 use std::io::{self, BufRead, Read};
 use std::path::Path;
+use std::rc::Rc;
 
 use super::ImportError;
 use super::dtype::StorageType;
-use super::rebuild::{StorageRef, TensorRef};
-
-#[derive(Debug, Clone)]
-pub(super) enum Value {
-    Mark,
-    None,
-    Bool(bool),
-    Int(i64),
-    /// Little-endian two's complement integer too large for i64.
-    BigInt(Vec<u8>),
-    /// A float; its value is never needed, so it is not kept.
-    Float,
-    Str(String),
-    /// A bytes object; its contents are never needed, so they are not kept.
-    Bytes,
-    Tuple(Vec<Value>),
-    List(Vec<Value>),
-    Dict(Vec<(Value, Value)>),
-    Set(Vec<Value>),
-    Global(String, String),
-    Storage(StorageRef),
-    Tensor(TensorRef),
-    /// Opaque result of calling a global we do not model; only the call arguments are kept
-    /// (`torch.Size((...))` is read through them).
-    Object(Box<Value>),
-}
-
-impl Value {
-    pub(super) fn kind(&self) -> &'static str {
-        match self {
-            Value::Mark => "mark",
-            Value::None => "None",
-            Value::Bool(_) => "bool",
-            Value::Int(_) | Value::BigInt(_) => "int",
-            Value::Float => "float",
-            Value::Str(_) => "str",
-            Value::Bytes => "bytes",
-            Value::Tuple(_) => "tuple",
-            Value::List(_) => "list",
-            Value::Dict(_) => "dict",
-            Value::Set(_) => "set",
-            Value::Global(..) => "global",
-            Value::Storage(_) => "storage",
-            Value::Tensor(_) => "tensor",
-            Value::Object(..) => "object",
-        }
-    }
-}
+use super::limits::{
+    MAX_DEPTH, MAX_EXPANDED_VALUES, MAX_GLOBAL_NAME_BYTES, MAX_LINE_BYTES, MAX_PICKLE_VALUES,
+    MAX_STRING_BYTES,
+};
+use super::value::Measure;
+pub(super) use super::value::Value;
 
 /// Internal pickle error; mapped to [`ImportError`] with the path by the caller.
 #[derive(Debug)]
@@ -62,6 +21,8 @@ pub(super) enum PErr {
     Eof,
     Io(io::Error),
     Bad(String),
+    /// Over one of the bounds of [`super::limits`].
+    Limit(String),
 }
 
 impl From<io::Error> for PErr {
@@ -78,6 +39,25 @@ pub(super) fn bad<T>(msg: impl Into<String>) -> Result<T, PErr> {
     Err(PErr::Bad(msg.into()))
 }
 
+pub(super) fn limit<T>(msg: impl Into<String>) -> Result<T, PErr> {
+    Err(PErr::Limit(msg.into()))
+}
+
+/// Refuses a value nested or (counting shared parts each time) expanding beyond the limits.
+fn check_bounds(v: &Value) -> Result<(), PErr> {
+    if v.depth() > MAX_DEPTH {
+        return limit(format!("containers nested more than {MAX_DEPTH} deep"));
+    }
+    if v.weight() > MAX_EXPANDED_VALUES {
+        return limit(format!(
+            "a {} that expands to more than {MAX_EXPANDED_VALUES} values \
+             (references repeated through the memo or DUP)",
+            v.kind()
+        ));
+    }
+    Ok(())
+}
+
 pub(super) struct Unpickler<'r, R: BufRead> {
     r: &'r mut R,
     /// Absolute byte position in the underlying stream (for error messages).
@@ -86,6 +66,8 @@ pub(super) struct Unpickler<'r, R: BufRead> {
     memo: HashMap<u32, Value>,
     /// Every storage seen through a persistent id: key -> element type.
     pub(super) storages: HashMap<String, StorageType>,
+    /// Values this pickle may still create or copy ([`MAX_PICKLE_VALUES`]).
+    budget: u64,
 }
 
 impl<'r, R: BufRead> Unpickler<'r, R> {
@@ -96,7 +78,30 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
             stack: Vec::new(),
             memo: HashMap::new(),
             storages: HashMap::new(),
+            budget: MAX_PICKLE_VALUES,
         }
+    }
+
+    /// Spends `n` of the value budget.
+    pub(super) fn charge(&mut self, n: u64) -> Result<(), PErr> {
+        match self.budget.checked_sub(n) {
+            Some(left) => {
+                self.budget = left;
+                Ok(())
+            }
+            None => limit(format!(
+                "creates more than {MAX_PICKLE_VALUES} values \
+                 (repeated memo gets, DUP or copies of shared containers)"
+            )),
+        }
+    }
+
+    /// Pushes a new value, within the budget and the bounds.
+    fn push(&mut self, v: Value) -> Result<(), PErr> {
+        self.charge(1)?;
+        check_bounds(&v)?;
+        self.stack.push(v);
+        Ok(())
     }
 
     fn u8(&mut self) -> Result<u8, PErr> {
@@ -106,7 +111,13 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
         Ok(b[0])
     }
 
+    /// `n` bytes kept as a string or long (at most [`MAX_STRING_BYTES`]).
     fn bytes(&mut self, n: usize) -> Result<Vec<u8>, PErr> {
+        if n > MAX_STRING_BYTES {
+            return limit(format!(
+                "a string of {n} bytes (the limit is {MAX_STRING_BYTES})"
+            ));
+        }
         // Guard against absurd lengths from corrupt input: read in bounded chunks.
         let mut v = Vec::with_capacity(n.min(1 << 20));
         let got = (&mut *self.r).take(n as u64).read_to_end(&mut v)?;
@@ -117,6 +128,16 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
         Ok(v)
     }
 
+    /// Skips `n` bytes whose contents are not kept.
+    fn skip(&mut self, n: usize) -> Result<(), PErr> {
+        let got = io::copy(&mut (&mut *self.r).take(n as u64), &mut io::sink())?;
+        self.pos += got;
+        if got != n as u64 {
+            return Err(PErr::Eof);
+        }
+        Ok(())
+    }
+
     fn arr<const N: usize>(&mut self) -> Result<[u8; N], PErr> {
         let mut b = [0u8; N];
         self.r.read_exact(&mut b)?;
@@ -124,11 +145,16 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
         Ok(b)
     }
 
+    /// A line of a text opcode (at most [`MAX_LINE_BYTES`]).
     fn line(&mut self) -> Result<String, PErr> {
         let mut v = Vec::new();
-        let n = self.r.read_until(b'\n', &mut v)?;
+        let cap = MAX_LINE_BYTES as u64 + 1;
+        let n = (&mut *self.r).take(cap).read_until(b'\n', &mut v)?;
         self.pos += n as u64;
         if v.last() != Some(&b'\n') {
+            if n > MAX_LINE_BYTES {
+                return limit(format!("a line longer than {MAX_LINE_BYTES} bytes"));
+            }
             return Err(PErr::Eof);
         }
         v.pop();
@@ -136,6 +162,17 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
             v.pop();
         }
         Ok(String::from_utf8_lossy(&v).into_owned())
+    }
+
+    /// Pushes the global `module.name`, whose parts are at most [`MAX_GLOBAL_NAME_BYTES`].
+    fn global(&mut self, module: Rc<str>, name: Rc<str>) -> Result<(), PErr> {
+        let longest = module.len().max(name.len());
+        if longest > MAX_GLOBAL_NAME_BYTES {
+            return limit(format!(
+                "a global name of {longest} bytes (the limit is {MAX_GLOBAL_NAME_BYTES})"
+            ));
+        }
+        self.push(Value::Global(module, name))
     }
 
     fn pop(&mut self) -> Result<Value, PErr> {
@@ -172,6 +209,7 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
             .map_err(|_| PErr::Bad(format!("bad {op} {l:?}")))
     }
 
+    /// The memoized value: a reference, not a copy.
     fn memo_get(&self, id: u32) -> Result<Value, PErr> {
         self.memo
             .get(&id)
@@ -184,33 +222,49 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
             Some(Value::Mark) | None => return bad("memo put with empty stack"),
             Some(v) => v.clone(),
         };
+        self.charge(1)?;
         self.memo.insert(id, v);
         Ok(())
+    }
+
+    /// Charges the copy that changing the container on top of the stack makes when it is shared
+    /// (with the memo or another stack slot): one per item.
+    fn charge_unshare(&mut self) -> Result<(), PErr> {
+        let n = match self.stack.last() {
+            Some(Value::List(n) | Value::Set(n)) if Rc::strong_count(n) > 1 => n.len(),
+            Some(Value::Dict(n)) if Rc::strong_count(n) > 1 => n.len(),
+            _ => 0,
+        };
+        self.charge(n as u64)
     }
 
     fn set_items(&mut self, pairs: Vec<Value>) -> Result<(), PErr> {
         if !pairs.len().is_multiple_of(2) {
             return bad("odd number of items for SETITEMS");
         }
+        self.charge_unshare()?;
         let target = self.top()?;
         let Value::Dict(d) = target else {
             // Setting items on an opaque object: ignore (we only care about dicts).
             return Ok(());
         };
         let mut it = pairs.into_iter();
+        let mut kv = Vec::with_capacity(it.len() / 2);
         while let (Some(k), Some(v)) = (it.next(), it.next()) {
-            d.push((k, v));
+            kv.push((k, v));
         }
-        Ok(())
+        Rc::make_mut(d).extend(kv);
+        check_bounds(target)
     }
 
     fn append(&mut self, items: Vec<Value>) -> Result<(), PErr> {
-        match self.top()? {
-            Value::List(l) => l.extend(items),
-            Value::Set(s) => s.extend(items),
+        self.charge_unshare()?;
+        let target = self.top()?;
+        match target {
+            Value::List(l) | Value::Set(l) => Rc::make_mut(l).extend(items),
             _ => {} // e.g. appending to an opaque object: ignore
         }
-        Ok(())
+        check_bounds(target)
     }
 
     // long-function: the pickle VM's opcode loop, one short match arm per opcode on shared VM state
@@ -232,7 +286,7 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                     self.arr::<8>()?;
                 }
                 b'.' => return self.pop(), // STOP
-                b'(' => self.stack.push(Value::Mark),
+                b'(' => self.push(Value::Mark)?,
                 b'0' => {
                     self.stack
                         .pop()
@@ -243,11 +297,11 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                 }
                 b'2' => {
                     let v = self.top()?.clone();
-                    self.stack.push(v);
+                    self.push(v)?;
                 }
-                b'N' => self.stack.push(Value::None),
-                0x88 => self.stack.push(Value::Bool(true)),
-                0x89 => self.stack.push(Value::Bool(false)),
+                b'N' => self.push(Value::None)?,
+                0x88 => self.push(Value::Bool(true))?,
+                0x89 => self.push(Value::Bool(false))?,
                 b'I' => {
                     let l = self.line()?;
                     let v = match l.as_str() {
@@ -259,7 +313,7 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                                 .map_err(|_| PErr::Bad(format!("bad INT {s:?}")))?,
                         ),
                     };
-                    self.stack.push(v);
+                    self.push(v)?;
                 }
                 b'L' => {
                     let l = self.line()?;
@@ -267,19 +321,19 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                     let v = s
                         .parse()
                         .map_err(|_| PErr::Bad(format!("unsupported LONG {s:?}")))?;
-                    self.stack.push(Value::Int(v));
+                    self.push(Value::Int(v))?;
                 }
                 b'J' => {
                     let v = i32::from_le_bytes(self.arr::<4>()?);
-                    self.stack.push(Value::Int(v as i64));
+                    self.push(Value::Int(v as i64))?;
                 }
                 b'K' => {
                     let v = self.u8()?;
-                    self.stack.push(Value::Int(v as i64));
+                    self.push(Value::Int(v as i64))?;
                 }
                 b'M' => {
                     let v = u16::from_le_bytes(self.arr::<2>()?);
-                    self.stack.push(Value::Int(v as i64));
+                    self.push(Value::Int(v as i64))?;
                 }
                 0x8a | 0x8b => {
                     // LONG1 / LONG4
@@ -293,19 +347,19 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                         n as usize
                     };
                     let b = self.bytes(n)?;
-                    self.stack.push(long_from_bytes(b));
+                    self.push(long_from_bytes(b))?;
                 }
                 b'G' => {
                     // BINFLOAT: 8-byte big-endian double
                     self.arr::<8>()?;
-                    self.stack.push(Value::Float);
+                    self.push(Value::Float)?;
                 }
                 b'F' => {
                     let l = self.line()?;
                     l.trim()
                         .parse::<f64>()
                         .map_err(|_| PErr::Bad(format!("bad FLOAT {l:?}")))?;
-                    self.stack.push(Value::Float);
+                    self.push(Value::Float)?;
                 }
                 b'X' | 0x8c | 0x8d => {
                     // BINUNICODE / SHORT_BINUNICODE / BINUNICODE8
@@ -318,11 +372,11 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                     let b = self.bytes(n)?;
                     let s = String::from_utf8(b)
                         .map_err(|_| PErr::Bad("invalid UTF-8 in unicode string".into()))?;
-                    self.stack.push(Value::Str(s));
+                    self.push(Value::str(s))?;
                 }
                 b'V' => {
                     let l = self.line()?;
-                    self.stack.push(Value::Str(l));
+                    self.push(Value::str(l))?;
                 }
                 b'T' | b'U' => {
                     // BINSTRING / SHORT_BINSTRING (python 2 str): decoded as UTF-8 text
@@ -336,8 +390,7 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                         self.u8()? as usize
                     };
                     let b = self.bytes(n)?;
-                    self.stack
-                        .push(Value::Str(String::from_utf8_lossy(&b).into_owned()));
+                    self.push(Value::str(String::from_utf8_lossy(&b)))?;
                 }
                 b'S' => {
                     let l = self.line()?;
@@ -347,7 +400,7 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                         .and_then(|s| s.strip_suffix('\''))
                         .or_else(|| s.strip_prefix('"').and_then(|s| s.strip_suffix('"')))
                         .unwrap_or(s);
-                    self.stack.push(Value::Str(s.to_string()));
+                    self.push(Value::str(s))?;
                 }
                 b'B' | b'C' | 0x8e | 0x96 => {
                     // BINBYTES / SHORT_BINBYTES / BINBYTES8 / BYTEARRAY8
@@ -357,13 +410,13 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                         _ => usize::try_from(u64::from_le_bytes(self.arr::<8>()?))
                             .map_err(|_| PErr::Bad("bytes too long".into()))?,
                     };
-                    self.bytes(n)?;
-                    self.stack.push(Value::Bytes);
+                    self.skip(n)?;
+                    self.push(Value::Bytes)?;
                 }
-                b')' => self.stack.push(Value::Tuple(vec![])),
+                b')' => self.push(Value::tuple(vec![]))?,
                 b't' => {
                     let items = self.pop_mark()?;
-                    self.stack.push(Value::Tuple(items));
+                    self.push(Value::tuple(items))?;
                 }
                 0x85..=0x87 => {
                     let n = (op - 0x84) as usize;
@@ -374,12 +427,12 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                     if items.iter().any(|v| matches!(v, Value::Mark)) {
                         return bad("mark inside TUPLEn");
                     }
-                    self.stack.push(Value::Tuple(items));
+                    self.push(Value::tuple(items))?;
                 }
-                b']' => self.stack.push(Value::List(vec![])),
+                b']' => self.push(Value::list(vec![]))?,
                 b'l' => {
                     let items = self.pop_mark()?;
-                    self.stack.push(Value::List(items));
+                    self.push(Value::list(items))?;
                 }
                 b'a' => {
                     let v = self.pop()?;
@@ -389,10 +442,10 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                     let items = self.pop_mark()?;
                     self.append(items)?;
                 }
-                b'}' => self.stack.push(Value::Dict(vec![])),
+                b'}' => self.push(Value::dict(vec![]))?,
                 b'd' => {
                     let items = self.pop_mark()?;
-                    self.stack.push(Value::Dict(vec![]));
+                    self.push(Value::dict(vec![]))?;
                     self.set_items(items)?;
                 }
                 b's' => {
@@ -404,26 +457,26 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                     let items = self.pop_mark()?;
                     self.set_items(items)?;
                 }
-                0x8f => self.stack.push(Value::Set(vec![])),
+                0x8f => self.push(Value::set(vec![]))?,
                 0x90 => {
                     let items = self.pop_mark()?;
                     self.append(items)?;
                 }
                 0x91 => {
                     let items = self.pop_mark()?;
-                    self.stack.push(Value::Set(items));
+                    self.push(Value::set(items))?;
                 }
                 b'c' => {
                     let module = self.line()?;
                     let name = self.line()?;
-                    self.stack.push(Value::Global(module, name));
+                    self.global(module.into(), name.into())?;
                 }
                 0x93 => {
                     // STACK_GLOBAL
                     let name = self.pop()?;
                     let module = self.pop()?;
                     match (module, name) {
-                        (Value::Str(m), Value::Str(n)) => self.stack.push(Value::Global(m, n)),
+                        (Value::Str(m), Value::Str(n)) => self.global(m, n)?,
                         _ => return bad("STACK_GLOBAL operands are not strings"),
                     }
                 }
@@ -431,14 +484,14 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                     let args = self.pop()?;
                     let func = self.pop()?;
                     let v = self.call(func, args)?;
-                    self.stack.push(v);
+                    self.push(v)?;
                 }
                 0x81 => {
                     // NEWOBJ: cls.__new__(cls, *args)
                     let args = self.pop()?;
                     let cls = self.pop()?;
                     let v = self.call(cls, args)?;
-                    self.stack.push(v);
+                    self.push(v)?;
                 }
                 0x92 => {
                     // NEWOBJ_EX
@@ -446,7 +499,7 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                     let args = self.pop()?;
                     let cls = self.pop()?;
                     let v = self.call(cls, args)?;
-                    self.stack.push(v);
+                    self.push(v)?;
                 }
                 b'b' => {
                     // BUILD: set state on the object; we keep the object as is, except that
@@ -456,28 +509,28 @@ impl<'r, R: BufRead> Unpickler<'r, R> {
                 }
                 b'P' => {
                     let l = self.line()?;
-                    let v = self.persistent_load(Value::Str(l))?;
-                    self.stack.push(v);
+                    let v = self.persistent_load(Value::str(l))?;
+                    self.push(v)?;
                 }
                 b'Q' => {
                     let pid = self.pop()?;
                     let v = self.persistent_load(pid)?;
-                    self.stack.push(v);
+                    self.push(v)?;
                 }
                 b'g' => {
                     let id = self.line_index("GET")?;
                     let v = self.memo_get(id)?;
-                    self.stack.push(v);
+                    self.push(v)?;
                 }
                 b'h' => {
                     let id = self.u8()? as u32;
                     let v = self.memo_get(id)?;
-                    self.stack.push(v);
+                    self.push(v)?;
                 }
                 b'j' => {
                     let id = u32::from_le_bytes(self.arr::<4>()?);
                     let v = self.memo_get(id)?;
-                    self.stack.push(v);
+                    self.push(v)?;
                 }
                 b'p' => {
                     let id = self.line_index("PUT")?;
@@ -516,7 +569,7 @@ fn long_from_bytes(b: Vec<u8>) -> Value {
         buf[..b.len()].copy_from_slice(&b);
         Value::Int(i64::from_le_bytes(buf))
     } else {
-        Value::BigInt(b)
+        Value::BigInt(b.into())
     }
 }
 
@@ -534,6 +587,10 @@ fn pickle_err(path: &Path, what: &str, pos: u64, e: PErr) -> ImportError {
             path: path.to_path_buf(),
             offset: pos,
             message: format!("{what}: {message}"),
+        },
+        PErr::Limit(message) => ImportError::Limit {
+            path: path.to_path_buf(),
+            message: format!("pickle `{what}` at byte {pos}: {message}"),
         },
     }
 }

@@ -1,90 +1,135 @@
 //! State-dict extraction from the unpickled object, and gathering of strided tensors.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::rc::Rc;
 
 use super::ImportError;
 use super::dtype::{FloatType, StorageType};
+use super::limits::{MAX_BROADCAST_ELEMENTS, MAX_WALK_STEPS, VIEWS_PER_STORAGE_ELEMENT};
 use super::pickle::Value;
 use super::rebuild::TensorRef;
+use super::value::Measure;
 use crate::tensor::{Tensor, Weights};
 
 pub(super) fn key_name(k: &Value) -> Option<String> {
-    match k {
-        Value::Str(s) => Some(s.clone()),
-        Value::Int(i) => Some(i.to_string()),
-        _ => None,
-    }
+    key_str(k).map(Cow::into_owned)
 }
 
-fn contains_tensor(v: &Value) -> bool {
-    match v {
-        Value::Tensor(_) => true,
-        Value::Dict(d) => d.iter().any(|(_, v)| contains_tensor(v)),
-        Value::List(l) | Value::Tuple(l) => l.iter().any(contains_tensor),
-        _ => false,
-    }
+/// The walk that names the tensors of an unpickled object, iterative and bounded: its steps
+/// (one per value visited, one per byte of name built) are counted against [`MAX_WALK_STEPS`],
+/// so values shared many times over (the memo, `DUP`) cannot make it run long. It goes only
+/// where a tensor is ([`Measure::has_tensor`]).
+struct Walk {
+    steps: u64,
 }
 
-fn flatten(v: &Value, prefix: &str, out: &mut Vec<(String, TensorRef)>) {
-    let join = |k: &str| {
-        if prefix.is_empty() {
-            k.to_string()
+impl Walk {
+    fn step(&mut self, n: u64) -> Result<(), String> {
+        match self.steps.checked_sub(n) {
+            Some(left) => {
+                self.steps = left;
+                Ok(())
+            }
+            None => Err(format!(
+                "naming the tensors takes more than {MAX_WALK_STEPS} steps \
+                 (values referenced many times over, or very long keys)"
+            )),
+        }
+    }
+
+    /// `prefix.key` (or `key` at the top), charged before it is built.
+    fn join(&mut self, prefix: &str, key: &str) -> Result<String, String> {
+        self.step(2 + prefix.len() as u64 + key.len() as u64)?;
+        Ok(if prefix.is_empty() {
+            key.to_string()
         } else {
-            format!("{prefix}.{k}")
-        }
-    };
-    match v {
-        Value::Tensor(t) => out.push((prefix.to_string(), t.clone())),
-        Value::Dict(d) => {
-            for (k, v) in d {
-                if let Some(k) = key_name(k) {
-                    flatten(v, &join(&k), out);
+            format!("{prefix}.{key}")
+        })
+    }
+
+    /// Every tensor under `root`, named by its dotted path, in document order.
+    fn flatten(
+        &mut self,
+        root: &Value,
+        out: &mut Vec<(String, Rc<TensorRef>)>,
+    ) -> Result<(), String> {
+        // Only where a tensor is: a subtree without one is skipped whatever its size.
+        let mut todo: Vec<(&Value, String)> = vec![(root, String::new())];
+        while let Some((v, name)) = todo.pop() {
+            self.step(1)?;
+            match v {
+                Value::Tensor(t) => out.push((name, t.clone())),
+                Value::Dict(d) => {
+                    for (k, v) in d.iter().rev().filter(|(_, v)| v.has_tensor()) {
+                        if let Some(k) = key_str(k) {
+                            todo.push((v, self.join(&name, &k)?));
+                        }
+                    }
                 }
+                Value::List(l) | Value::Tuple(l) => {
+                    for (i, v) in l.iter().enumerate().rev().filter(|(_, v)| v.has_tensor()) {
+                        todo.push((v, self.join(&name, &i.to_string())?));
+                    }
+                }
+                _ => {}
             }
         }
-        Value::List(l) | Value::Tuple(l) => {
-            for (i, v) in l.iter().enumerate() {
-                flatten(v, &join(&i.to_string()), out);
-            }
-        }
-        _ => {}
+        Ok(())
+    }
+}
+
+fn key_str(k: &Value) -> Option<Cow<'_, str>> {
+    match k {
+        Value::Str(s) => Some(Cow::Borrowed(&**s)),
+        Value::Int(i) => Some(Cow::Owned(i.to_string())),
+        _ => None,
     }
 }
 
 /// Named tensors of the unpickled top-level object. A plain state dict is used as is; a
 /// training checkpoint (`{"epoch": .., "state_dict": {...}}`) with no top-level tensors is
 /// unwrapped through its `state_dict` / `model_state_dict` / `model` entry when present;
-/// anything else is flattened with dotted names.
-pub(super) fn named_tensors(root: &Value) -> Vec<(String, TensorRef)> {
+/// anything else is flattened with dotted names. Errs when the walk is over its bound.
+pub(super) fn named_tensors(root: &Value) -> Result<Vec<(String, Rc<TensorRef>)>, String> {
+    let mut walk = Walk {
+        steps: MAX_WALK_STEPS,
+    };
     let mut out = Vec::new();
     if let Value::Dict(d) = root
         && !d.iter().any(|(_, v)| matches!(v, Value::Tensor(_)))
     {
         for wanted in ["state_dict", "model_state_dict", "model"] {
-            if let Some((_, v)) = d
-                .iter()
-                .find(|(k, v)| matches!(k, Value::Str(s) if s == wanted) && contains_tensor(v))
-            {
-                flatten(v, "", &mut out);
-                return out;
+            for (k, v) in d.iter() {
+                if matches!(k, Value::Str(s) if &**s == wanted) && v.has_tensor() {
+                    walk.flatten(v, &mut out)?;
+                    return Ok(out);
+                }
             }
         }
     }
-    flatten(root, "", &mut out);
-    out
+    walk.flatten(root, &mut out)?;
+    Ok(out)
 }
 
-/// Gathers `t` from the raw little-endian storage bytes into contiguous row-major f32.
-fn gather(bytes: &[u8], ft: FloatType, t: &TensorRef) -> Result<Vec<f32>, String> {
-    let storage_numel = bytes.len() / ft.size();
+/// Where a view lies in its storage: its first element and its element count, checked with
+/// checked arithmetic against the storage's `storage_numel` elements; its strides, with those of
+/// dimensions of size 1 zeroed (they are never stepped over).
+fn view_extent(t: &TensorRef, storage_numel: usize) -> Result<(usize, usize, Vec<usize>), String> {
     let numel = t
         .size
         .iter()
         .try_fold(1usize, |a, &s| a.checked_mul(s))
         .ok_or("element count overflows")?;
+    let stride: Vec<usize> = t
+        .size
+        .iter()
+        .zip(&t.stride)
+        .map(|(&s, &st)| if s == 1 { 0 } else { st })
+        .collect();
     if numel == 0 {
-        return Ok(Vec::new());
+        return Ok((0, 0, stride));
     }
     let start = t
         .storage
@@ -92,7 +137,7 @@ fn gather(bytes: &[u8], ft: FloatType, t: &TensorRef) -> Result<Vec<f32>, String
         .checked_add(t.offset)
         .ok_or("storage offset overflows")?;
     let mut last = start;
-    for (&s, &st) in t.size.iter().zip(&t.stride) {
+    for (&s, &st) in t.size.iter().zip(&stride) {
         last = (s - 1)
             .checked_mul(st)
             .and_then(|x| last.checked_add(x))
@@ -105,17 +150,39 @@ fn gather(bytes: &[u8], ft: FloatType, t: &TensorRef) -> Result<Vec<f32>, String
             t.size, t.stride, t.storage.key
         ));
     }
+    if numel > storage_numel && numel as u64 > MAX_BROADCAST_ELEMENTS {
+        return Err(format!(
+            "size {:?} stride {:?} makes {numel} elements out of the {storage_numel} of \
+             storage `{}` (a view larger than its storage may have at most \
+             {MAX_BROADCAST_ELEMENTS} elements)",
+            t.size, t.stride, t.storage.key
+        ));
+    }
+    Ok((start, numel, stride))
+}
+
+/// Gathers `t` from the raw little-endian storage bytes into contiguous row-major f32; `start`,
+/// `numel` and `stride` are from [`view_extent`].
+fn gather(
+    bytes: &[u8],
+    ft: FloatType,
+    t: &TensorRef,
+    (start, numel, stride): (usize, usize, Vec<usize>),
+) -> Vec<f32> {
     let mut out = Vec::with_capacity(numel);
+    if numel == 0 {
+        return out;
+    }
     // Contiguous fast path.
     let mut expect = 1usize;
-    let contiguous = t.size.iter().zip(&t.stride).rev().all(|(&s, &st)| {
+    let contiguous = t.size.iter().zip(&stride).rev().all(|(&s, &st)| {
         let ok = s == 1 || st == expect;
         expect *= s;
         ok
     });
     if contiguous {
         out.extend((start..start + numel).map(|i| ft.load(bytes, i)));
-        return Ok(out);
+        return out;
     }
     let nd = t.size.len();
     let mut idx = vec![0usize; nd];
@@ -124,21 +191,36 @@ fn gather(bytes: &[u8], ft: FloatType, t: &TensorRef) -> Result<Vec<f32>, String
         out.push(ft.load(bytes, pos));
         for d in (0..nd).rev() {
             idx[d] += 1;
-            pos += t.stride[d];
+            pos += stride[d];
             if idx[d] < t.size[d] {
                 break;
             }
-            pos -= t.stride[d] * t.size[d];
+            pos -= stride[d] * t.size[d];
             idx[d] = 0;
         }
     }
-    Ok(out)
+    out
+}
+
+/// Elements the tensors of one checkpoint may still gather: [`MAX_BROADCAST_ELEMENTS`] plus
+/// [`VIEWS_PER_STORAGE_ELEMENT`] per element of the storages read, so that many views of the
+/// same data (or many stride-0 views) cannot multiply a small file into a huge output.
+pub(super) struct ViewBudget {
+    left: u64,
+}
+
+impl ViewBudget {
+    pub(super) fn new() -> Self {
+        ViewBudget {
+            left: MAX_BROADCAST_ELEMENTS,
+        }
+    }
 }
 
 /// Groups the float tensors by storage key; integer tensors are dropped here.
 pub(super) fn float_tensors_by_storage(
-    tensors: Vec<(String, TensorRef)>,
-) -> BTreeMap<String, Vec<(String, TensorRef, FloatType)>> {
+    tensors: Vec<(String, Rc<TensorRef>)>,
+) -> BTreeMap<String, Vec<(String, Rc<TensorRef>, FloatType)>> {
     let mut by_key: BTreeMap<String, Vec<_>> = BTreeMap::new();
     for (name, t) in tensors {
         if let StorageType::Float(ft) = t.storage.ty {
@@ -151,18 +233,40 @@ pub(super) fn float_tensors_by_storage(
     by_key
 }
 
+/// Gathers the views `users` of one storage (`bytes`) into `out`, within `budget`.
 pub(super) fn gather_all(
     path: &Path,
     bytes: &[u8],
-    users: &[(String, TensorRef, FloatType)],
+    users: &[(String, Rc<TensorRef>, FloatType)],
     out: &mut Weights,
+    budget: &mut ViewBudget,
 ) -> Result<(), ImportError> {
+    if let Some((_, _, ft)) = users.first() {
+        let elements = (bytes.len() / ft.size()) as u64;
+        budget.left = budget
+            .left
+            .saturating_add(elements.saturating_mul(VIEWS_PER_STORAGE_ELEMENT));
+    }
     for (name, t, ft) in users {
-        let data = gather(bytes, *ft, t).map_err(|message| ImportError::Tensor {
-            path: path.to_path_buf(),
-            tensor: name.clone(),
-            message,
-        })?;
+        let extent =
+            view_extent(t, bytes.len() / ft.size()).map_err(|message| ImportError::Tensor {
+                path: path.to_path_buf(),
+                tensor: name.clone(),
+                message,
+            })?;
+        let numel = extent.1 as u64;
+        budget.left = budget
+            .left
+            .checked_sub(numel)
+            .ok_or_else(|| ImportError::Limit {
+                path: path.to_path_buf(),
+                message: format!(
+                    "tensor `{name}`: its {numel} elements and those gathered before it exceed \
+                 {VIEWS_PER_STORAGE_ELEMENT} per element of the storages read plus \
+                 {MAX_BROADCAST_ELEMENTS} (the same data viewed over and over)"
+                ),
+            })?;
+        let data = gather(bytes, *ft, t, extent);
         out.insert(
             name.clone(),
             Tensor {

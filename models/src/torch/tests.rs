@@ -87,7 +87,8 @@ fn lite0_legacy_checkpoint() {
         }
         (v, s)
     };
-    let tensors: HashMap<String, TensorRef> = named_tensors(&root).into_iter().collect();
+    let tensors: HashMap<String, std::rc::Rc<TensorRef>> =
+        named_tensors(&root).unwrap().into_iter().collect();
     let stem_ref = &tensors["_conv_stem.weight"];
     assert_eq!(stem_ref.stride, vec![1, 32, 288, 96], "real file layout");
     let (o, i, kh, kw) = (5usize, 2usize, 1usize, 2usize);

@@ -98,6 +98,7 @@ pub(super) fn labels_of(
         Err(delta_kernel::KernelError::FileNotFound(_)) => return Ok(None),
         Err(e) => return Err(kernel(e)),
     }
+    check_log_sizes(engine.as_ref(), &url, &labels_origin)?;
     let latest = Snapshot::builder_for(url.as_str())
         .build(engine.as_ref())
         .map_err(kernel)?;
@@ -144,6 +145,51 @@ pub(super) fn labels_of(
         origin: labels_origin,
         version,
     }))
+}
+
+/// The most bytes of a JSON file in a Delta log (a commit, `_last_checkpoint`, a CRC file): the
+/// kernel reads each whole, and commits of tables with many thousands of files stay in the tens of
+/// MiB.
+pub(super) const MAX_LOG_JSON_BYTES: u64 = 256 << 20;
+/// The most bytes of any other file in a Delta log (Parquet checkpoints and their sidecars).
+pub(super) const MAX_LOG_FILE_BYTES: u64 = 1 << 30;
+
+/// Refuses the table at `table` when a file of its `_delta_log/` is over the caps above, before
+/// the kernel reads any of it; errors name the file.
+pub(super) fn check_log_sizes(
+    engine: &dyn delta_kernel::Engine,
+    table: &url::Url,
+    origin: &Path,
+) -> Result<(), DataError> {
+    let err = |message: String| DataError::Delta {
+        path: origin.to_path_buf(),
+        message,
+    };
+    let log = table.join("_delta_log/").map_err(|e| err(e.to_string()))?;
+    let files = match engine.storage_handler().list_from(&log) {
+        Ok(files) => files,
+        Err(delta_kernel::KernelError::FileNotFound(_)) => return Ok(()),
+        Err(e) => return Err(err(e.to_string())),
+    };
+    for meta in files {
+        let meta = meta.map_err(|e| err(e.to_string()))?;
+        let name = meta.location.path();
+        let json = [".json", ".crc", "_last_checkpoint"]
+            .iter()
+            .any(|end| name.ends_with(end));
+        let cap = if json {
+            MAX_LOG_JSON_BYTES
+        } else {
+            MAX_LOG_FILE_BYTES
+        };
+        if meta.size > cap {
+            return Err(err(format!(
+                "log file {} is {} bytes, over the limit of {cap} for a Delta log file",
+                meta.location, meta.size
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Parses `--data-timestamp`: RFC 3339 (`2026-12-01T06:00:00Z`), `YYYY-MM-DD HH:MM:SS` or
@@ -298,6 +344,7 @@ fn snapshot(loc: &Location, opts: &SourceOpts) -> Result<Arc<Snapshot>, DataErro
         message,
     };
     let (url, engine) = (&loc.url, &loc.engine);
+    check_log_sizes(engine.as_ref(), url, &loc.origin)?;
     let latest = Snapshot::builder_for(url.as_str())
         .build(engine.as_ref())
         .map_err(|e| err(e.to_string()))?;

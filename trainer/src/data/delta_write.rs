@@ -325,7 +325,9 @@ impl Table {
                 let abs = std::path::absolute(dir).map_err(io_err(dir))?;
                 let url = Url::from_directory_path(&abs)
                     .map_err(|()| err(&"not an absolute directory path"))?;
-                (url, Arc::new(LocalFileSystem::new()))
+                // fsync'd: a commit that returns is on disk (`trainer collect` tells the devices
+                // their captures are stored only then, and they delete them).
+                (url, Arc::new(LocalFileSystem::new().with_fsync(true)))
             }
         };
         let exec =
@@ -359,6 +361,7 @@ impl Table {
         if !exists {
             return Ok(None);
         }
+        super::delta::check_log_sizes(self.engine.as_ref(), &self.url, &self.origin)?;
         let snapshot = Snapshot::builder_for(self.url.as_str())
             .build(self.engine.as_ref())
             .map_err(|e| self.err(e))?;
