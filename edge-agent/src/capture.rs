@@ -1,6 +1,9 @@
 //! Input capture without IO: which answered requests the `[capture]` policy keeps, the hourly
-//! limit (its memory survives restarts through [`CaptureState`]) and the upload cap (a token
-//! bucket). The agent's glue ([`crate::agent`]) stores the captures in a budgeted outbox.
+//! limit (its memory survives restarts through [`CaptureState`]), the upload cap (a token
+//! bucket), and the captures sent but not yet acknowledged by a collector ([`Unacked`]: kept,
+//! sent again after a growing wait, deleted on the collector's acknowledgement or given up after
+//! `max_resends`). The agent's glue ([`crate::agent`]) stores the captures in a budgeted outbox
+//! and their files while they wait for the acknowledgement.
 
 use std::collections::VecDeque;
 
@@ -11,8 +14,11 @@ use serde::{Deserialize, Serialize};
 use crate::config::{Capture as CaptureConfig, CapturePolicy};
 
 const HOUR_MS: u64 = 3_600_000;
+/// Captures waiting for a collector's acknowledgement at most (the oldest are given up beyond).
+pub const MAX_UNACKED: usize = 4096;
 
-/// What survives a restart: the counters and the times of the last hour's captures.
+/// What survives a restart: the counters, the times of the last hour's captures and the
+/// captures waiting for a collector's acknowledgement.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CaptureState {
     pub stats: CaptureStats,
@@ -20,6 +26,68 @@ pub struct CaptureState {
     pub recent: VecDeque<u64>,
     /// The last capture id's sequence number.
     pub seq: u64,
+    /// Captures the broker acknowledged and no collector yet, oldest first.
+    #[serde(default)]
+    pub unacked: VecDeque<Unacked>,
+}
+
+/// A capture sent and not yet acknowledged by a collector (its file waits on the device).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Unacked {
+    pub id: String,
+    /// Its file's size.
+    pub bytes: u64,
+    /// When it is sent again (unix ms).
+    pub due_ms: u64,
+    pub resends: u32,
+}
+
+/// What to do about a capture whose wait for an acknowledgement is over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Due {
+    /// Send it again.
+    Resend(String),
+    /// `max_resends` went unanswered: delete it.
+    GiveUp(String),
+}
+
+impl CaptureState {
+    /// The waiting captures as the store has them (`on_disk`: id and file size): those the state
+    /// knows keep their resends, files it does not know (written just before a crash) are due
+    /// now, and what has no file is forgotten. Oldest first, by capture id.
+    pub fn reconcile(&mut self, on_disk: &[(String, u64)], now_ms: u64) {
+        let known: std::collections::HashMap<String, Unacked> = self
+            .unacked
+            .drain(..)
+            .map(|u| (u.id.clone(), u))
+            .collect();
+        let mut all: Vec<Unacked> = on_disk
+            .iter()
+            .map(|(id, bytes)| Unacked {
+                bytes: *bytes,
+                ..known.get(id).cloned().unwrap_or(Unacked {
+                    id: id.clone(),
+                    bytes: 0,
+                    due_ms: now_ms,
+                    resends: 0,
+                })
+            })
+            .collect();
+        all.sort_by_key(|u| id_order(&u.id));
+        self.unacked = all.into();
+    }
+
+    /// (captures, bytes) waiting for a collector's acknowledgement.
+    pub fn unacked_totals(&self) -> (u64, u64) {
+        let bytes = self.unacked.iter().map(|u| u.bytes).sum();
+        (self.unacked.len() as u64, bytes)
+    }
+}
+
+/// A capture id's place in time: `<unix ms>-<sequence>`.
+fn id_order(id: &str) -> (u64, u64) {
+    let mut parts = id.splitn(2, '-').map(|n| n.parse().unwrap_or(0));
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0))
 }
 
 /// The decisions of `[capture]`.
@@ -31,6 +99,8 @@ pub struct Capturer {
     /// Upload tokens (bytes) and when they were last filled (unix ms).
     tokens: f64,
     filled_ms: u64,
+    /// The capture being sent again, until the broker has it (one at a time).
+    resending: Option<String>,
 }
 
 impl Capturer {
@@ -41,6 +111,7 @@ impl Capturer {
             rng: seed | 1,
             tokens: 0.0,
             filled_ms: 0,
+            resending: None,
         }
     }
 
@@ -99,6 +170,105 @@ impl Capturer {
 
     pub fn max_disk_bytes(&self) -> u64 {
         self.cfg.max_disk_bytes
+    }
+
+    /// The wait after send number `resends` (0: the first) before the next.
+    fn backoff_ms(&self, resends: u32) -> u64 {
+        let base = self.cfg.resend_after_s.saturating_mul(1000);
+        let max = self.cfg.resend_max_s.saturating_mul(1000);
+        base.saturating_mul(1u64 << resends.min(32)).min(max)
+    }
+
+    /// The broker acknowledged the first send of capture `id` (its file `bytes` long) at
+    /// `now_ms`. Returns the captures to delete: this one when no collector acknowledges
+    /// (`collector_acks = false`), else the oldest waiting beyond [`MAX_UNACKED`].
+    pub fn delivered(&mut self, id: &str, bytes: u64, now_ms: u64) -> Vec<String> {
+        self.state.stats.sent += 1;
+        if !self.cfg.collector_acks {
+            return vec![id.to_string()];
+        }
+        let due_ms = now_ms.saturating_add(self.backoff_ms(0));
+        self.state.unacked.push_back(Unacked {
+            id: id.to_string(),
+            bytes,
+            due_ms,
+            resends: 0,
+        });
+        let over = self.state.unacked.len().saturating_sub(MAX_UNACKED);
+        (0..over).filter_map(|_| self.drop_oldest()).collect()
+    }
+
+    /// The broker acknowledged a resend of `id`: the next may go.
+    pub fn redelivered(&mut self, id: &str) {
+        if self.resending.as_deref() == Some(id) {
+            self.resending = None;
+        }
+    }
+
+    /// A collector acknowledged `ids`: those waiting are done (returned, to delete); others
+    /// (not sent yet, or already deleted) are ignored.
+    pub fn acked(&mut self, ids: &[String]) -> Vec<String> {
+        let mut done = Vec::new();
+        for id in ids {
+            if let Some(i) = self.state.unacked.iter().position(|u| &u.id == id) {
+                self.state.unacked.remove(i);
+                self.state.stats.acked += 1;
+                self.redelivered(id);
+                done.push(id.clone());
+            }
+        }
+        done
+    }
+
+    /// The file of waiting capture `id` is gone: forgotten.
+    pub fn gone(&mut self, id: &str) {
+        if let Some(i) = self.state.unacked.iter().position(|u| u.id == id) {
+            self.state.unacked.remove(i);
+            self.state.stats.unacked_dropped += 1;
+        }
+        self.redelivered(id);
+    }
+
+    /// Makes room for a new capture of `bytes` in the disk budget by giving up the oldest
+    /// waiting captures (returned, to delete); returns them and what the queue may use.
+    pub fn make_room(&mut self, bytes: u64) -> (Vec<String>, u64) {
+        let max = self.cfg.max_disk_bytes;
+        let mut dropped = Vec::new();
+        while self.state.unacked_totals().1.saturating_add(bytes) > max {
+            match self.drop_oldest() {
+                Some(id) => dropped.push(id),
+                None => break,
+            }
+        }
+        (dropped, max.saturating_sub(self.state.unacked_totals().1))
+    }
+
+    fn drop_oldest(&mut self) -> Option<String> {
+        let u = self.state.unacked.pop_front()?;
+        self.state.stats.unacked_dropped += 1;
+        self.redelivered(&u.id);
+        Some(u.id)
+    }
+
+    /// The oldest waiting capture whose wait is over at `now_ms`: sent again (one at a time:
+    /// none while a resend is on its way to the broker), or given up after `max_resends`.
+    pub fn next_due(&mut self, now_ms: u64) -> Option<Due> {
+        if self.resending.is_some() {
+            return None;
+        }
+        let i = self.state.unacked.iter().position(|u| u.due_ms <= now_ms)?;
+        if self.state.unacked[i].resends >= self.cfg.max_resends {
+            let u = self.state.unacked.remove(i).expect("found");
+            self.state.stats.unacked_dropped += 1;
+            return Some(Due::GiveUp(u.id));
+        }
+        let resends = self.state.unacked[i].resends + 1;
+        let due_ms = now_ms.saturating_add(self.backoff_ms(resends));
+        let u = &mut self.state.unacked[i];
+        (u.resends, u.due_ms) = (resends, due_ms);
+        self.state.stats.resent += 1;
+        self.resending = Some(u.id.clone());
+        Some(Due::Resend(u.id.clone()))
     }
 
     /// A uniform draw in [0, 1) (xorshift64*; statistical, not secret).
@@ -187,5 +357,34 @@ mod tests {
         let mut c = capturer(CapturePolicy::Random, |c| c.max_upload_bytes_per_s = 100);
         assert!(!c.may_send(5000, 1000)); // one message larger than a second's worth
         assert!(c.may_send(5000, 51_000), "it goes once its time has come");
+    }
+
+    #[test]
+    fn what_waits_for_an_acknowledgement_is_what_the_store_holds() {
+        let u = |id: &str, resends| Unacked {
+            id: id.into(),
+            bytes: 1,
+            due_ms: 500,
+            resends,
+        };
+        let mut st = CaptureState {
+            unacked: [u("20-000002", 3), u("10-000001", 1)].into(),
+            ..Default::default()
+        };
+        // 10-1 was deleted before the state was saved; 30-3 written just before a crash.
+        let on_disk = [("30-000003".to_string(), 70), ("20-000002".to_string(), 50)];
+        st.reconcile(&on_disk, 9000);
+        let got: Vec<_> = st
+            .unacked
+            .iter()
+            .map(|u| (u.id.as_str(), u.bytes, u.due_ms, u.resends))
+            .collect();
+        assert_eq!(got, [("20-000002", 50, 500, 3), ("30-000003", 70, 9000, 0)]);
+        assert_eq!(st.unacked_totals(), (2, 120));
+        // A state file from before acknowledgements reads as nothing waiting.
+        let old: CaptureState =
+            serde_json::from_str(r#"{"stats":{"taken":1,"rate_limited":0,"evicted":0,"sent":1,"queued":0,"queued_bytes":0},"recent":[],"seq":1}"#)
+                .unwrap();
+        assert!(old.unacked.is_empty());
     }
 }

@@ -189,6 +189,18 @@ fn default_per_hour() -> u64 {
 fn default_disk() -> u64 {
     64 << 20
 }
+fn default_true() -> bool {
+    true
+}
+fn default_resend_after() -> u64 {
+    600
+}
+fn default_resend_max() -> u64 {
+    3600
+}
+fn default_max_resends() -> u32 {
+    24
+}
 
 /// Input capture (`[capture]`, off unless `enabled = true`): which answered requests keep their
 /// image for the next training round, and the limits on what is stored and sent.
@@ -211,12 +223,28 @@ pub struct Capture {
     /// At most this many captures in any hour (across restarts).
     #[serde(default = "default_per_hour")]
     pub max_per_hour: u64,
-    /// Captures waiting to be sent take at most this many bytes on disk; the oldest go first.
+    /// Captures not yet acknowledged by a collector (waiting to be sent, or sent and waiting
+    /// for the acknowledgement) take at most this many bytes on disk; the oldest go first.
     #[serde(default = "default_disk")]
     pub max_disk_bytes: u64,
     /// Upload cap for captures in bytes per second (0: none); other messages are not held back.
     #[serde(default)]
     pub max_upload_bytes_per_s: u64,
+    /// Keep each capture until a collector acknowledges having stored it
+    /// (`P/devices/<id>/capture-ack`), sending it again while it does not; false: delete it
+    /// when the broker acknowledges it (for a collector older than acknowledgements).
+    #[serde(default = "default_true")]
+    pub collector_acks: bool,
+    /// Seconds after a send without a collector's acknowledgement before the capture is sent
+    /// again; the wait doubles after each resend, up to `resend_max_s`.
+    #[serde(default = "default_resend_after")]
+    pub resend_after_s: u64,
+    #[serde(default = "default_resend_max")]
+    pub resend_max_s: u64,
+    /// Resends of a capture no collector acknowledges before it is deleted (and counted as
+    /// `unacked_dropped`): about a day with the default waits.
+    #[serde(default = "default_max_resends")]
+    pub max_resends: u32,
 }
 
 impl Default for Capture {
@@ -230,6 +258,10 @@ impl Default for Capture {
             max_per_hour: default_per_hour(),
             max_disk_bytes: default_disk(),
             max_upload_bytes_per_s: 0,
+            collector_acks: true,
+            resend_after_s: default_resend_after(),
+            resend_max_s: default_resend_max(),
+            max_resends: default_max_resends(),
         }
     }
 }
@@ -368,6 +400,11 @@ impl Config {
         if !(0.0..=1.0).contains(&k.rate) || !(0.0..=1.0).contains(&k.min_confidence) {
             return Err(invalid(
                 "[capture] rate and min_confidence must be between 0 and 1".into(),
+            ));
+        }
+        if k.resend_after_s == 0 || k.resend_max_s < k.resend_after_s {
+            return Err(invalid(
+                "[capture] resend_after_s must be at least 1 and resend_max_s at least that".into(),
             ));
         }
         if k.enabled && k.policy == CapturePolicy::Drift && !c.quality.enabled {

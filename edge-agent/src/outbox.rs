@@ -195,6 +195,30 @@ impl Outbox {
         }
     }
 
+    /// The broker acknowledged `pkid`: takes the in-flight message if it is that one, leaving its
+    /// file (if any) for the caller, which now owns it.
+    pub fn take_acked(&mut self, pkid: u16) -> Option<(Message, Option<PathBuf>)> {
+        match &self.in_flight {
+            Some((_, Some(id))) if *id == pkid => {
+                let (item, _) = self.in_flight.take().expect("checked");
+                self.disk_bytes -= item.disk;
+                Some((item.msg, item.file))
+            }
+            _ => None,
+        }
+    }
+
+    /// The topic of the message in flight.
+    pub fn in_flight_topic(&self) -> Option<&str> {
+        self.in_flight.as_ref().map(|(i, _)| i.msg.topic.as_str())
+    }
+
+    /// Drops the queued in-memory messages on `topic` (not the one in flight).
+    pub fn remove_memory(&mut self, topic: &str) {
+        self.queue
+            .retain(|i| i.file.is_some() || i.msg.topic != topic);
+    }
+
     /// The connection was re-established without the old session: the in-flight message will
     /// never be acknowledged, send it again.
     pub fn requeue_in_flight(&mut self) {
@@ -310,5 +334,24 @@ mod tests {
         assert_eq!(o.next().unwrap().payload, "1");
         o.sent(3);
         assert!(o.acked(3).unwrap(), "acknowledged with no file to delete");
+    }
+
+    #[test]
+    fn an_acknowledged_file_can_be_kept_and_copies_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut o = Outbox::open(dir.path()).unwrap();
+        o.push_durable(m("c/1", "1")).unwrap();
+        o.push_latest(m("c/0", "copy"));
+        let disk = o.disk_bytes();
+        assert_eq!(o.next().unwrap().payload, "1");
+        o.sent(4);
+        assert_eq!(o.in_flight_topic(), Some("c/1"));
+        assert!(o.take_acked(5).is_none(), "another packet's ack");
+        let (msg, file) = o.take_acked(4).unwrap();
+        let file = file.unwrap();
+        assert_eq!((msg.payload.as_str(), fs::metadata(&file).unwrap().len()), ("1", disk));
+        assert_eq!(o.disk_bytes(), 0, "the caller owns the file now");
+        o.remove_memory("c/0");
+        assert!(o.is_idle());
     }
 }

@@ -4,10 +4,16 @@
 //!
 //! ```text
 //! idle ──offer──▶ downloading ──all chunks──▶ verifying ──ok──▶ staged ──▶ checking ──pass──▶ activating ──▶ active
-//!                     │ corrupt chunk ×3          │ fail                       │ fail
-//!                     ▼                           ▼                            ▼
-//!                  rejected                    rejected                 rolled back (previous stays active)
+//!                  ▲     │ corrupt chunk              │ fail                       │ fail
+//!                  └─────┘ dropped, asked again       ▼                            ▼
+//!                                                  rejected                 rolled back (previous stays active)
 //! ```
+//!
+//! Unverified bytes change nothing: a chunk that fails its sha256 is dropped and asked for
+//! again (at once for the first [`MAX_CORRUPT_REFETCHES`] of a download, then when the
+//! download stalls), and never fails the version. Anyone who can publish to a chunk topic can
+//! send garbage; only the signed artifact itself failing its checks (the assembled files'
+//! hashes, the health check) marks a version failed.
 //!
 //! The whole [`Updater`] is serde-serializable: the IO layer journals it after every event, and
 //! after a crash [`Updater::resume`] says how to continue from the journaled phase (re-fetch the
@@ -173,8 +179,10 @@ impl Phase {
     }
 }
 
-/// Corrupt deliveries of chunks tolerated per update before it is rejected.
-pub const MAX_CORRUPT_CHUNKS: u32 = 3;
+/// Corrupt chunks of a download asked for again at once; after these, a download with corrupt
+/// deliveries is asked for again only when it stalls (the agent's `download_stall_s`), so a
+/// flood of garbage costs the device one request per stall period.
+pub const MAX_CORRUPT_REFETCHES: u32 = 3;
 
 /// What an [`Updater`] installs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -346,23 +354,27 @@ impl Updater {
         }
     }
 
+    /// A chunk that failed its sha256: dropped and asked for again, never a failure.
     fn chunk_corrupt(&mut self, version: u64, index: u32) -> Vec<Action> {
-        match &mut self.phase {
-            Phase::Downloading { offer, corrupt, .. } if offer.version == version => {
-                *corrupt += 1;
-                if *corrupt >= MAX_CORRUPT_CHUNKS {
-                    self.reject(
-                        version,
-                        format!("chunk {index} failed its sha256 check {MAX_CORRUPT_CHUNKS} times"),
-                    )
-                } else {
-                    vec![Action::Fetch {
-                        version,
-                        chunks: vec![index],
-                    }]
-                }
-            }
-            _ => vec![],
+        let Phase::Downloading { offer, corrupt, .. } = &mut self.phase else {
+            return vec![];
+        };
+        if offer.version != version {
+            return vec![];
+        }
+        *corrupt = corrupt.saturating_add(1);
+        let n = *corrupt;
+        self.last_error = Some(format!(
+            "chunk {index} of v{version} failed its sha256 check ({n} corrupt deliveries so far): \
+             dropped, asked for again"
+        ));
+        if n <= MAX_CORRUPT_REFETCHES {
+            vec![Action::Fetch {
+                version,
+                chunks: vec![index],
+            }]
+        } else {
+            vec![]
         }
     }
 

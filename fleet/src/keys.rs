@@ -1,6 +1,8 @@
 //! `trainer keys`: the root-signed list of publishing keys, retained on `P/keys`. Devices that
 //! trust the root follow the newest list (rotation and revocation without touching them) and
-//! refuse a lower version, so each list gets the next version.
+//! refuse a lower version, so each list gets the next version. Each list expires (30 days by
+//! default, [`kestrel_shared::protocol::DEFAULT_KEYS_VALIDITY_S`]): devices stop trusting its
+//! keys then, so publish the list again (the next version) before it does.
 
 use std::time::Duration;
 
@@ -20,32 +22,36 @@ pub struct KeysPublished {
     pub keys: Vec<String>,
     /// The version it replaces, if a list was retained.
     pub replaced: Option<u64>,
+    /// Unix seconds after which devices no longer trust these keys.
+    pub expires: u64,
 }
 
 /// Publishes `keys` as the fleet's key list, signed by `root`: version `version`, or the
 /// retained list's version + 1. A version not above the retained one is refused (devices would
-/// refuse it too), as is a retained list the root does not verify.
+/// refuse it too), as is a retained list the root does not verify. The list expires
+/// `validity_s` seconds from now (at least 1: devices refuse a list without expiry).
 pub fn publish_keys(
     cfg: &BrokerConfig,
     root: &SigningKey,
     keys: &[VerifyingKey],
     version: Option<u64>,
+    validity_s: u64,
 ) -> Result<KeysPublished, FleetError> {
     if keys.is_empty() {
         return Err(FleetError::Refused(
             "a key list needs at least one publishing key (--publisher)".into(),
         ));
     }
+    if validity_s == 0 {
+        return Err(FleetError::Refused(
+            "a key list needs a validity of at least 1 s (--expires-in): devices refuse one \
+             without expiry"
+                .into(),
+        ));
+    }
     let mut conn = Conn::connect(cfg, "keys")?;
     let topic = conn.topics.keys();
-    let retained = conn.retained(&topic, Duration::from_millis(400))?;
-    let current = match retained.get(&topic).filter(|p| !p.is_empty()) {
-        Some(p) => {
-            let signed: SignedKeyList = parse(&topic, p)?;
-            Some(signed.open(&root.verifying_key(), &topic)?.0.version)
-        }
-        None => None,
-    };
+    let current = retained_version(&mut conn, &topic, root)?;
     let version = version.unwrap_or_else(|| current.map_or(1, |v| v + 1));
     if let Some(c) = current
         && version <= c
@@ -59,6 +65,7 @@ pub fn publish_keys(
         version,
         keys: keys.iter().map(|k| hex::encode(k.as_bytes())).collect(),
         issued: issued_now(),
+        expires: Some(kestrel_shared::now_unix().saturating_add(validity_s)),
     };
     let payload = serde_json::to_vec(&SignedKeyList::new(root, &list)).expect("serializable");
     conn.publish_all(vec![(topic, payload, true)], None)?;
@@ -67,5 +74,20 @@ pub fn publish_keys(
         version,
         keys: keys.iter().map(key_id).collect(),
         replaced: current,
+        expires: list.expires.unwrap_or_default(),
     })
+}
+
+/// The version of the list retained on `topic`, if any (verified by the root; expired or not).
+fn retained_version(
+    conn: &mut Conn,
+    topic: &str,
+    root: &SigningKey,
+) -> Result<Option<u64>, FleetError> {
+    let retained = conn.retained(topic, Duration::from_millis(400))?;
+    let Some(p) = retained.get(topic).filter(|p| !p.is_empty()) else {
+        return Ok(None);
+    };
+    let signed: SignedKeyList = parse(topic, p)?;
+    Ok(Some(signed.open(&root.verifying_key(), topic)?.0.version))
 }

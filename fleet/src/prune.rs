@@ -17,7 +17,7 @@ use kestrel_shared::protocol::{ArtifactOffer, Desired, SignedDesired, parse};
 use kestrel_shared::topics::Route;
 use serde::Serialize;
 
-use crate::rollout::{Controller, RolloutState};
+use crate::rollout::RolloutState;
 use crate::{Conn, FleetError};
 
 /// A model version: (name, version).
@@ -105,7 +105,7 @@ pub fn needs(
         }
     }
     for (topic, payload) in rollouts.iter().filter(|(_, p)| !p.is_empty()) {
-        match parse::<Controller>(topic, payload) {
+        match crate::rollout::saved::read(topic, payload) {
             Ok(c) if c.state == RolloutState::Running => {
                 let who = format!("rollout {} is running", c.name);
                 add((c.model.clone(), c.version), who.clone());

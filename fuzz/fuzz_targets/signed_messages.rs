@@ -26,7 +26,7 @@ fuzz_target!(|data: &[u8]| {
         states.receive(TOPIC, d, 0);
     }
     if let Ok(s) = parse::<SignedKeyList>("kestrel/keys", data) {
-        trust.receive(s, "kestrel/keys");
+        trust.receive(s, "kestrel/keys", 0);
     }
 
     // As a signed body.
@@ -47,7 +47,9 @@ fuzz_target!(|data: &[u8]| {
         signature: sign(&root, PayloadType::KeyList, body.as_bytes()),
         body,
     };
-    trust.receive(list.clone(), "kestrel/keys");
-    trust.receive(list, "kestrel/keys");
+    trust.receive(list.clone(), "kestrel/keys", 0);
+    trust.receive(list, "kestrel/keys", 0);
     let _ = trust.keys();
+    let _ = trust.lapse(u64::MAX);
+    let _ = (trust.keys(), trust.lapsed(), trust.in_force());
 });

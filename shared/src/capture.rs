@@ -1,6 +1,8 @@
 //! Captured inputs: what a device sends back for the next training round
 //! (`P/devices/<id>/captures/<capture-id>`, QoS 1, not retained), and the counters its status
 //! carries. The image travels as it arrived (the original encoded bytes, base64 in the JSON).
+//! A collector that has stored captures durably says so on `P/devices/<id>/capture-ack`
+//! ([`CaptureAck`]); the device keeps each capture until then.
 
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
@@ -62,6 +64,21 @@ impl Capture {
     }
 }
 
+/// The most capture ids one [`CaptureAck`] names (a collector sends more in several messages).
+pub const MAX_ACK_IDS: usize = 256;
+
+/// A collector's acknowledgement, on `P/devices/<id>/capture-ack`, of the captures of device
+/// `<id>` (the topic's; the payload names no device) that it has stored durably: the device
+/// may delete them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CaptureAck {
+    /// Capture ids (at most [`MAX_ACK_IDS`]).
+    pub ids: Vec<String>,
+    /// The collector's client id (for the logs).
+    #[serde(default)]
+    pub collector: String,
+}
+
 /// A device's capture counters since it started capturing (kept across restarts).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CaptureStats {
@@ -71,11 +88,26 @@ pub struct CaptureStats {
     pub rate_limited: u64,
     /// Queued captures dropped, oldest first, to stay within the disk budget.
     pub evicted: u64,
-    /// Captures the broker acknowledged.
+    /// Captures the broker acknowledged (the first time each was sent).
     pub sent: u64,
     /// Captures waiting to be sent, and their bytes on disk.
     pub queued: u64,
     pub queued_bytes: u64,
+    /// Captures a collector acknowledged having stored (deleted from the device then).
+    #[serde(default)]
+    pub acked: u64,
+    /// Sends again of captures no collector had acknowledged.
+    #[serde(default)]
+    pub resent: u64,
+    /// Captures sent but deleted without a collector's acknowledgement: after
+    /// `[capture] max_resends`, or the oldest, to stay within the disk budget.
+    #[serde(default)]
+    pub unacked_dropped: u64,
+    /// Captures sent and waiting for a collector's acknowledgement, and their bytes on disk.
+    #[serde(default)]
+    pub awaiting_ack: u64,
+    #[serde(default)]
+    pub awaiting_ack_bytes: u64,
 }
 
 #[cfg(test)]

@@ -24,6 +24,13 @@ pub enum BrokerError {
     },
     #[error("TLS: {0}")]
     Tls(String),
+    #[error(
+        "broker {url}: refusing to send a password over plain MQTT to a host other than this \
+         machine (anyone on the path reads it): use mqtts:// with the broker's CA, or, in a lab \
+         you trust, allow it with --insecure-plain-password (agent.toml: \
+         `insecure_plain_password = true` in [broker])"
+    )]
+    PlainPassword { url: String },
     #[error("TLS: {context}")]
     Rustls {
         context: String,
@@ -85,6 +92,10 @@ pub struct BrokerConfig {
     /// limit (a larger packet from the broker ends the connection).
     #[serde(default = "default_max_packet")]
     pub max_packet_bytes: usize,
+    /// Send the password over plain `mqtt://` to a host other than this machine (a lab's
+    /// broker): refused unless set, since anyone on the path reads it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub insecure_plain_password: bool,
 }
 
 /// The systemd credential `broker-password` of this service, if it has one
@@ -92,6 +103,15 @@ pub struct BrokerConfig {
 fn credential() -> Option<PathBuf> {
     let p = Path::new(&std::env::var_os("CREDENTIALS_DIRECTORY")?).join("broker-password");
     p.is_file().then_some(p)
+}
+
+/// Whether `host` (a URL's host) names this machine: `localhost`, 127.0.0.0/8 or ::1.
+fn is_loopback(host: &str) -> bool {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || bare
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Turns off Nagle's algorithm on a client's socket. Kestrel's messages are small requests and
@@ -117,6 +137,7 @@ impl BrokerConfig {
             key_file: None,
             keep_alive_s: default_keep_alive(),
             max_packet_bytes: default_max_packet(),
+            insecure_plain_password: false,
         }
     }
 
@@ -166,13 +187,20 @@ impl BrokerConfig {
         clean_session: bool,
     ) -> Result<MqttOptions, BrokerError> {
         let (tls, host, port) = self.endpoint()?;
+        let local = is_loopback(&host);
         let mut o = MqttOptions::new(client_id, host, port);
         o.set_keep_alive(Duration::from_secs(self.keep_alive_s.max(5)))
             .set_max_packet_size(self.max_packet_bytes, self.max_packet_bytes)
             .set_clean_session(clean_session)
             .set_inflight(64);
         if let Some(user) = &self.username {
-            let password = match self.password_file.clone().or_else(credential) {
+            let file = self.password_file.clone().or_else(credential);
+            if file.is_some() && !tls && !local && !self.insecure_plain_password {
+                return Err(BrokerError::PlainPassword {
+                    url: self.url.clone(),
+                });
+            }
+            let password = match file {
                 Some(p) => std::fs::read_to_string(&p)
                     .map_err(|e| file_error(&p, e))?
                     .lines()
@@ -294,6 +322,37 @@ mod tests {
             .options("c", true)
             .unwrap_err();
         assert!(err.to_string().contains("ca_file"), "{err}");
+    }
+
+    /// A password goes over plain MQTT only to this machine, or when the lab flag says so; the
+    /// refusal names the URL and the flag.
+    #[test]
+    fn passwords_cross_plain_mqtt_only_to_loopback() {
+        let dir = std::env::temp_dir().join(format!("kestrel-pw-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pw = dir.join("pw");
+        std::fs::write(&pw, "secret\n").unwrap();
+        let cfg = |url: &str| {
+            let mut c = BrokerConfig::new(url);
+            c.username = Some("u".into());
+            c.password_file = Some(pw.clone());
+            c
+        };
+        for url in ["mqtt://127.0.0.1:1883", "mqtt://127.8.9.1:1", "localhost:1883", "mqtt://[::1]:1883"] {
+            assert!(cfg(url).options("c", true).is_ok(), "{url}");
+        }
+        for url in ["mqtt://192.168.1.10:1883", "mqtt://broker.lan", "10.0.0.2:1883", "mqtt://[fe80::1]:1883"] {
+            let e = cfg(url).options("c", true).unwrap_err().to_string();
+            assert!(e.contains(url) && e.contains("--insecure-plain-password"), "{e}");
+            let mut lab = cfg(url);
+            lab.insecure_plain_password = true;
+            assert!(lab.options("c", true).is_ok(), "{url}");
+        }
+        // A user name alone (no password) is no secret.
+        let mut c = BrokerConfig::new("mqtt://192.168.1.10:1883");
+        c.username = Some("u".into());
+        assert!(c.options("c", true).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A file without a certificate, or half a client identity, is an error naming what.

@@ -29,6 +29,12 @@ pub use crate::topics::{DEFAULT_PREFIX, Topics};
 /// by the broker, or recorded and shown to a device later, stops being followed by then.
 pub const DEFAULT_VALIDITY_S: u64 = 7 * 24 * 3600;
 
+/// How long a key list is valid by default (`trainer keys --expires-in`): 30 days. A device
+/// stops trusting the publishing keys of a list once it expires (only its root remains), so a
+/// device whose key-list updates are withheld does not trust a revoked key forever; publish the
+/// list again (a new version) before then.
+pub const DEFAULT_KEYS_VALIDITY_S: u64 = 30 * 24 * 3600;
+
 /// Default chunk size of artifact delivery (AWS IoT streams use ≤ 128 KB blocks).
 pub const DEFAULT_CHUNK_BYTES: usize = 128 * 1024;
 
@@ -259,6 +265,12 @@ pub struct KeyList {
     pub keys: Vec<String>,
     /// Milliseconds since the Unix epoch when this was issued.
     pub issued: u64,
+    /// Seconds since the Unix epoch after which a device no longer trusts these keys (freeze
+    /// protection, as for desired states). Devices refuse a list without it; it is optional here
+    /// only so that a list saved by an older agent still parses (and keeps its version as the
+    /// floor).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires: Option<u64>,
 }
 
 /// A key list as published: the exact JSON of [`KeyList`] and the root key's signature.
@@ -394,6 +406,8 @@ pub struct DeviceCounters {
     pub updates_active: u64,
     pub updates_rejected: u64,
     pub updates_rolled_back: u64,
+    /// Chunk deliveries that failed their sha256 (dropped and asked for again).
+    pub chunks_corrupt: u64,
 }
 
 /// A device's retained status.
@@ -408,6 +422,11 @@ pub struct Status {
     pub previous: Option<u64>,
     /// Version being installed.
     pub target: Option<u64>,
+    /// sha256 of the active model's signed manifest (`manifest.json`): with `model` and `active`,
+    /// which model this is (a different model at the same version has another). None from
+    /// agents before it, or when the agent does not know it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest_sha256: Option<String>,
     /// Chunks received of the version being installed, and how many there are.
     #[serde(default)]
     pub progress: Option<(u32, u32)>,
@@ -525,8 +544,14 @@ mod tests {
             version: 2,
             keys: vec![publisher.clone()],
             issued: 7,
+            expires: Some(1_800_000_000),
         };
         let signed = SignedKeyList::new(&root_sk, &list);
+        assert!(
+            signed.body.contains("\"expires\":1800000000"),
+            "{}",
+            signed.body
+        );
         let (back, keys) = signed.open(&root_pk, "k/keys").unwrap();
         assert_eq!(back, list);
         assert_eq!(keys, vec![public_key(&publisher, "p").unwrap()]);
@@ -537,6 +562,24 @@ mod tests {
             by_publisher.open(&root_pk, "k/keys"),
             Err(ProtocolError::Signature(SignError::UnknownKey(_)))
         ));
+    }
+
+    /// A list signed before key lists expired still parses (a device keeps its version as the
+    /// floor); that it is then not trusted is the agent's rule (`edge-agent/src/trust.rs`).
+    #[test]
+    fn a_key_list_without_expiry_still_parses() {
+        let (root_sk, root_pk) = keypair_hex([3; 32]);
+        let (_, publisher) = keypair_hex([4; 32]);
+        let root_sk = secret_key(&root_sk, "root").unwrap();
+        let old = format!(r#"{{"version":1,"keys":["{publisher}"],"issued":7}}"#);
+        let signed = SignedKeyList {
+            signature: sign(&root_sk, PayloadType::KeyList, old.as_bytes()),
+            body: old,
+        };
+        let (list, _) = signed
+            .open(&public_key(&root_pk, "root").unwrap(), "k/keys")
+            .unwrap();
+        assert_eq!((list.version, list.expires), (1, None));
     }
 
     #[test]

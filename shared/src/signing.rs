@@ -1,6 +1,6 @@
 //! Ed25519 signatures over Kestrel's signed bodies: artifact manifests (`manifest.json`, signed
-//! into `manifest.sig`), desired states, key lists and operators' rollout commands. Keys are
-//! stored as hex (secret: 32-byte seed; public: 32 bytes).
+//! into `manifest.sig`), desired states, key lists, operators' rollout commands and rollout
+//! controllers' saved states. Keys are stored as hex (secret: 32-byte seed; public: 32 bytes).
 //!
 //! Every signature names the type of what it signs ([`PayloadType`]) and covers that type with
 //! the body (DSSE's pre-authentication encoding, [`pae`]): a signature made for one kind of body
@@ -46,6 +46,9 @@ pub enum PayloadType {
     KeyList,
     /// An operator's command to a rollout controller (operator or publishing key).
     Command,
+    /// A rollout controller's saved state, retained on `P/rollouts/<name>/state` (the key the
+    /// rollout signs its desired states with): what a restarted controller resumes.
+    RolloutState,
 }
 
 impl PayloadType {
@@ -55,6 +58,7 @@ impl PayloadType {
             Self::Desired => "application/vnd.kestrel.desired+json",
             Self::KeyList => "application/vnd.kestrel.keylist+json",
             Self::Command => "application/vnd.kestrel.command+json",
+            Self::RolloutState => "application/vnd.kestrel.rollout-state+json",
         }
     }
 }

@@ -54,6 +54,8 @@ pub enum DeviceTopic<'a> {
     Online,
     Events,
     Capture { id: &'a str },
+    /// `P/devices/<id>/capture-ack`: written by the collector only, read by the device.
+    CaptureAck,
     Infer { request: &'a str },
     Result { request: &'a str },
 }
@@ -105,6 +107,12 @@ impl Topics {
     }
     pub fn captures_filter(&self) -> String {
         format!("{}/devices/+/captures/+", self.prefix)
+    }
+    /// The collector's acknowledgement of the device's captures it stored
+    /// ([`crate::capture::CaptureAck`], QoS 1, not retained; the broker's ACL lets only the
+    /// collector write it).
+    pub fn capture_ack(&self, device: &str) -> String {
+        format!("{}/devices/{device}/capture-ack", self.prefix)
     }
     pub fn online(&self, device: &str) -> String {
         format!("{}/devices/{device}/online", self.prefix)
@@ -178,6 +186,7 @@ impl Topics {
                     ["online"] => DeviceTopic::Online,
                     ["events"] => DeviceTopic::Events,
                     ["captures", id] => DeviceTopic::Capture { id: name(id)? },
+                    ["capture-ack"] => DeviceTopic::CaptureAck,
                     ["infer", r] => DeviceTopic::Infer { request: name(r)? },
                     ["result", r] => DeviceTopic::Result { request: name(r)? },
                     _ => return None,
@@ -322,6 +331,10 @@ mod tests {
         assert_eq!(
             t.parse(&t.capture("pi-1", "c1")),
             device(DeviceTopic::Capture { id: "c1" })
+        );
+        assert_eq!(
+            t.parse(&t.capture_ack("pi-1")),
+            device(DeviceTopic::CaptureAck)
         );
         assert_eq!(
             t.parse(&t.infer("pi-1", "r1")),

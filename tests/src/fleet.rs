@@ -95,6 +95,23 @@ fn wait_port(port: u16, p: &mut Proc) {
     }
 }
 
+/// The limit lines (`max_*`, `message_size_limit`) of the shipped Mosquitto configuration
+/// (edge-agent/deploy/mosquitto.conf), which every Mosquitto of the tests runs with.
+pub fn shipped_limits() -> String {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../edge-agent/deploy/mosquitto.conf"
+    );
+    let text = std::fs::read_to_string(path).unwrap();
+    let limits: String = text
+        .lines()
+        .filter(|l| l.starts_with("max_") || l.starts_with("message_size_limit"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert!(limits.contains("max_queued_bytes"), "{path}: {limits}");
+    limits
+}
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum BrokerKind {
     Rumqttd,
@@ -140,14 +157,15 @@ impl Broker {
     }
 
     /// The Mosquitto configuration: persistence under the broker's directory, the shipped
-    /// config's packet limit, and for [`BrokerKind::MosquittoAcl`] passwords and the ACL.
+    /// config's limits ([`shipped_limits`]), and for [`BrokerKind::MosquittoAcl`] passwords and
+    /// the ACL.
     fn mosquitto_conf(&self) -> PathBuf {
         let d = self.dir.display();
         let mut conf = format!(
             "listener {} 127.0.0.1\npersistence true\npersistence_location {d}/\n\
-             autosave_interval 1\nuser root\nmax_inflight_messages 64\n\
-             max_queued_messages 10000\nmax_packet_size 2097152\n",
-            self.port
+             autosave_interval 1\nuser root\n{}",
+            self.port,
+            shipped_limits()
         );
         if self.kind == BrokerKind::MosquittoAcl {
             let passwd = self.dir.join("passwd");

@@ -2,14 +2,16 @@
 //! with the commit-then-acknowledge protocol that loses none. The broker keeps a capture for the
 //! collector's persistent session until it is acknowledged, and it is acknowledged only after the
 //! commit that stored it: a collector that dies loses nothing, and what it stored but had not
-//! acknowledged comes again and is recognised by its path.
+//! acknowledged comes again and is recognised by its path. After the commit each device is
+//! told which of its captures are stored (it keeps them until then); a device over its hourly
+//! quota has its captures neither stored nor acknowledged ([`kestrel_fleet::collect::Gate`]).
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kestrel_fleet::FleetError;
-use kestrel_fleet::collect::{CaptureFeed, Received};
+use kestrel_fleet::collect::{CaptureFeed, Gate, Quota, Received, Verdict};
 use kestrel_shared::capture::Capture;
 use kestrel_shared::mqtt::BrokerConfig;
 
@@ -37,6 +39,8 @@ pub struct CollectOpts {
     pub max: Option<u64>,
     /// Commit after this many new captures (and at least every 2 s).
     pub commit_every: usize,
+    /// Per-device quota and how many stored paths are remembered.
+    pub quota: Quota,
 }
 
 /// What a run did.
@@ -46,26 +50,37 @@ pub struct CollectSummary {
     pub stored: u64,
     pub duplicates: u64,
     pub rejected: u64,
+    /// Captures not stored because their device was over its hourly quota, in all and by
+    /// device.
+    pub over_quota: u64,
+    pub over_quota_devices: BTreeMap<String, u64>,
+    /// Capture ids acknowledged to their devices (stored now or before).
+    pub acknowledged: u64,
     pub commits: u64,
     pub version: Option<u64>,
 }
 
-/// Captures received but not yet committed; their messages are acknowledged after the commit.
+/// Captures received but not yet committed; their messages are acknowledged after the commit,
+/// and their devices told which are stored (`acks`: device -> capture ids).
+#[derive(Default)]
 struct Pending {
     rows: Vec<CaptureRow>,
     messages: Vec<Received>,
+    acks: BTreeMap<String, BTreeSet<String>>,
     since: Option<Instant>,
 }
 
 /// Collects from the broker `cfg` into `o.out` until `o` says to stop.
 pub fn collect(cfg: &BrokerConfig, o: &CollectOpts) -> Result<CollectSummary, CollectError> {
-    let (mut seen, version) = delta_write::read_paths(&o.out)?;
+    let (paths, version) = delta_write::read_paths(&o.out)?;
+    let rows = paths.len();
+    let mut gate = Gate::new(o.quota, paths);
     let mut feed = CaptureFeed::connect(cfg, &o.client_id)?;
     tracing::info!(
-        "collect: {} rows in {} (version {}); session {}",
-        seen.len(),
+        "collect: {rows} rows in {} (version {}; {} paths remembered); session {}",
         o.out.display(),
         version.map_or("none".into(), |v| v.to_string()),
+        gate.seen(),
         if feed.resumed { "resumed" } else { "new" }
     );
     let mut s = CollectSummary {
@@ -73,11 +88,7 @@ pub fn collect(cfg: &BrokerConfig, o: &CollectOpts) -> Result<CollectSummary, Co
         version,
         ..Default::default()
     };
-    let mut p = Pending {
-        rows: Vec::new(),
-        messages: Vec::new(),
-        since: None,
-    };
+    let mut p = Pending::default();
     let mut last = Instant::now();
     while o.max.is_none_or(|m| s.stored + (p.rows.len() as u64) < m) {
         if o.until_idle.is_some_and(|i| last.elapsed() >= i) {
@@ -85,7 +96,7 @@ pub fn collect(cfg: &BrokerConfig, o: &CollectOpts) -> Result<CollectSummary, Co
         }
         if let Some(r) = feed.next(Duration::from_millis(200))? {
             last = Instant::now();
-            take(r, &mut seen, &mut p, &mut s);
+            take(r, &mut gate, &mut p, &mut s);
         }
         let due = p
             .since
@@ -96,38 +107,68 @@ pub fn collect(cfg: &BrokerConfig, o: &CollectOpts) -> Result<CollectSummary, Co
     }
     commit(o, &mut feed, &mut p, &mut s)?;
     feed.close();
+    s.over_quota_devices = gate.over_quota.clone();
     tracing::info!(
-        "collect: stored {}, duplicates {}, rejected {} ({} commits)",
+        "collect: stored {}, duplicates {}, rejected {}, over quota {} {:?} ({} commits)",
         s.stored,
         s.duplicates,
         s.rejected,
+        s.over_quota,
+        s.over_quota_devices,
         s.commits
     );
     Ok(s)
 }
 
-/// Files a received message: a new capture to store, a duplicate, or a message that is not a
-/// capture (named on stderr, acknowledged so it is not redelivered forever).
-fn take(r: Received, seen: &mut HashSet<String>, p: &mut Pending, s: &mut CollectSummary) {
-    match &r.capture {
+/// Files a received message: a new capture to store, a duplicate (acknowledged again), one over
+/// its device's quota, or a message that is not a capture (named on stderr, acknowledged to the
+/// broker so it is not redelivered forever). Every message is acknowledged to the broker at the
+/// next commit (within 2 s); only the rows keep their image until then.
+fn take(mut r: Received, gate: &mut Gate, p: &mut Pending, s: &mut CollectSummary) {
+    p.since.get_or_insert_with(Instant::now);
+    let (size, content) = (r.size() as u64, r.take_content());
+    let row = match &r.capture {
+        Ok((c, _)) => row(c, content),
+        Err(e) => Err(e.clone()),
+    };
+    match row {
+        Ok(row) => admit(row, size, gate, p, s),
         Err(e) => {
             tracing::warn!("collect: {}: refused: {e}", r.topic);
             s.rejected += 1;
         }
-        Ok((c, _)) if seen.contains(&c.path()) => s.duplicates += 1,
-        Ok((c, bytes)) => match row(c, bytes.clone()) {
-            Ok(row) => {
-                seen.insert(row.path.clone());
-                p.rows.push(row);
-                p.since.get_or_insert_with(Instant::now);
-            }
-            Err(e) => {
-                tracing::warn!("collect: {}: refused: {e}", r.topic);
-                s.rejected += 1;
-            }
-        },
     }
     p.messages.push(r);
+}
+
+/// A capture that parsed: stored (and acknowledged to its device after the commit), a
+/// duplicate (acknowledged again), or over its device's quota (neither).
+fn admit(row: CaptureRow, size: u64, gate: &mut Gate, p: &mut Pending, s: &mut CollectSummary) {
+    match gate.admit(&row.device, &row.path, size, Instant::now()) {
+        Verdict::Duplicate => {
+            s.duplicates += 1;
+            p.ack(&row);
+        }
+        Verdict::OverQuota { first } => {
+            s.over_quota += 1;
+            if first {
+                log_over_quota(gate.quota(), &row.device);
+            }
+        }
+        Verdict::New => {
+            p.ack(&row);
+            p.rows.push(row);
+        }
+    }
+}
+
+fn log_over_quota(q: &Quota, device: &str) {
+    tracing::warn!(
+        "collect: device `{device}` is over its quota ({} captures or {} bytes an hour): its \
+         captures are not stored (nor acknowledged to it) until its hour has room",
+        q.captures_per_hour,
+        q.bytes_per_hour
+    );
 }
 
 fn row(c: &Capture, content: Vec<u8>) -> Result<CaptureRow, String> {
@@ -160,10 +201,26 @@ fn commit(
         s.stored += p.rows.len() as u64;
         s.commits += 1;
     }
+    for (device, ids) in std::mem::take(&mut p.acks) {
+        let ids: Vec<String> = ids.into_iter().collect();
+        feed.acknowledge(&device, &ids)?;
+        s.acknowledged += ids.len() as u64;
+    }
     for m in p.messages.drain(..) {
         feed.ack(&m)?;
     }
     p.rows.clear();
     p.since = None;
     Ok(())
+}
+
+impl Pending {
+    /// The device of `row` is to be told, after the commit, that it is stored.
+    fn ack(&mut self, row: &CaptureRow) {
+        let id = row.path.rsplit('/').next().unwrap_or(&row.path);
+        self.acks
+            .entry(row.device.clone())
+            .or_default()
+            .insert(id.to_string());
+    }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use kestrel_runtime::EngineKind;
 use kestrel_runtime::artifact::LoadedModel;
-use kestrel_shared::manifest::Manifest;
+use kestrel_shared::manifest::{MANIFEST_FILE, Manifest};
 use kestrel_shared::protocol::{ArtifactOffer, InferReply, Topics, sha256_hex};
 use rumqttc::{AsyncClient, Event as MqttEvent, LastWill, QoS};
 use serde::de::DeserializeOwned;
@@ -350,8 +350,10 @@ fn saved(cfg: &Config, store: &Store, shadow_store: &Store) -> Result<Saved> {
     let shadow_offer = saved_offer(shadow_store, shadow.updater.as_ref());
     let capture = match cfg.capture.enabled {
         true => {
-            let path = cfg.store.join("captures").join("state.json");
-            let state: CaptureState = read_json(&path)?.unwrap_or_default();
+            let dir = cfg.store.join("captures");
+            let mut state: CaptureState = read_json(&dir.join("state.json"))?.unwrap_or_default();
+            let on_disk = super::captures::unacked_on_disk(&dir);
+            state.reconcile(&on_disk, kestrel_shared::time::now_ms());
             let seed = sha256_hex(
                 format!("{}{}", cfg.device_id, kestrel_shared::time::now_ms()).as_bytes(),
             );
@@ -364,6 +366,10 @@ fn saved(cfg: &Config, store: &Store, shadow_store: &Store) -> Result<Saved> {
         journal,
         offer,
         installed: (store.active(), store.previous()),
+        active_manifest: store.active().and_then(|v| {
+            let m = std::fs::read(store.version_dir(v).join(MANIFEST_FILE)).ok()?;
+            Some(sha256_hex(&m))
+        }),
         shadow,
         shadow_offer,
         capture,
@@ -457,12 +463,9 @@ impl Agent {
         let captures = match cfg.capture.enabled {
             true => {
                 let dir = cfg.store.join("captures");
-                let outbox =
-                    Outbox::open(&dir).with_context(|| format!("captures {}", dir.display()))?;
-                Some(CaptureQueue {
-                    outbox,
-                    state_path: dir.join("state.json"),
-                })
+                let queue = CaptureQueue::open(&dir)
+                    .with_context(|| format!("captures {}", dir.display()))?;
+                Some(queue)
             }
             false => None,
         };

@@ -7,10 +7,9 @@
 //!
 //! Here: the effects and message dispatch; [`lifecycle`]: start, serve, stop, the inference
 //! workers and fed traffic; [`publish`]: the outbox and the capture queue on the wire;
-//! [`hooks`]: the test hooks of the test build.
+//! [`captures`]: the capture queue's files; [`hooks`]: the test hooks of the test build.
 
 use std::collections::VecDeque;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::sync::mpsc::TrySendError;
@@ -30,9 +29,12 @@ use crate::outbox::{Message, Outbox};
 use crate::replies::Replies;
 use crate::store::Store;
 
+mod captures;
 mod hooks;
 mod lifecycle;
 mod publish;
+
+use captures::CaptureQueue;
 
 pub use lifecycle::{Feed, run};
 
@@ -49,12 +51,6 @@ struct InferJob {
 
 /// Inputs from other threads (verification, health checks, the inference workers).
 type Inputs = mpsc::UnboundedSender<Input<LoadedModel>>;
-
-/// The capture queue (`<store>/captures/`, an outbox of its own) and where its state is kept.
-struct CaptureQueue {
-    outbox: Outbox,
-    state_path: PathBuf,
-}
 
 pub struct Agent {
     cfg: Config,
@@ -200,6 +196,19 @@ impl Agent {
                     let result = c.outbox.push_within(message, max_disk_bytes);
                     let result = result.map_err(|e| e.to_string());
                     then.push_back(Input::CaptureQueued { id, result });
+                }
+            }
+            Effect::ResendCapture { id } => {
+                if let Some(c) = self.captures.as_mut()
+                    && !c.resend(&id)
+                {
+                    then.push_back(Input::CaptureGone { id });
+                }
+            }
+            Effect::ForgetCapture { id } => {
+                let topic = self.topics.capture(&self.cfg.device_id, &id);
+                if let Some(c) = self.captures.as_mut() {
+                    c.forget(&id, &topic);
                 }
             }
         }

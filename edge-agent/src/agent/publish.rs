@@ -78,9 +78,11 @@ impl Agent {
             return Ok(());
         }
         if let Some(c) = self.captures.as_mut()
-            && c.outbox.acked(pkid)?
+            && let Some(d) = c.acked(pkid, &self.topics)
         {
-            self.apply(Input::CaptureAcked).await?;
+            let (id, bytes, first) = (d.id, d.bytes, d.first);
+            self.apply(Input::CaptureDelivered { id, bytes, first })
+                .await?;
         }
         Ok(())
     }

@@ -13,7 +13,7 @@ use kestrel_shared::protocol::{ArtifactOffer, Topics, parse, sha256_hex};
 
 use super::{Core, Effect, Lane, Model, Now};
 use crate::desired::Verdict;
-use crate::update::{Action, Event, Offer, Phase, Report, Updater};
+use crate::update::{Action, Event, MAX_CORRUPT_REFETCHES, Offer, Phase, Report, Updater};
 
 /// One lane's download and checks.
 pub(super) struct Delivery<M> {
@@ -63,6 +63,12 @@ impl<M> Delivery<M> {
             }
             _ => None,
         }
+    }
+
+    /// sha256 of the signed manifest of the offer of `version` being installed, if any.
+    pub(super) fn manifest_sha256(&self, version: u64) -> Option<String> {
+        let (o, _) = self.offer.as_ref().filter(|(o, _)| o.version == version)?;
+        Some(sha256_hex(o.manifest.as_bytes()))
     }
 
     /// An offer of `version` redelivered: it is being installed, or is installed.
@@ -131,8 +137,13 @@ impl<M: Model> Core<M> {
             return;
         };
         let d = self.delivery(lane);
-        if (name, version) != (want.as_str(), want_version) || payload.is_empty() || d.has(version)
-        {
+        if (name, version) != (want.as_str(), want_version) || payload.is_empty() {
+            return;
+        }
+        if d.has(version) {
+            if lane == Lane::Install && d.updater.active == Some(version) {
+                self.check_installed(topic, payload, &want, version);
+            }
             return;
         }
         let prefix = d.prefix();
@@ -172,6 +183,26 @@ impl<M: Model> Core<M> {
         }
     }
 
+    /// An offer of the active version: the model installed, or a conflict (another model at the
+    /// same version), which is reported and never taken as installed.
+    fn check_installed(&mut self, topic: &str, payload: &[u8], name: &str, version: u64) {
+        let Some(installed) = self.active_manifest.clone() else {
+            return; // not known (an agent from before it recorded one)
+        };
+        let Ok((o, _)) = self.check_offer(topic, payload, name, version) else {
+            return; // unverified or not installable: changes nothing
+        };
+        let offered = sha256_hex(o.manifest.as_bytes());
+        if offered != installed {
+            let reason = format!(
+                "conflict: {name} v{version} offered with manifest sha256 {offered}, but the \
+                 installed v{version} has manifest sha256 {installed}: a different model at an \
+                 installed version is not installed (publish it as a new version)"
+            );
+            self.on_verdict(Verdict::Refused(reason), version);
+        }
+    }
+
     /// A signed offer checked: signature, file names, name and version.
     fn check_offer(
         &self,
@@ -205,7 +236,12 @@ impl<M: Model> Core<M> {
     ) {
         let d = self.delivery(lane);
         let Some((o, _)) = &d.offer else { return };
-        let Phase::Downloading { offer, have, .. } = &d.updater.phase else {
+        let Phase::Downloading {
+            offer,
+            have,
+            corrupt,
+        } = &d.updater.phase
+        else {
             return;
         };
         if (name, version) != (o.name.as_str(), o.version)
@@ -224,9 +260,17 @@ impl<M: Model> Core<M> {
                 payload,
             });
         } else {
-            let prefix = d.prefix();
-            tracing::warn!("{}: {topic}: sha256 mismatch ({prefix}chunk)", self.id());
-            self.step(lane, Event::ChunkCorrupt { version, index });
+            // Counted; past the refetch bound a flood of garbage costs no journal write, status
+            // or request each (the stall timer asks again).
+            let (refetch, prefix) = (*corrupt < MAX_CORRUPT_REFETCHES, d.prefix());
+            self.requests.counters.chunks_corrupt += 1;
+            if refetch {
+                tracing::warn!(
+                    "{}: {topic}: sha256 mismatch ({prefix}chunk): dropped, asked for again",
+                    self.id()
+                );
+                self.step(lane, Event::ChunkCorrupt { version, index });
+            }
         }
     }
 

@@ -66,8 +66,12 @@ pub enum Input<M> {
         id: String,
         result: Result<u64, String>,
     },
-    /// The broker acknowledged the capture in flight.
-    CaptureAcked,
+    /// The broker acknowledged the capture in flight: its first send (`first`: its file, `bytes`
+    /// long, now waits for a collector's acknowledgement), or a resend
+    /// ([`Effect::ResendCapture`]).
+    CaptureDelivered { id: String, bytes: u64, first: bool },
+    /// A capture to send again ([`Effect::ResendCapture`]) has no file any more.
+    CaptureGone { id: String },
 }
 
 /// What the active model did on one request.
@@ -174,10 +178,15 @@ pub enum Effect<M> {
         bytes: Vec<u8>,
     },
     /// Keep a capture in the capture queue within `max_disk_bytes`; answer
-    /// [`Input::CaptureQueued`].
+    /// [`Input::CaptureQueued`], and [`Input::CaptureDelivered`] when the broker has it.
     Capture {
         id: String,
         message: Message,
         max_disk_bytes: u64,
     },
+    /// Send capture `id` again from its file; answer [`Input::CaptureGone`] if there is none,
+    /// and [`Input::CaptureDelivered`] when the broker has it.
+    ResendCapture { id: String },
+    /// Delete capture `id` wherever it waits (a collector stored it, or it is given up).
+    ForgetCapture { id: String },
 }

@@ -10,7 +10,8 @@
 //! Here: the state, routing and status; [`io`]: the inputs and effects; [`delivery`]: the two lanes of
 //! downloads (the update of the active model and the shadow), each an [`Updater`];
 //! [`pursue`]: desired states and key lists; [`shadow`]: the shadow model's choice and its
-//! comparison; [`requests`]: inference requests, telemetry and capture.
+//! comparison; [`requests`]: inference requests, telemetry and capture; [`acks`]: captures kept
+//! until a collector acknowledges them.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -30,6 +31,7 @@ use crate::outbox::Message;
 use crate::trust::Trust;
 use crate::update::{Phase, Updater};
 
+mod acks;
 mod delivery;
 mod io;
 mod pursue;
@@ -115,6 +117,8 @@ pub struct Saved {
     pub offer: Option<(ArtifactOffer, Manifest)>,
     /// The store's `active` and `previous` links (the truth about what is installed).
     pub installed: (Option<u64>, Option<u64>),
+    /// sha256 of the active version's `manifest.json` in the store, when it has one.
+    pub active_manifest: Option<String>,
     pub shadow: ShadowJournal,
     pub shadow_offer: Option<(ArtifactOffer, Manifest)>,
     /// The capture state and a seed for the random policy, when `[capture]` is on.
@@ -133,6 +137,9 @@ pub struct Core<M> {
     pursued: Option<Desired>,
     /// The last desired state, key list or offer refused, and why (in the status).
     refused: Option<String>,
+    /// sha256 of the active model's signed manifest: with its name and version, which model
+    /// is installed (an offer of the same version with another manifest is a conflict).
+    active_manifest: Option<String>,
     install: Delivery<M>,
     shadow: Shadow<M>,
     requests: Requests<M>,
@@ -164,6 +171,7 @@ impl<M: Model> Core<M> {
             desired: saved.journal.desired,
             pursued: saved.journal.pursued,
             refused: None,
+            active_manifest: saved.active_manifest,
             store_error: None,
             status_dirty: true,
             status_seq: 0,
@@ -177,6 +185,7 @@ impl<M: Model> Core<M> {
     /// Handles one input; returns what to do, journals first.
     pub fn handle(&mut self, input: Input<M>, now: Now) -> Vec<Effect<M>> {
         self.now = now;
+        self.expire_keys();
         match input {
             Input::Connected => self.connected(),
             Input::Message { topic, payload } => self.route(&topic, payload),
@@ -208,6 +217,7 @@ impl<M: Model> Core<M> {
                 result,
             } => self.shadow_loaded(version, result),
             Input::Activated { version } => {
+                self.active_manifest = self.install.manifest_sha256(version);
                 self.step(Lane::Install, crate::update::Event::Activated { version })
             }
             Input::ActiveLoadFailed { version, reason } => {
@@ -220,7 +230,10 @@ impl<M: Model> Core<M> {
             Input::NotQueued { request, busy } => self.not_queued(request, busy),
             Input::ShadowRan { version, run } => self.shadow.record(version, run),
             Input::CaptureQueued { id, result } => self.capture_queued(&id, result),
-            Input::CaptureAcked => self.capture_acked(),
+            Input::CaptureDelivered { id, bytes, first } => {
+                self.capture_delivered(&id, bytes, first)
+            }
+            Input::CaptureGone { id } => self.capture_gone(&id),
         }
         self.take_effects()
     }
@@ -228,6 +241,7 @@ impl<M: Model> Core<M> {
     /// After a start: load the active model, continue the journaled shadow and update.
     pub fn resume(&mut self, now: Now) -> Vec<Effect<M>> {
         self.now = now;
+        self.expire_keys();
         if let Some(version) = self.install.updater.active {
             tracing::info!("{}: loading active v{version}", self.id());
             self.out.push(Effect::LoadActive { version });
@@ -297,6 +311,7 @@ impl<M: Model> Core<M> {
             active: u.active,
             previous: u.previous,
             target: u.phase.target(),
+            manifest_sha256: self.active_manifest.clone(),
             progress,
             last_error: self
                 .store_error
@@ -310,7 +325,7 @@ impl<M: Model> Core<M> {
             seq: self.status_seq,
             source: model.and_then(|m| m.registry.clone()),
             refused: self.refused.clone(),
-            keys_version: self.trust.version(),
+            keys_version: self.trust.in_force(),
             shadow: self.shadow.status(),
             captures: self.requests.capture_stats(queued),
             counters: self.requests.counters.clone(),
@@ -416,6 +431,9 @@ impl<M: Model> Core<M> {
         }
         filters.push(self.topics.desired(&Target::Device(id.clone())));
         filters.push(self.topics.infer_filter(&id));
+        if self.cfg.capture.enabled && self.cfg.capture.collector_acks {
+            filters.push(self.topics.capture_ack(&id));
+        }
         for g in &self.cfg.groups {
             filters.push(self.topics.desired(&Target::Group(g.clone())));
         }
@@ -450,6 +468,10 @@ impl<M: Model> Core<M> {
                 device,
                 kind: DeviceTopic::Infer { request },
             }) if device == self.cfg.device_id => self.on_infer(topic, request, payload),
+            Some(Route::Device {
+                device,
+                kind: DeviceTopic::CaptureAck,
+            }) if device == self.cfg.device_id => self.on_capture_ack(topic, &payload),
             _ => {}
         }
     }
@@ -472,6 +494,7 @@ impl<M: Model> Core<M> {
             }
         }
         self.publish_quality_when_due();
+        self.resend_due_captures();
         if self.status_dirty {
             self.publish_status();
         }

@@ -38,7 +38,11 @@ impl<M: Model> Core<M> {
                 self.on_verdict(verdict, version)
             }
             Err(reason) => {
-                let reason = format!("desired state refused: {reason}");
+                let lapsed = self.trust.lapsed().map(|l| format!(" ({l})"));
+                let reason = format!(
+                    "desired state refused: {reason}{}",
+                    lapsed.unwrap_or_default()
+                );
                 self.on_verdict(Verdict::Refused(reason), 0)
             }
         }
@@ -48,7 +52,7 @@ impl<M: Model> Core<M> {
     /// are asked for again (one signed by a key it adds may have been refused before).
     pub(super) fn on_keys(&mut self, topic: &str, payload: &[u8]) {
         let verdict = match parse::<SignedKeyList>(topic, payload) {
-            Ok(signed) => self.trust.receive(signed, topic),
+            Ok(signed) => self.trust.receive(signed, topic, self.now.unix_s()),
             Err(e) => KeysVerdict::Refused(e.to_string()),
         };
         match verdict {
@@ -65,6 +69,18 @@ impl<M: Model> Core<M> {
                 self.subscribe_all();
             }
         }
+    }
+
+    /// At every input: once the key list held expires, its publishing keys are no longer
+    /// trusted ([`crate::trust`]). Reported like a refusal (status, event, log), and the key
+    /// list is asked for again (a newer one may be retained).
+    pub(super) fn expire_keys(&mut self) {
+        let Some(why) = self.trust.lapse(self.now.unix_s()) else {
+            return;
+        };
+        let topic = self.topics.keys();
+        self.out.push(Effect::Subscribe(topic.clone()));
+        self.on_verdict(Verdict::Refused(format!("{topic}: {why}")), 0);
     }
 
     /// Journals what the replay and expiry rules decided, reports a refusal (status and event),

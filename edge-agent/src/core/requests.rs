@@ -31,7 +31,7 @@ pub(super) struct Requests<M> {
     quality: Option<Telemetry<M>>,
     last_quality: Instant,
     /// `[capture]`'s decisions, when it is on.
-    capturer: Option<Capturer>,
+    pub(super) capturer: Option<Capturer>,
 }
 
 /// The quality window of one active model.
@@ -74,12 +74,18 @@ impl<M: Model> Requests<M> {
         }
     }
 
-    /// The capture counters, with the queue's (messages, bytes).
+    /// The capture counters, with the queue's (messages, bytes) and those waiting for a
+    /// collector's acknowledgement.
     pub(super) fn capture_stats(&self, (queued, queued_bytes): (u64, u64)) -> Option<CaptureStats> {
-        self.capturer.as_ref().map(|c| CaptureStats {
-            queued,
-            queued_bytes,
-            ..c.state.stats.clone()
+        self.capturer.as_ref().map(|c| {
+            let (awaiting_ack, awaiting_ack_bytes) = c.state.unacked_totals();
+            CaptureStats {
+                queued,
+                queued_bytes,
+                awaiting_ack,
+                awaiting_ack_bytes,
+                ..c.state.stats.clone()
+            }
         })
     }
 
@@ -111,7 +117,7 @@ impl<M: Model> Requests<M> {
     }
 }
 
-fn capture_state_bytes(c: &Capturer) -> Vec<u8> {
+pub(super) fn capture_state_bytes(c: &Capturer) -> Vec<u8> {
     serde_json::to_vec(&c.state).expect("serializable")
 }
 
@@ -254,19 +260,26 @@ impl<M: Model> Core<M> {
         let topic = self.topics.capture(&self.cfg.device_id, &id);
         let payload = serde_json::to_string(&capture).expect("serializable");
         let max = self.cfg.broker.max_packet_bytes;
-        if payload.len() + topic.len() + 16 > max {
+        let broker_max = kestrel_shared::mqtt::MAX_PAYLOAD_BYTES;
+        if payload.len() + topic.len() + 16 > max || payload.len() > broker_max {
             let why = format!(
-                "{topic}: {} bytes are over the broker's packet limit of {max}",
+                "{topic}: {} bytes are over the broker's packet limit of {max} or its payload \
+                 limit of {broker_max}",
                 payload.len()
             );
             return self.capture_queued(&id, Err(why));
         }
-        let max_disk_bytes = c.max_disk_bytes();
         let message = Message {
             topic,
             retain: false,
             payload,
         };
+        // The budget holds the captures waiting for a collector's acknowledgement too: the
+        // oldest of those go first.
+        let size = serde_json::to_vec(&message).map_or(0, |b| b.len() as u64);
+        let (dropped, max_disk_bytes) = c.make_room(size);
+        self.out
+            .extend(dropped.into_iter().map(|id| Effect::ForgetCapture { id }));
         self.out.push(Effect::Capture {
             id,
             message,
@@ -290,15 +303,6 @@ impl<M: Model> Core<M> {
         self.out
             .push(Effect::SaveCaptureState(capture_state_bytes(c)));
         self.status_dirty = true;
-    }
-
-    pub(super) fn capture_acked(&mut self) {
-        if let Some(c) = self.requests.capturer.as_mut() {
-            c.state.stats.sent += 1;
-            self.out
-                .push(Effect::SaveCaptureState(capture_state_bytes(c)));
-            self.status_dirty = true;
-        }
     }
 
     /// Publishes the quality report if requests (or shadow comparisons) came in and the period

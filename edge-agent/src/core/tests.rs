@@ -12,6 +12,7 @@ use kestrel_shared::manifest::Manifest;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{
     ArtifactOffer, Class, Desired, DeviceEvent, InferReply, ModelRef, SignedDesired, Target, Topics,
+    sha256_hex,
 };
 use kestrel_shared::signing::{PayloadType, sign};
 
@@ -97,6 +98,7 @@ impl Rig {
             journal: Journal::default(),
             offer: None,
             installed: (None, None),
+            active_manifest: None,
             shadow: ShadowJournal::default(),
             shadow_offer: None,
             capture: Some((Default::default(), 42)),
@@ -333,6 +335,19 @@ fn install_goes_from_desired_state_to_active_journaling_before_activating() {
             .iter()
             .all(|e| !matches!(e, Effect::Verify { .. }))
     );
+    let installed = r.status().manifest_sha256.expect("the installed manifest's sha256");
+    assert_eq!(
+        installed,
+        sha256_hex(serde_json::to_string(&r.manifests[0]).unwrap().as_bytes())
+    );
+    // Another model (another manifest) at the installed version: a conflict, reported, never
+    // taken as installed or downloaded.
+    r.publish(&key(), "faces", 1, 2000, false);
+    assert_eq!(r.events().last().unwrap(), &("refused".to_string(), 1));
+    let s = r.status();
+    assert!(s.refused.as_deref().unwrap().contains("conflict: faces v1"), "{s:?}");
+    assert_eq!((s.active, s.manifest_sha256.as_deref()), (Some(1), Some(installed.as_str())));
+    assert_eq!(r.count(|e| matches!(e, Effect::WriteChunk { .. })), 3);
 }
 
 #[test]
@@ -378,10 +393,19 @@ fn unsigned_or_foreign_states_and_offers_are_refused_and_change_nothing() {
         s.refused.as_deref().unwrap().contains("offer refused"),
         "status: {s:?}"
     );
-    // Chunks that fail their sha256 three times: rejected, downloaded bytes discarded.
+    // Chunks that fail their sha256 (garbage anyone could publish): dropped and asked for
+    // again, nothing written, and the version not failed; the good chunks then complete it.
+    let before = r.events().len();
     r.publish(&key(), "faces", 1, 3000, true);
-    assert_eq!(r.events().last().unwrap(), &("rejected".to_string(), 1));
+    assert_eq!(r.events().len(), before + 1, "{:?}", r.events());
+    assert_eq!(r.events().last().unwrap(), &("downloading".to_string(), 1));
     assert_eq!(r.count(|e| matches!(e, Effect::WriteChunk { .. })), 0);
+    let s = r.status();
+    assert_eq!((s.state.as_str(), s.failed_version), ("downloading", None));
+    assert!(s.last_error.unwrap().contains("failed its sha256 check"));
+    assert!(r.count(|e| matches!(e, Effect::Resubscribe(t) if t.contains("/chunks/"))) >= 3);
+    r.publish(&key(), "faces", 1, 3000, false);
+    assert_eq!(r.events().last().unwrap(), &("active".to_string(), 1));
     // Over the artifact limit: rejected before a chunk is fetched, the offer removed.
     let mut cfg = config();
     cfg.limits.max_artifact_bytes = 1000;
@@ -541,7 +565,11 @@ fn capture_keeps_what_the_policy_picks_within_the_hourly_limit() {
     assert!(saved < queued);
     r.answered("unsure-again", &m, 0.4); // over the hourly limit
     assert_eq!(r.count(|e| matches!(e, Effect::Capture { .. })), 1);
-    r.input(Input::CaptureAcked);
+    r.input(Input::CaptureDelivered {
+        id: id.clone(),
+        bytes: 100,
+        first: true,
+    });
     let stats = r.status().captures.unwrap();
     assert_eq!((stats.taken, stats.rate_limited, stats.sent), (1, 1, 1));
     assert_eq!(r.status().counters.requests_answered, 3);
@@ -594,4 +622,221 @@ fn requests_are_queued_or_refused_with_a_reason() {
     assert!(errors[1].1.starts_with("busy: 16 requests queued"));
     assert_eq!(r.count(|e| matches!(e, Effect::Infer { .. })), 1);
     assert_eq!(r.status().counters.requests_refused, 2);
+}
+
+/// A key list signed by `root` naming `key()`, expiring at `expires` (Unix seconds).
+fn key_list(root: &SigningKey, version: u64, expires: u64) -> Vec<u8> {
+    let list = kestrel_shared::protocol::KeyList {
+        version,
+        keys: vec![hex::encode(key().verifying_key().as_bytes())],
+        issued: 1,
+        expires: Some(expires),
+    };
+    serde_json::to_vec(&kestrel_shared::protocol::SignedKeyList::new(root, &list)).unwrap()
+}
+
+/// Key lists expire: a fresh one is in force, an expired one is refused naming its topic and
+/// expiry, and once the list held expires its keys sign nothing any more (reported in the
+/// status and as an event, the list asked for again) until a newer list arrives.
+#[test]
+fn an_expired_key_list_is_refused_and_one_that_expires_while_held_drops_its_keys() {
+    let mut r = Rig::new(config());
+    let root = SigningKey::from_bytes(&[11; 32]);
+    r.core.trust = crate::trust::Trust::new(Some(root.verifying_key()), vec![], None).unwrap();
+    let (topic, now_s) = (r.topics.keys(), r.now.unix_ms / 1000);
+    r.send(topic.clone(), key_list(&root, 1, now_s));
+    let s = r.status();
+    let refused = s.refused.unwrap_or_default();
+    assert!(
+        refused.starts_with(&format!("{topic}: key list v1 refused: it expired at")),
+        "{refused}"
+    );
+    r.send(topic.clone(), key_list(&root, 1, now_s + 60));
+    assert_eq!(r.status().keys_version, Some(1));
+    r.desired("faces", 1, None);
+    assert!(
+        r.subscribed()
+            .iter()
+            .any(|t| t.contains("faces/1/manifest"))
+    );
+
+    r.now.unix_ms += 60_000;
+    let (events, subscribed) = (r.events().len(), r.subscribed().len());
+    r.input(Input::Tick);
+    assert_eq!(r.events().len(), events + 1, "one refused event");
+    assert_eq!(
+        r.subscribed()[subscribed..],
+        [topic.as_str()],
+        "asked for again"
+    );
+    let s = r.status();
+    assert_eq!(s.keys_version, None);
+    assert!(s.refused.unwrap().contains("key list v1 expired at"));
+    r.desired("faces", 2, None);
+    let refused = r.status().refused.unwrap();
+    assert!(
+        refused.contains("desired state refused") && refused.contains("expired"),
+        "{refused}"
+    );
+    r.send(topic, key_list(&root, 2, now_s + 3600));
+    assert_eq!(r.status().keys_version, Some(2));
+}
+
+/// A config that captures every request, kept until acknowledged, with resends after 10 s
+/// (doubling up to 40 s), at most `max_resends`.
+fn acking(max_resends: u32) -> Config {
+    let mut cfg = config();
+    cfg.capture.enabled = true;
+    cfg.capture.policy = CapturePolicy::Random;
+    cfg.capture.rate = 1.0;
+    cfg.capture.resend_after_s = 10;
+    cfg.capture.resend_max_s = 40;
+    cfg.capture.max_resends = max_resends;
+    cfg
+}
+
+impl Rig {
+    /// One request captured; its id.
+    fn capture(&mut self, request: &str) -> String {
+        self.answered(request, &manifest("faces", 1, 3000), 0.9);
+        self.log
+            .iter()
+            .rev()
+            .find_map(|e| match e {
+                Effect::Capture { id, .. } => Some(id.clone()),
+                _ => None,
+            })
+            .expect("captured")
+    }
+
+    fn delivered(&mut self, id: &str, first: bool) {
+        self.input(Input::CaptureDelivered {
+            id: id.into(),
+            bytes: 1000,
+            first,
+        });
+    }
+
+    /// The clock moves `s` seconds and ticks; the ids sent again and forgotten on that tick.
+    fn tick_after(&mut self, s: u64) -> (Vec<String>, Vec<String>) {
+        self.now.unix_ms += s * 1000;
+        self.now.mono += Duration::from_secs(s);
+        let before = self.log.len();
+        self.input(Input::Tick);
+        self.capture_effects(before)
+    }
+
+    /// (resent, forgotten) among the effects from `from` on.
+    fn capture_effects(&self, from: usize) -> (Vec<String>, Vec<String>) {
+        let (mut resent, mut forgot) = (vec![], vec![]);
+        for e in &self.log[from..] {
+            match e {
+                Effect::ResendCapture { id } => resent.push(id.clone()),
+                Effect::ForgetCapture { id } => forgot.push(id.clone()),
+                _ => {}
+            }
+        }
+        (resent, forgot)
+    }
+
+    fn ack(&mut self, device: &str, payload: &[u8]) -> Vec<String> {
+        let before = self.log.len();
+        self.send(self.topics.capture_ack(device), payload.to_vec());
+        self.capture_effects(before).1
+    }
+}
+
+#[test]
+fn a_capture_stays_until_a_collector_acknowledges_it_and_is_sent_again_meanwhile() {
+    let mut r = Rig::new(acking(10));
+    r.input(Input::Connected);
+    assert!(r.subscribed().contains(&r.topics.capture_ack(DEVICE).as_str()));
+    let id = r.capture("a");
+    r.delivered(&id, true); // the broker has it: that is not enough
+    let st = r.status().captures.unwrap();
+    assert_eq!((st.sent, st.awaiting_ack, st.awaiting_ack_bytes), (1, 1, 1000));
+    assert_eq!(r.count(|e| matches!(e, Effect::ForgetCapture { .. })), 0);
+    assert_eq!(r.tick_after(9), (vec![], vec![]), "not yet due");
+    assert_eq!(r.tick_after(1), (vec![id.clone()], vec![]), "sent again after 10 s");
+    assert_eq!(r.tick_after(30), (vec![], vec![]), "one resend on its way at a time");
+    r.delivered(&id, false);
+    // The wait doubled (20 s from the resend, 30 s of which have passed): due at once.
+    assert_eq!(r.tick_after(0), (vec![id.clone()], vec![]));
+    r.delivered(&id, false);
+    // Another device's acknowledgement topic, garbage, and ids we do not hold change nothing.
+    let ack = |ids: &[&str]| serde_json::to_vec(&serde_json::json!({"ids": ids})).unwrap();
+    assert!(r.ack("dev-2", &ack(&[&id])).is_empty());
+    assert!(r.ack(DEVICE, b"not json").is_empty());
+    assert!(r.ack(DEVICE, &ack(&["1-000009"])).is_empty());
+    assert_eq!(r.status().captures.unwrap().awaiting_ack, 1);
+    // Our collector's: deleted, counted, never sent again.
+    assert_eq!(r.ack(DEVICE, &ack(&[&id])), vec![id.clone()]);
+    let st = r.status().captures.unwrap();
+    assert_eq!(
+        (st.acked, st.resent, st.awaiting_ack, st.unacked_dropped),
+        (1, 2, 0, 0)
+    );
+    assert_eq!(r.tick_after(3600), (vec![], vec![]));
+    assert!(r.ack(DEVICE, &ack(&[&id])).is_empty(), "acknowledged twice");
+}
+
+#[test]
+fn resends_are_bounded_and_their_wait_capped() {
+    let mut r = Rig::new(acking(2));
+    let id = r.capture("a");
+    r.delivered(&id, true);
+    assert_eq!(r.tick_after(10).0, vec![id.clone()]);
+    r.delivered(&id, false);
+    assert_eq!(r.tick_after(19).0, Vec::<String>::new());
+    assert_eq!(r.tick_after(1).0, vec![id.clone()], "20 s after the first resend");
+    r.delivered(&id, false);
+    assert_eq!(r.tick_after(39), (vec![], vec![]), "40 s: the cap");
+    // The third wait is over and max_resends (2) were sent: given up and deleted.
+    assert_eq!(r.tick_after(1), (vec![], vec![id.clone()]));
+    let st = r.status().captures.unwrap();
+    assert_eq!((st.resent, st.unacked_dropped, st.awaiting_ack), (2, 1, 0));
+    assert_eq!(r.tick_after(3600), (vec![], vec![]));
+}
+
+#[test]
+fn without_collector_acks_a_capture_is_deleted_once_the_broker_has_it() {
+    let mut cfg = acking(10);
+    cfg.capture.collector_acks = false;
+    let mut r = Rig::new(cfg);
+    r.input(Input::Connected);
+    assert!(!r.subscribed().iter().any(|t| t.ends_with("capture-ack")));
+    let id = r.capture("a");
+    let before = r.log.len();
+    r.delivered(&id, true);
+    assert_eq!(r.capture_effects(before).1, vec![id]);
+    let st = r.status().captures.unwrap();
+    assert_eq!((st.sent, st.awaiting_ack), (1, 0));
+    assert_eq!(r.tick_after(3600), (vec![], vec![]));
+}
+
+#[test]
+fn the_disk_budget_gives_up_the_oldest_unacknowledged_capture_first() {
+    let mut cfg = acking(10);
+    cfg.capture.max_disk_bytes = 2200;
+    let mut r = Rig::new(cfg);
+    let (a, b) = (r.capture("a"), r.capture("b"));
+    r.delivered(&a, true);
+    r.delivered(&b, true); // 2000 of 2200 bytes wait for an acknowledgement
+    let before = r.log.len();
+    let c = r.capture("c");
+    assert_eq!(r.capture_effects(before).1, vec![a.clone()], "the oldest goes");
+    let budget = r.log[before..].iter().find_map(|e| match e {
+        Effect::Capture { max_disk_bytes, .. } => Some(*max_disk_bytes),
+        _ => None,
+    });
+    assert_eq!(budget, Some(1200), "what the waiting one leaves the queue");
+    let st = r.status().captures.unwrap();
+    assert_eq!((st.unacked_dropped, st.awaiting_ack), (1, 1));
+    // A resend whose file is gone is forgotten.
+    assert_eq!(r.tick_after(10).0, vec![b.clone()]);
+    r.input(Input::CaptureGone { id: b });
+    let st = r.status().captures.unwrap();
+    assert_eq!((st.unacked_dropped, st.awaiting_ack), (2, 0));
+    r.delivered(&c, true);
+    assert_eq!(r.tick_after(10).0, vec![c], "the next resend may go");
 }

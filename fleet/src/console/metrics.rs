@@ -276,6 +276,15 @@ fn device_counters(out: &mut Exposition, devices: &[&DeviceRow]) {
     );
     out.per_device(
         (
+            "kestrel_device_chunks_corrupt_total",
+            "counter",
+            "Artifact chunks that failed their sha256 (dropped and asked for again).",
+        ),
+        devices,
+        |d| reported(d).then_some(d.counters.chunks_corrupt as f64),
+    );
+    out.per_device(
+        (
             "kestrel_device_captures_sent_total",
             "counter",
             "Captured inputs the broker acknowledged.",

@@ -17,6 +17,7 @@ fn status(id: &str, group: &str, active: Option<u64>, error: Option<&str>) -> Ve
         active,
         previous: None,
         target: None,
+        manifest_sha256: None,
         progress: None,
         last_error: error.map(String::from),
         failed_version: None,
@@ -241,6 +242,11 @@ fn deltas_hold_only_what_changed() {
     assert!(v.delta(v.seq()).devices.is_empty());
 }
 
+/// A rollout state as a controller retains it (signed; the console shows it unverified).
+fn sealed(c: &Controller) -> Vec<u8> {
+    crate::rollout::saved::seal(&ed25519_dalek::SigningKey::from_bytes(&[3; 32]), c)
+}
+
 #[test]
 fn rollouts_show_phases_and_their_transitions_in_the_feed() {
     let plan = Plan::parse(
@@ -256,7 +262,7 @@ fn rollouts_show_phases_and_their_transitions_in_the_feed() {
     c.start(100);
     let mut v = FleetView::new("k");
     let topic = "k/rollouts/r1/state";
-    v.apply(topic, &serde_json::to_vec(&c).unwrap(), NOW)
+    v.apply(topic, &sealed(&c), NOW)
         .unwrap();
     let r = v.rollout_row("r1").unwrap();
     assert_eq!((r.state.as_str(), r.phase), ("running", 0));
@@ -264,7 +270,7 @@ fn rollouts_show_phases_and_their_transitions_in_the_feed() {
     assert_eq!((r.phases[0].devices, r.phases[0].moved), (1, 1));
     assert_eq!(r.phases[1].waiting, 1);
     c.on_abort("operator", "console@test");
-    v.apply(topic, &serde_json::to_vec(&c).unwrap(), NOW)
+    v.apply(topic, &sealed(&c), NOW)
         .unwrap();
     let r = v.rollout_row("r1").unwrap();
     assert_eq!(r.state, "aborted");

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use kestrel_shared::capture::CaptureStats;
 use kestrel_shared::protocol::{
-    DeviceCounters, DeviceEvent, LatencyHistogram, Status, Topics, parse,
+    DeviceCounters, DeviceEvent, LatencyHistogram, Status, Topics,
 };
 use kestrel_shared::quality::DeviceQuality;
 use kestrel_shared::topics::{self, DeviceTopic, Route};
@@ -156,6 +156,8 @@ pub struct PhaseRow {
     pub soak_s: u64,
     /// Up to 20 failed devices with their reason.
     pub failures: Vec<(String, String)>,
+    /// Up to 20 devices excluded from the quality gates for implausible claims, with why.
+    pub excluded: Vec<(String, String)>,
 }
 
 /// A rollout as the console shows it (`/api/rollouts`).
@@ -224,9 +226,15 @@ fn phase_row(c: &Controller, i: usize) -> PhaseRow {
         timeout_s: spec.timeout_s,
         soak_s: spec.soak_s,
         failures: Vec::new(),
+        excluded: Vec::new(),
     };
     for d in c.phase_devices(i) {
         row.devices += 1;
+        if let Some(why) = d.quality.as_ref().and_then(|q| q.excluded.as_ref())
+            && row.excluded.len() < 20
+        {
+            row.excluded.push((d.id.clone(), why.clone()));
+        }
         match &d.state {
             DeviceState::Waiting => row.waiting += 1,
             DeviceState::Moved => row.moved += 1,
@@ -360,7 +368,7 @@ impl FleetView {
                 Ok(self.rollouts.remove(name).is_some())
             }
             Some(Route::RolloutState { name }) => {
-                let c: Controller = parse(topic, payload).map_err(|e| bad(&e))?;
+                let c = crate::rollout::saved::read(topic, payload).map_err(|e| bad(&e))?;
                 if c.name != name {
                     return Err(bad(&format!("the state of rollout `{}`", c.name)));
                 }

@@ -8,14 +8,14 @@ use std::time::{Duration, Instant};
 use ed25519_dalek::{SigningKey, VerifyingKey};
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{
-    DEFAULT_VALIDITY_S, Desired, ModelRef, SignedDesired, Status, Target, check_name, parse,
+    DEFAULT_VALIDITY_S, Desired, ModelRef, SignedDesired, Status, Target, check_name, sha256_hex,
 };
 use kestrel_shared::quality::DeviceQuality;
 use kestrel_shared::topics::{DeviceTopic, Route, from_device};
 use kestrel_shared::{issued_now, now_unix};
 
 use super::command::{Action, Command};
-use super::{Controller, DeviceState, Output, Plan, RolloutState};
+use super::{Controller, DeviceState, Output, Plan, RolloutState, saved};
 use crate::{Bundle, Conn, FleetError, Skipped};
 
 pub fn state_topic(conn: &Conn, name: &str) -> String {
@@ -27,18 +27,23 @@ pub fn command_topic(conn: &Conn, name: &str) -> String {
     conn.topics.rollout_command(name)
 }
 
-/// The rollout's retained controller, if any.
-pub fn load(conn: &mut Conn, name: &str) -> Result<Option<Controller>, FleetError> {
+/// The rollout's retained state (topic, payload), if any.
+fn retained_state(conn: &mut Conn, name: &str) -> Result<Option<(String, Vec<u8>)>, FleetError> {
     let topic = state_topic(conn, name);
-    Ok(
-        match conn
-            .retained(&topic, Duration::from_millis(400))?
-            .get(&topic)
-        {
-            Some(p) if !p.is_empty() => Some(parse(&topic, p)?),
-            _ => None,
-        },
-    )
+    let mut found = conn.retained(&topic, Duration::from_millis(400))?;
+    Ok(found
+        .remove(&topic)
+        .filter(|p| !p.is_empty())
+        .map(|p| (topic, p)))
+}
+
+/// The rollout's retained controller, if any, unverified: for showing it
+/// ([`saved::read`]).
+pub fn load(conn: &mut Conn, name: &str) -> Result<Option<Controller>, FleetError> {
+    Ok(match retained_state(conn, name)? {
+        Some((topic, p)) => Some(saved::read(&topic, &p)?),
+        None => None,
+    })
 }
 
 /// What a rollout signs with and whom it obeys.
@@ -76,11 +81,7 @@ fn execute(
             Output::Clear { device } => (device, c.model.clone(), c.version, false, true, false),
             Output::Save => {
                 // After the desired states it follows: a crash in between repeats them on resume.
-                batch.push((
-                    state_topic(conn, &c.name),
-                    serde_json::to_vec(c).expect("serializable"),
-                    true,
-                ));
+                batch.push((state_topic(conn, &c.name), saved::seal(key, c), true));
                 conn.publish_all(std::mem::take(&mut batch), None)?;
                 continue;
             }
@@ -130,7 +131,14 @@ pub fn run(
         .unwrap_or_else(|| format!("{model}-v{version}"));
     check_name(&name)?;
     let mut conn = Conn::connect(cfg, "rollout")?;
-    let mut c = match load(&mut conn, &name)? {
+    let resumed = match retained_state(&mut conn, &name)? {
+        Some((topic, p)) => Some(
+            saved::open(&topic, &p, &name, &key.verifying_key(), &plan)
+                .map_err(|e| FleetError::Refused(kestrel_shared::chain(&e)))?,
+        ),
+        None => None,
+    };
+    let mut c = match resumed {
         Some(c) if c.model != model || c.version != version => {
             return Err(FleetError::Refused(format!(
                 "rollout {name} exists for {} v{}, not {model} v{version}: choose another name",
@@ -379,8 +387,9 @@ fn begin(
         }
         fleet.retain(|s| list.contains(&s.device));
     }
-    let c = Controller::new(name, model, version, plan, &fleet)
+    let mut c = Controller::new(name, model, version, plan, &fleet)
         .map_err(|e| FleetError::Refused(e.to_string()))?;
+    c.manifest_sha256 = Some(sha256_hex(bundle.offer.manifest.as_bytes()));
     log(format!(
         "rollout {name}: {model} v{version} to {} devices in {} phases",
         fleet.len(),
@@ -469,7 +478,7 @@ pub fn watch(
                 && t == topic
                 && !p.is_empty()
             {
-                let next: Controller = parse(&t, &p)?;
+                let next = saved::read(&t, &p)?;
                 if next != c {
                     c = next;
                     show(&c);
@@ -542,6 +551,11 @@ pub fn table(c: &Controller) -> String {
             g.phase,
             g.describe()
         ));
+    }
+    for d in c.devices.values() {
+        if let Some(why) = d.quality.as_ref().and_then(|q| q.excluded.as_ref()) {
+            out.push_str(&format!("excluded from the quality gates: {}: {why}\n", d.id));
+        }
     }
     out
 }

@@ -19,6 +19,7 @@
 pub mod command;
 pub mod driver;
 pub mod gates;
+pub mod saved;
 #[cfg(test)]
 mod tests;
 
@@ -97,6 +98,14 @@ pub struct PhaseSpec {
     /// Quality gate: the share of the phase's devices whose latest window is flagged as drifted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_drift_devices: Option<f64>,
+    /// Devices that must report requests before the phase's gates are judged [default: a
+    /// majority of the phase's devices].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_reporting_devices: Option<usize>,
+    /// Requests a second a device may claim since the phase started; a device claiming more
+    /// is excluded from the gates [default: gates::MAX_REQUEST_RATE].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_request_rate: Option<f64>,
 }
 
 impl PhaseSpec {
@@ -119,6 +128,11 @@ pub struct Plan {
     /// The fleet; [default: every device with a retained status].
     #[serde(default)]
     pub devices: Option<Vec<String>>,
+    /// Group membership for phases with a `group` (`[groups]`: `canary = ["pi-01", ...]`): the
+    /// operator's word. The groups a device lists in its own status choose only which group
+    /// desired states it follows, never which phase of a rollout it is in.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub groups: BTreeMap<String, Vec<String>>,
     pub phases: Vec<PhaseSpec>,
 }
 
@@ -156,6 +170,21 @@ impl Plan {
                 return Err(bad(format!(
                     "{what}: success, failure, min_shadow_agreement and max_drift_devices are \
                      fractions in [0, 1], max_confidence_drop is in [-1, 1]"
+                )));
+            }
+            if let Some(g) = &ph.group
+                && !p.groups.contains_key(g)
+            {
+                return Err(bad(format!(
+                    "{what}: group `{g}` is not listed in the plan's [groups] (a rollout takes \
+                     group membership from the plan, never from what devices say of themselves)"
+                )));
+            }
+            if ph.max_request_rate.is_some_and(|r| !(r > 0.0 && r.is_finite()))
+                || ph.min_reporting_devices == Some(0)
+            {
+                return Err(bad(format!(
+                    "{what}: max_request_rate must be a positive number and min_reporting_devices at least 1"
                 )));
             }
             if ph.min_shadow_agreement.is_some() && ph.mode != Mode::Shadow {
@@ -200,6 +229,9 @@ pub struct Device {
     /// What its quality reports say (phases with gates).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quality: Option<QualitySample>,
+    /// When its agent started, by its latest status (a quality counter may restart then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -237,6 +269,10 @@ pub struct Controller {
     pub name: String,
     pub model: String,
     pub version: u64,
+    /// sha256 of the rolled-out artifact's signed manifest: a device whose status names
+    /// another manifest at this version runs another model, and does not count as active.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest_sha256: Option<String>,
     pub plan: Plan,
     pub devices: BTreeMap<String, Device>,
     pub phase: usize,
@@ -281,11 +317,12 @@ impl Controller {
         let n = fleet.len();
         let mut devices = BTreeMap::new();
         let mut assigned = 0usize;
+        let member = |g: &str, s: &Status| plan.groups.get(g).is_some_and(|m| m.contains(&s.device));
         for (i, ph) in plan.phases.iter().enumerate() {
             let chosen: Vec<&Status> = match (&ph.group, ph.percent) {
                 (Some(g), _) => order
                     .iter()
-                    .filter(|s| !devices.contains_key(&s.device) && s.groups.contains(g))
+                    .filter(|s| !devices.contains_key(&s.device) && member(g, s))
                     .copied()
                     .collect(),
                 (None, Some(p)) => {
@@ -303,7 +340,7 @@ impl Controller {
             // empty because earlier ones took its devices (one Pi in the canary group, then
             // "everyone") has nothing to do and passes.
             if let Some(g) = &ph.group
-                && !fleet.iter().any(|s| s.groups.contains(g))
+                && !fleet.iter().any(|s| member(g, s))
             {
                 return Err(bad(format!(
                     "phase `{}` selects no device: no device of the fleet is in group `{g}`",
@@ -326,6 +363,7 @@ impl Controller {
                         state: DeviceState::Waiting,
                         previous,
                         quality: None,
+                        started: Some(s.started),
                     },
                 );
                 assigned += 1;
@@ -347,6 +385,7 @@ impl Controller {
             name: name.to_string(),
             model: model.to_string(),
             version,
+            manifest_sha256: None,
             plan,
             devices,
             phase: 0,
@@ -439,15 +478,22 @@ impl Controller {
     /// A device's status arrived.
     pub fn on_status(&mut self, s: &Status, now: u64) -> Vec<Output> {
         let (model, version) = (self.model.clone(), self.version);
+        let same_model = match (&s.manifest_sha256, &self.manifest_sha256) {
+            (Some(a), Some(b)) => a == b,
+            _ => true, // an agent that does not report it, or a state from before
+        };
         let Some(d) = self.devices.get_mut(&s.device) else {
             return vec![];
         };
+        d.started = Some(s.started);
         let new = if self.plan.phases[d.phase].mode == Mode::Shadow {
             shadow_state(&d.state, s, (&model, version))
         } else {
             match &d.state {
                 DeviceState::Moved | DeviceState::TimedOut
-                    if s.active == Some(version) && s.model.as_deref() == Some(model.as_str()) =>
+                    if s.active == Some(version)
+                        && s.model.as_deref() == Some(model.as_str())
+                        && same_model =>
                 {
                     Some(DeviceState::Active)
                 }
@@ -476,23 +522,36 @@ impl Controller {
         }
     }
 
-    /// A device's quality report arrived: its sample is updated, and the gates judged.
+    /// A device's quality report arrived: its sample is updated (or, when it claims what
+    /// cannot be, the device is excluded from the gates), and the gates judged.
     pub fn on_quality(&mut self, q: &DeviceQuality, now: u64) -> Vec<Output> {
         let (model, version) = (self.model.clone(), self.version);
         let Some(d) = self.devices.get_mut(&q.device) else {
             return vec![];
         };
-        d.quality.get_or_insert_with(QualitySample::default).update(
+        let bounds = gates::Plausible {
+            now,
+            phase_started: self.phase_started,
+            max_rate: self.plan.phases[d.phase]
+                .max_request_rate
+                .unwrap_or(gates::MAX_REQUEST_RATE),
+            device_started: d.started,
+        };
+        let excluded = d.quality.get_or_insert_with(QualitySample::default).update(
             q,
             d.previous.as_ref(),
             (&model, version),
+            bounds,
         );
-        let out = self.evaluate(now);
-        if out.is_empty() {
-            out
-        } else {
-            [out, vec![Output::Save]].concat()
+        let mut out: Vec<Output> = excluded
+            .map(|why| Output::Log(format!("{}: excluded from the quality gates: {why}", d.id)))
+            .into_iter()
+            .collect();
+        out.extend(self.evaluate(now));
+        if !out.is_empty() {
+            out.push(Output::Save);
         }
+        out
     }
 
     /// The clock: phase timeouts and soak times.
@@ -563,15 +622,16 @@ impl Controller {
         let since = *self.phase_succeeded.get_or_insert(now);
         // An empty phase has no devices whose quality could be judged.
         if gates::any(&spec) && n > 0 {
-            let current = gates::evaluate(self.phase, &spec, self.phase_devices(self.phase));
+            let current = gates::evaluate(self.phase, &spec, n, self.phase_devices(self.phase));
             let phase = self.phase;
             self.gates.retain(|g| g.phase != phase);
             self.gates.extend(current.iter().cloned());
             let what = format!("phase {} `{}`", self.phase, spec.name);
             // The other gates are judged once enough requests were seen.
-            let enough = current
-                .iter()
-                .all(|g| g.name != "min_requests" || g.passed == Some(true));
+            let enough = current.iter().all(|g| {
+                !matches!(g.name.as_str(), "min_requests" | "min_reporting_devices")
+                    || g.passed == Some(true)
+            });
             if let Some(g) = current.iter().find(|g| g.passed == Some(false))
                 && enough
             {

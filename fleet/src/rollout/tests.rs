@@ -10,6 +10,7 @@ fn status(id: &str, groups: &[&str], active: Option<u64>, failed: Option<u64>) -
         active,
         previous: None,
         target: None,
+        manifest_sha256: None,
         progress: None,
         last_error: failed.map(|v| format!("v{v} health check failed")),
         failed_version: failed,
@@ -78,12 +79,13 @@ fn phases_cut_the_fleet_cumulatively_and_stably() {
         other.phase_devices(0).map(|d| &d.id).collect::<Vec<_>>(),
         "the order depends on the rollout name"
     );
-    // A group phase takes exactly the group.
-    let g = Plan::parse("[[phases]]\nname = \"c\"\ngroup = \"canary\"\n[[phases]]\nname = \"rest\"\npercent = 100\n", "f").unwrap();
+    // A group phase takes exactly the group, as the plan lists it (d000..d002 also say they
+    // are in `canary`, and d009 does not: the plan's word counts).
+    let g = Plan::parse("[groups]\ncanary = [\"d000\", \"d001\", \"d009\"]\n[[phases]]\nname = \"c\"\ngroup = \"canary\"\n[[phases]]\nname = \"rest\"\npercent = 100\n", "f").unwrap();
     let c = Controller::new("r", "m", 2, g, &fleet(10)).unwrap();
     let mut canary: Vec<&str> = c.phase_devices(0).map(|d| d.id.as_str()).collect();
     canary.sort();
-    assert_eq!(canary, ["d000", "d001", "d002"]);
+    assert_eq!(canary, ["d000", "d001", "d009"]);
     assert_eq!(c.phase_devices(1).count(), 7);
 }
 
@@ -218,7 +220,11 @@ fn plans_are_validated() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("in no phase"), "{e}");
-    let p = Plan::parse("[[phases]]\nname = \"a\"\ngroup = \"nobody\"\n", "f").unwrap();
+    let p = Plan::parse(
+        "[groups]\nnobody = [\"d999\"]\n[[phases]]\nname = \"a\"\ngroup = \"nobody\"\n",
+        "f",
+    )
+    .unwrap();
     assert!(
         Controller::new("r", "m", 2, p, &fleet(3))
             .unwrap_err()
@@ -232,7 +238,8 @@ fn plans_are_validated() {
 #[test]
 fn a_phase_left_empty_by_earlier_ones_passes() {
     let plan = Plan::parse(
-        "[[phases]]\nname = \"canary\"\ngroup = \"canary\"\n\
+        "[groups]\ncanary = [\"d000\", \"d001\", \"d002\"]\n\
+         [[phases]]\nname = \"canary\"\ngroup = \"canary\"\n\
          [[phases]]\nname = \"everyone\"\npercent = 100\nmin_requests = 30\n",
         "fleet.toml",
     )
@@ -350,7 +357,8 @@ fn a_shadow_phase_gates_on_agreement_before_anything_activates() {
             c.on_status(&running_shadow(d, 2), 1);
             assert_eq!(c.devices[d].state, DeviceState::Shadowing);
         }
-        // 60 comparisons on the first device: under min_requests, nothing is judged yet.
+        // 60 comparisons on the first device: under min_requests (each of the two devices brings
+        // at most half of it) and one reporting device of the two needed: nothing is judged yet.
         let first = quality(
             &shadowed[0].0,
             1,
@@ -359,8 +367,10 @@ fn a_shadow_phase_gates_on_agreement_before_anything_activates() {
         );
         assert!(c.on_quality(&first, 2).is_empty());
         assert_eq!(c.state, RolloutState::Running);
-        assert_eq!(c.gates[0].value, Some(60.0));
+        assert_eq!(c.gates[0].value, Some(50.0));
         assert_eq!(c.gates[1].passed, Some(agreement >= 0.9));
+        assert_eq!(c.gates[2].name, "min_reporting_devices");
+        assert_eq!((c.gates[2].value, c.gates[2].passed), (Some(1.0), Some(false)));
         let second = quality(
             &shadowed[1].0,
             1,
@@ -587,4 +597,145 @@ fn renewal_signs_again_what_every_moved_device_runs() {
     );
     c.on_abort("test", "tester");
     assert!(c.renew().is_empty());
+}
+
+/// Two honest canary devices whose shadow agrees 2% of the time, and a liar: however it lies
+/// (agreement 1.0 on a huge request count, u64::MAX requests, agreement outside [0, 1], a
+/// counter that goes back), the gate is the honest devices' verdict, and the liar is named.
+#[test]
+fn a_lying_device_neither_outweighs_the_honest_ones_nor_passes_the_gate() {
+    let plan = "[[phases]]\nname = \"shadow\"\npercent = 100\nmode = \"shadow\"\n\
+                min_requests = 60\nmin_shadow_agreement = 0.9\ntimeout_s = 600\n\
+                [[phases]]\nname = \"all\"\npercent = 100\n";
+    let lies: [&[(f64, u64)]; 5] = [
+        &[(1.0, 3_000)],                // plausible numbers, a false agreement
+        &[(1.0, u64::MAX)],             // more requests than the time allows (and overflow)
+        &[(1.0, 10_000_000)],           // a jump
+        &[(7.5, 40)],                   // not a fraction
+        &[(1.0, 50), (1.0, 20)],        // a counter that goes back
+    ];
+    for lie in lies {
+        let mut c = Controller::new("r", "m", 2, Plan::parse(plan, "f").unwrap(), &fleet(3))
+            .unwrap();
+        c.start(1_000);
+        for id in ["d000", "d001", "d002"] {
+            c.on_status(&running_shadow(id, 2), 1_001);
+        }
+        for &(agreement, compared) in lie {
+            c.on_quality(&quality("d002", 1, (0.9, 900, false), Some((2, agreement, compared, 0.9))), 1_010);
+        }
+        for id in ["d000", "d001"] {
+            c.on_quality(&quality(id, 1, (0.9, 900, false), Some((2, 0.02, 40, 0.3))), 1_020);
+        }
+        let RolloutState::Aborted(reason) = &c.state else {
+            panic!("lie {lie:?}: the bad model must not pass: {:?} {:?}", c.state, c.gates)
+        };
+        assert!(reason.contains("quality gate min_shadow_agreement"), "{lie:?}: {reason}");
+        let agreement = c.gates.iter().find(|g| g.name == "min_shadow_agreement").unwrap();
+        let value = agreement.value.unwrap();
+        assert!(value < 0.6, "lie {lie:?}: one device moved the gate to {value}");
+        let liar = c.devices["d002"].quality.as_ref().unwrap();
+        if lie.len() > 1 || lie[0].1 > 1_000_000 || lie[0].0 > 1.0 {
+            let why = liar.excluded.as_deref().unwrap_or_else(|| panic!("{lie:?}: not excluded"));
+            assert!(
+                why.contains("outside [0, 1]") || why.contains("went back") || why.contains("requests"),
+                "{why}"
+            );
+            // The exclusion is in the saved state (the rollout's JSON).
+            let json = serde_json::to_value(&c).unwrap();
+            assert!(json["devices"]["d002"]["quality"]["excluded"].is_string(), "{json}");
+        }
+    }
+}
+
+/// One honest device's report is not enough for a gate that needs a majority of reporting
+/// devices, however many requests it claims.
+#[test]
+fn gates_need_a_majority_of_devices_reporting() {
+    let plan = "[[phases]]\nname = \"a\"\npercent = 100\nmode = \"shadow\"\nmin_requests = 10\n\
+                min_shadow_agreement = 0.5\ntimeout_s = 600\n[[phases]]\nname = \"b\"\npercent = 100\n";
+    let mut c = Controller::new("r", "m", 2, Plan::parse(plan, "f").unwrap(), &fleet(5)).unwrap();
+    c.start(0);
+    for i in 0..5 {
+        c.on_status(&running_shadow(&format!("d{i:03}"), 2), 1);
+    }
+    for i in 0..3 {
+        assert_eq!(c.phase, 0, "promoted with {i} reporting devices");
+        c.on_quality(&quality(&format!("d{i:03}"), 1, (0.9, 900, false), Some((2, 0.99, 500, 0.9))), 100);
+    }
+    assert_eq!(c.phase, 1, "{:?}", c.gates);
+}
+
+/// A device's clean claim after a restart of its agent (its counter starts again) is believed.
+#[test]
+fn a_restarted_agent_counter_is_not_a_lie() {
+    let plan = "[[phases]]\nname = \"a\"\npercent = 100\nmode = \"shadow\"\nmin_requests = 1000\n\
+                timeout_s = 600\n[[phases]]\nname = \"b\"\npercent = 100\n";
+    let mut c = Controller::new("r", "m", 2, Plan::parse(plan, "f").unwrap(), &fleet(1)).unwrap();
+    c.start(0);
+    c.on_status(&running_shadow("d000", 2), 1);
+    c.on_quality(&quality("d000", 1, (0.9, 9, false), Some((2, 0.99, 500, 0.9))), 100);
+    let mut restarted = running_shadow("d000", 2);
+    restarted.started = 150;
+    c.on_status(&restarted, 150);
+    c.on_quality(&quality("d000", 1, (0.9, 9, false), Some((2, 0.99, 20, 0.9))), 160);
+    let q = c.devices["d000"].quality.as_ref().unwrap();
+    assert_eq!((q.excluded.as_deref(), q.requests), (None, 20));
+    // Without a restart, the same drop is a lie.
+    c.on_quality(&quality("d000", 1, (0.9, 9, false), Some((2, 0.99, 10, 0.9))), 170);
+    assert!(c.devices["d000"].quality.as_ref().unwrap().excluded.is_some());
+}
+
+/// A plan's group must be listed in its [groups]; what devices say of themselves does not count.
+#[test]
+fn group_membership_comes_from_the_plan() {
+    let e = Plan::parse("[[phases]]\nname = \"c\"\ngroup = \"canary\"\n", "fleet.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("group `canary` is not listed in the plan's [groups]"), "{e}");
+    // A device that claims the canary group in its status is not in a canary the plan lists.
+    let p = Plan::parse(
+        "[groups]\ncanary = [\"d005\"]\n[[phases]]\nname = \"c\"\ngroup = \"canary\"\n\
+         [[phases]]\nname = \"rest\"\npercent = 100\n",
+        "f",
+    )
+    .unwrap();
+    let c = Controller::new("r", "m", 2, p, &fleet(10)).unwrap();
+    let canary: Vec<&str> = c.phase_devices(0).map(|d| d.id.as_str()).collect();
+    assert_eq!(canary, ["d005"]);
+}
+
+/// The saved state opens only with the rollout's key, for its own name and plan; anything
+/// else (another key, a plain controller, an edited body, another plan) is refused.
+#[test]
+fn a_saved_state_resumes_only_when_signed_by_the_rollout_key() {
+    use ed25519_dalek::SigningKey;
+    let plan = Plan::parse(PLAN, "fleet.toml").unwrap();
+    let mut c = Controller::new("r1", "m", 2, plan.clone(), &fleet(20)).unwrap();
+    c.start(100);
+    let key = SigningKey::from_bytes(&[1; 32]);
+    let topic = "k/rollouts/r1/state";
+    let sealed = saved::seal(&key, &c);
+    let back = saved::open(topic, &sealed, "r1", &key.verifying_key(), &plan).unwrap();
+    assert_eq!(back, c);
+    assert_eq!(saved::read(topic, &sealed).unwrap(), c);
+    let other = SigningKey::from_bytes(&[2; 32]);
+    let refused = |payload: &[u8], name: &str, plan: &Plan| {
+        let e = saved::open(topic, payload, name, &key.verifying_key(), plan).unwrap_err();
+        kestrel_shared::chain(&e)
+    };
+    let e = refused(&saved::seal(&other, &c), "r1", &plan);
+    assert!(e.contains("k/rollouts/r1/state: the saved state does not verify"), "{e}");
+    let e = refused(&serde_json::to_vec(&c).unwrap(), "r1", &plan);
+    assert!(e.contains("not a signed rollout state"), "{e}");
+    let mut planted: saved::SignedState = serde_json::from_slice(&sealed).unwrap();
+    planted.body = planted.body.replace("\"running\"", "\"completed\"");
+    let e = refused(&serde_json::to_vec(&planted).unwrap(), "r1", &plan);
+    assert!(e.contains("does not verify"), "{e}");
+    let e = refused(&sealed, "r2", &plan);
+    assert!(e.contains("is of rollout `r1`"), "{e}");
+    let mut other_plan = plan.clone();
+    other_plan.phases[0].timeout_s += 1;
+    let e = refused(&sealed, "r1", &other_plan);
+    assert!(e.contains("plan differs"), "{e}");
 }

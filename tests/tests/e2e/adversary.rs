@@ -27,14 +27,14 @@ use kestrel_tests::{Scratch, dataset, run, s, stderr, stdout};
 use serde_json::Value;
 
 /// The compromised device's id (and broker user).
-const EVIL: &str = "pi-evil";
+pub(super) const EVIL: &str = "pi-evil";
 /// The simulated honest fleet's broker user: simulated devices share one process and one login,
 /// so on the ACL'd broker they log in as a user allowed the whole prefix. The attacker does not.
-const SIM: &str = "fleet-sim";
+pub(super) const SIM: &str = "fleet-sim";
 /// A broker-level attacker's user: write access to every topic.
-const INTRUDER: &str = "intruder";
+pub(super) const INTRUDER: &str = "intruder";
 
-fn broker(kind: BrokerKind, dir: &Path) -> Broker {
+pub(super) fn broker(kind: BrokerKind, dir: &Path) -> Broker {
     let kind = match kind {
         BrokerKind::Mosquitto => BrokerKind::MosquittoAcl,
         k => k,
@@ -60,6 +60,7 @@ fn status(device: &str, active: Option<u64>, failed: Option<u64>) -> Vec<u8> {
         active,
         previous: None,
         target: None,
+        manifest_sha256: None,
         progress: None,
         last_error: None,
         failed_version: failed,
@@ -78,13 +79,13 @@ fn status(device: &str, active: Option<u64>, failed: Option<u64>) -> Vec<u8> {
 }
 
 /// Publishes messages as `user` (on its own connection, closed after).
-fn put(cfg: &BrokerConfig, msgs: Vec<(String, Vec<u8>, bool)>) {
+pub(super) fn put(cfg: &BrokerConfig, msgs: Vec<(String, Vec<u8>, bool)>) {
     let mut c = Conn::connect(cfg, "attacker").unwrap();
     c.publish_all(msgs, None).unwrap();
     c.disconnect();
 }
 
-fn plan(dir: &Path, name: &str, body: &str) -> String {
+pub(super) fn plan(dir: &Path, name: &str, body: &str) -> String {
     std::fs::create_dir_all(dir).unwrap();
     let p = dir.join(format!("{name}.toml"));
     std::fs::write(&p, format!("name = \"{name}\"\n{body}")).unwrap();
@@ -92,7 +93,7 @@ fn plan(dir: &Path, name: &str, body: &str) -> String {
 }
 
 /// A fleet of `n` simulated devices (`<prefix>-000`...) on `b`, all reported.
-fn sim_fleet(b: &Broker, dir: &Path, prefix: &str, n: usize) -> Proc {
+pub(super) fn sim_fleet(b: &Broker, dir: &Path, prefix: &str, n: usize) -> Proc {
     let conf = agent_config_on(&dir.join("sim"), prefix, b, SIM, "");
     let p = start_agent_with(&conf, &[], &["--simulate", &n.to_string()]);
     wait_fleet(&b.config(), n);

@@ -107,6 +107,7 @@ fn status(device: &str) -> Status {
         active: Some(1),
         previous: Some(0),
         target: None,
+        manifest_sha256: None,
         progress: None,
         last_error: Some("e".into()),
         failed_version: None,
@@ -121,6 +122,12 @@ fn status(device: &str) -> Status {
         captures: None,
         counters: Default::default(),
     }
+}
+
+/// A rollout state as a controller retains it (signed by a key of the test's; the console shows
+/// a state without verifying it).
+fn sealed(c: &Controller) -> Vec<u8> {
+    kestrel_fleet::rollout::saved::seal(&ed25519_dalek::SigningKey::from_bytes(&[5; 32]), c)
 }
 
 /// A rollout's retained state with hostile names, reasons, failures, gates and bounds.
@@ -185,11 +192,8 @@ fn hostile_strings_from_the_broker_show_as_text_and_run_nothing() {
     for (name, running) in [("r-aborted", false), ("r-running", true)] {
         let (v, used) = hostile_rollout(name, &fleet, running);
         shown.extend(used);
-        msgs.push((
-            topics.rollout_state(name),
-            serde_json::to_vec(&v).unwrap(),
-            true,
-        ));
+        let c: Controller = serde_json::from_value(v).unwrap();
+        msgs.push((topics.rollout_state(name), sealed(&c), true));
     }
     // Commands the page might be made to send.
     conn.subscribe(&topics.rollout_command("+")).unwrap();
@@ -617,11 +621,7 @@ fn the_console_role_reads_and_commands_but_cannot_release() {
                 serde_json::to_vec(&fleet[0]).unwrap(),
                 true,
             ),
-            (
-                topics.rollout_state("r1"),
-                serde_json::to_vec(&c).unwrap(),
-                true,
-            ),
+            (topics.rollout_state("r1"), sealed(&c), true),
         ],
         None,
     )

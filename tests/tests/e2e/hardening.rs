@@ -230,6 +230,7 @@ fn downgrades_are_refused(
             version: 1,
             keys: vec![std::fs::read_to_string(pub_a).unwrap().trim().to_string()],
             issued: kestrel_shared::issued_now(),
+            expires: Some(kestrel_shared::now_unix() + 3600),
         },
     );
     let old = serde_json::to_vec(&old).unwrap();

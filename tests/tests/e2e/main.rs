@@ -8,7 +8,9 @@
 mod adversary;
 mod arm;
 mod backbone;
+mod broker_survives;
 mod capture;
+mod capture_quota;
 mod chaos;
 mod cli;
 mod console;
@@ -17,10 +19,12 @@ mod cross;
 mod distributed;
 mod docs;
 mod edge;
+mod expiry_export;
 mod export;
 mod fleet_status;
 mod guide;
 mod hardening;
+mod hostile_files;
 mod inputs;
 mod learning_loop;
 
@@ -39,4 +43,5 @@ mod service;
 mod shadow;
 mod tables;
 mod training;
+mod trust;
 mod tune;

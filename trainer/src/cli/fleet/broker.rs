@@ -18,6 +18,20 @@ pub struct Args {
     /// clients' packet limit leaves room for it, so no device is disconnected by a message).
     #[arg(long, default_value_t = kestrel_shared::mqtt::MAX_PAYLOAD_BYTES)]
     max_payload_bytes: usize,
+    /// Directory that keeps the retained messages (artifacts, desired states, key lists, rollout
+    /// states) across restarts, one broker at a time [default: $KESTREL_HOME/broker/port-<port>].
+    #[arg(long, value_name = "DIR")]
+    persist: Option<PathBuf>,
+    /// Keep nothing on disk: retained messages vanish when the broker stops or is restarted.
+    #[arg(long, conflicts_with = "persist")]
+    no_persist: bool,
+    /// Most retained messages kept on disk; beyond it a new topic is not kept (logged)
+    /// [default: 20000].
+    #[arg(long, value_name = "N")]
+    persist_max_messages: Option<u32>,
+    /// Most bytes of retained messages (topics and payloads) kept on disk [default: 1073741824].
+    #[arg(long, value_name = "BYTES")]
+    persist_max_bytes: Option<u64>,
 }
 
 /// Runs the `kestrel-broker` binary found next to this executable, with the same flags.
@@ -25,7 +39,8 @@ pub struct Args {
 /// The broker (rumqttd) is a binary of its own so that rumqttd and its dependencies stay out of
 /// the trainer's build; the workspace build (`cargo build --release --workspace --bins`) puts both
 /// in one directory. On Unix it replaces this process (exec), so the PID stays the broker's:
-/// scripts and tests that start `trainer broker` and later kill that PID stop the broker.
+/// scripts and tests that start `trainer broker` and later kill that PID stop the broker (its
+/// supervising process, whose child running rumqttd follows it within a fraction of a second).
 pub fn run(args: Args) -> Result<ExitCode> {
     let exe = broker_exe()?;
     let mut cmd = Command::new(&exe);
@@ -33,6 +48,18 @@ pub fn run(args: Args) -> Result<ExitCode> {
         .arg(args.listen.to_string())
         .arg("--max-payload-bytes")
         .arg(args.max_payload_bytes.to_string());
+    if let Some(dir) = &args.persist {
+        cmd.arg("--persist").arg(dir);
+    }
+    if args.no_persist {
+        cmd.arg("--no-persist");
+    }
+    if let Some(n) = args.persist_max_messages {
+        cmd.arg("--persist-max-messages").arg(n.to_string());
+    }
+    if let Some(n) = args.persist_max_bytes {
+        cmd.arg("--persist-max-bytes").arg(n.to_string());
+    }
     if let Some(d) = kestrel_shared::logging::directives() {
         cmd.env("RUST_LOG", d); // `trainer -v broker` logs as `kestrel-broker -v` would
     }

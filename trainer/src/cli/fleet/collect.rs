@@ -6,7 +6,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use crate::collect::{CollectOpts, collect};
-use anyhow::Result;
+use anyhow::{Result, bail};
+use kestrel_fleet::collect::Quota;
 
 use super::BrokerArgs;
 
@@ -31,18 +32,47 @@ pub struct Args {
     /// Commit to the table after this many new captures (and at least every 2 s).
     #[arg(long, value_name = "N", default_value_t = 64)]
     commit_every: usize,
+    /// Captures stored per device in any rolling hour (the device is the one its topic names).
+    /// More are neither stored nor acknowledged to the device: an honest one keeps them and
+    /// sends them again later; they are counted, by device, in the summary.
+    #[arg(long, value_name = "N", default_value_t = Quota::DEFAULT_CAPTURES_PER_HOUR)]
+    quota_per_hour: u64,
+    /// Bytes of capture messages stored per device in any rolling hour (at least 2 MiB, the
+    /// largest message a broker forwards).
+    #[arg(long, value_name = "BYTES", default_value_t = Quota::DEFAULT_BYTES_PER_HOUR)]
+    quota_bytes_per_hour: u64,
+    /// Capture paths remembered to store a capture delivered twice once (the newest kept; a
+    /// capture delivered again after this many newer ones would be stored again).
+    #[arg(long, value_name = "N", default_value_t = Quota::DEFAULT_MAX_SEEN)]
+    max_seen: usize,
     /// A JSON summary on stdout at the end.
     #[arg(long)]
     json: bool,
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
+    let largest = kestrel_shared::mqtt::MAX_PAYLOAD_BYTES as u64;
+    if a.quota_bytes_per_hour < largest {
+        bail!(
+            "--quota-bytes-per-hour {} is below {largest}, the largest capture a broker \
+             forwards: such a capture would never be stored",
+            a.quota_bytes_per_hour
+        );
+    }
+    if a.quota_per_hour == 0 || a.max_seen == 0 {
+        bail!("--quota-per-hour and --max-seen must be at least 1");
+    }
     let opts = CollectOpts {
         out: a.out,
         client_id: a.client_id,
         until_idle: a.until_idle.map(Duration::from_secs),
         max: a.max,
         commit_every: a.commit_every,
+        quota: Quota {
+            captures_per_hour: a.quota_per_hour,
+            bytes_per_hour: a.quota_bytes_per_hour,
+            max_seen: a.max_seen,
+        },
     };
     let s = collect(&a.broker.config(), &opts)?;
     if a.json {

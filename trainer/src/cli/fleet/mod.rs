@@ -95,6 +95,11 @@ pub struct BrokerArgs {
     /// Private key (PEM) of --cert-file.
     #[arg(long, requires = "cert_file")]
     key_file: Option<PathBuf>,
+    /// Send --password-file's password over plain mqtt:// to a broker on another machine
+    /// (refused without it: anyone on the path reads it; loopback is always allowed). For a
+    /// lab you trust; use mqtts:// anywhere else.
+    #[arg(long, requires = "password_file")]
+    insecure_plain_password: bool,
 }
 
 impl BrokerArgs {
@@ -107,6 +112,7 @@ impl BrokerArgs {
         c.system_roots = self.system_roots;
         c.cert_file = self.cert_file.clone();
         c.key_file = self.key_file.clone();
+        c.insecure_plain_password = self.insecure_plain_password;
         c
     }
 }
