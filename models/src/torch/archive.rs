@@ -7,7 +7,9 @@ use std::path::Path;
 
 use super::limits::{MAX_PICKLE_ENTRY_BYTES, MAX_STORAGE_BYTES};
 use super::pickle::load_one;
-use super::state_dict::{ViewBudget, float_tensors_by_storage, gather_all, named_tensors};
+use super::state_dict::{
+    ViewBudget, float_tensors_by_storage, gather_all, named_tensors, storage_bytes_needed,
+};
 use super::{ImportError, io_err};
 use crate::tensor::Weights;
 
@@ -60,7 +62,13 @@ pub(super) fn read_zip(path: &Path) -> Result<Weights, ImportError> {
     let mut views = ViewBudget::new();
     for (key, users) in by_key {
         let name = format!("{prefix}data/{key}");
-        let bytes = read_entry(path, &mut zip, &name, MAX_STORAGE_BYTES)?.ok_or_else(|| {
+        // Only as much of the storage as its views reach is decompressed: an entry that
+        // honestly declares a gigabyte of zeros behind a one-element view costs four bytes.
+        let needed = storage_bytes_needed(&users).map_err(|message| ImportError::Limit {
+            path: path.to_path_buf(),
+            message: format!("storage `{key}`: {message}"),
+        })?;
+        let bytes = read_storage(path, &mut zip, &name, needed)?.ok_or_else(|| {
             ImportError::MissingStorage {
                 path: path.to_path_buf(),
                 tensor: users[0].0.clone(),
@@ -70,6 +78,29 @@ pub(super) fn read_zip(path: &Path) -> Result<Weights, ImportError> {
         gather_all(path, &bytes, &users, &mut out, &mut views)?;
     }
     Ok(out)
+}
+
+/// The first `needed` decompressed bytes of storage entry `name` (all of it when it is shorter:
+/// then read as [`read_entry`] reads, bomb check included), `None` when there is none.
+fn read_storage(
+    path: &Path,
+    zip: &mut Zip,
+    name: &str,
+    needed: u64,
+) -> Result<Option<Vec<u8>>, ImportError> {
+    let declared = zip.by_name(name).ok().map(|e| e.size());
+    if declared.is_none_or(|d| d <= needed || needed > MAX_STORAGE_BYTES) {
+        return read_entry(path, zip, name, MAX_STORAGE_BYTES);
+    }
+    let e = zip.by_name(name).map_err(|e| ImportError::Zip {
+        path: path.to_path_buf(),
+        message: format!("{name}: {e}"),
+    })?;
+    let mut v = Vec::with_capacity(usize::try_from(needed).unwrap_or(0).min(1 << 26));
+    e.take(needed)
+        .read_to_end(&mut v)
+        .map_err(|e| io_err(path, &format!("reading zip entry {name}"), e))?;
+    Ok(Some(v))
 }
 
 /// The decompressed bytes of entry `name` (`None` when there is none), refused when its header

@@ -5,9 +5,10 @@
 
 /// Values the unpickler may create or copy for one pickle (each pushed value counts one, each
 /// item copied when a shared list or dict is changed counts one, each 64 bytes of names a
-/// persistent id or a call allocates count one). About 100,000 tensors' worth, and at most a
-/// few hundred MiB of values.
-pub(super) const MAX_PICKLE_VALUES: u64 = 1 << 23;
+/// persistent id or a call allocates count one). About 20,000 tensors' worth; a value with its
+/// memo entry costs up to ~150 bytes, so at most ~160 MiB (2^23 let an 8 KB file of MEMOIZE
+/// opcodes take 1.25 GiB: tests/tests/e2e/hostile_files.rs).
+pub(super) const MAX_PICKLE_VALUES: u64 = 1 << 20;
 
 /// Values one object may hold counted as a tree, a value shared through the memo or `DUP`
 /// counted each time it appears: what a walk over it visits. Stops the doubling bombs (a tuple

@@ -233,6 +233,30 @@ pub(super) fn float_tensors_by_storage(
     by_key
 }
 
+/// Bytes of one storage that its views `users` reach: past the furthest element any of them
+/// addresses, nothing is needed (checked arithmetic; an overflow is an error).
+pub(super) fn storage_bytes_needed(
+    users: &[(String, Rc<TensorRef>, FloatType)],
+) -> Result<u64, String> {
+    let mut elements = 0u64;
+    for (name, t, _) in users {
+        if t.size.contains(&0) {
+            continue;
+        }
+        let mut last = t.storage.view_offset.checked_add(t.offset);
+        for (&s, &st) in t.size.iter().zip(&t.stride) {
+            let st = if s == 1 { 0 } else { st };
+            last = last.and_then(|l| (s - 1).checked_mul(st)?.checked_add(l));
+        }
+        let last = last.ok_or_else(|| format!("tensor `{name}`: its extent overflows"))?;
+        elements = elements.max(last as u64 + 1);
+    }
+    let size = users.first().map_or(0, |(_, _, ft)| ft.size() as u64);
+    elements
+        .checked_mul(size)
+        .ok_or_else(|| "its extent in bytes overflows".to_string())
+}
+
 /// Gathers the views `users` of one storage (`bytes`) into `out`, within `budget`.
 pub(super) fn gather_all(
     path: &Path,
