@@ -56,11 +56,8 @@ impl CaptureState {
     /// knows keep their resends, files it does not know (written just before a crash) are due
     /// now, and what has no file is forgotten. Oldest first, by capture id.
     pub fn reconcile(&mut self, on_disk: &[(String, u64)], now_ms: u64) {
-        let known: std::collections::HashMap<String, Unacked> = self
-            .unacked
-            .drain(..)
-            .map(|u| (u.id.clone(), u))
-            .collect();
+        let known: std::collections::HashMap<String, Unacked> =
+            self.unacked.drain(..).map(|u| (u.id.clone(), u)).collect();
         let mut all: Vec<Unacked> = on_disk
             .iter()
             .map(|(id, bytes)| Unacked {

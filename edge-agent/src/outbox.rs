@@ -349,7 +349,10 @@ mod tests {
         assert!(o.take_acked(5).is_none(), "another packet's ack");
         let (msg, file) = o.take_acked(4).unwrap();
         let file = file.unwrap();
-        assert_eq!((msg.payload.as_str(), fs::metadata(&file).unwrap().len()), ("1", disk));
+        assert_eq!(
+            (msg.payload.as_str(), fs::metadata(&file).unwrap().len()),
+            ("1", disk)
+        );
         assert_eq!(o.disk_bytes(), 0, "the caller owns the file now");
         o.remove_memory("c/0");
         assert!(o.is_idle());

@@ -46,7 +46,7 @@ fn default_keep_alive() -> u64 {
     30
 }
 /// The largest message payload a Kestrel fleet's broker forwards: the shipped Mosquitto config's
-/// `max_packet_size` and `kestrel-broker --max-payload-bytes` (both refuse a larger message from
+/// `message_size_limit` and `kestrel-broker --max-payload-bytes` (both refuse a larger message from
 /// its publisher, so it never reaches a device). Clients accept any packet such a broker sends
 /// ([`DEFAULT_MAX_PACKET_BYTES`]): an oversized message never costs a device its connection.
 pub const MAX_PAYLOAD_BYTES: usize = 2 << 20;

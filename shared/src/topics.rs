@@ -46,7 +46,8 @@ pub enum Route<'a> {
     RolloutCommand { name: &'a str },
 }
 
-/// The topics under `P/devices/<id>/`.
+/// The topics under `P/devices/<id>/` (`capture-ack`: written by the collector only, read by the
+/// device).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceTopic<'a> {
     Status,
@@ -54,7 +55,6 @@ pub enum DeviceTopic<'a> {
     Online,
     Events,
     Capture { id: &'a str },
-    /// `P/devices/<id>/capture-ack`: written by the collector only, read by the device.
     CaptureAck,
     Infer { request: &'a str },
     Result { request: &'a str },

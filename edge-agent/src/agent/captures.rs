@@ -127,9 +127,11 @@ pub(super) fn unacked_on_disk(dir: &Path) -> Vec<(String, u64)> {
         .filter_map(|e| e.ok())
         .filter_map(|e| {
             let p = e.path();
-            let id = p.file_stem()?.to_str()?.to_string();
-            let ok = p.extension()? == "json" && !id.starts_with('.');
-            ok.then(|| Some((id, e.metadata().ok()?.len())))?
+            let id = p.file_stem()?.to_str()?;
+            if p.extension()? != "json" || id.starts_with('.') {
+                return None;
+            }
+            Some((id.to_string(), e.metadata().ok()?.len()))
         })
         .collect()
 }

@@ -93,7 +93,8 @@ impl<M: Model> Core<M> {
         let Some(c) = self.requests.capturer.as_ref() else {
             return;
         };
-        self.out.push(Effect::SaveCaptureState(capture_state_bytes(c)));
+        self.out
+            .push(Effect::SaveCaptureState(capture_state_bytes(c)));
         self.out
             .extend(ids.into_iter().map(|id| Effect::ForgetCapture { id }));
         self.status_dirty = true;

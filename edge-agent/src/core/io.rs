@@ -186,7 +186,11 @@ pub enum Effect<M> {
     },
     /// Send capture `id` again from its file; answer [`Input::CaptureGone`] if there is none,
     /// and [`Input::CaptureDelivered`] when the broker has it.
-    ResendCapture { id: String },
+    ResendCapture {
+        id: String,
+    },
     /// Delete capture `id` wherever it waits (a collector stored it, or it is given up).
-    ForgetCapture { id: String },
+    ForgetCapture {
+        id: String,
+    },
 }

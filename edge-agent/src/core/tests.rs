@@ -750,15 +750,29 @@ impl Rig {
 fn a_capture_stays_until_a_collector_acknowledges_it_and_is_sent_again_meanwhile() {
     let mut r = Rig::new(acking(10));
     r.input(Input::Connected);
-    assert!(r.subscribed().contains(&r.topics.capture_ack(DEVICE).as_str()));
+    assert!(
+        r.subscribed()
+            .contains(&r.topics.capture_ack(DEVICE).as_str())
+    );
     let id = r.capture("a");
     r.delivered(&id, true); // the broker has it: that is not enough
     let st = r.status().captures.unwrap();
-    assert_eq!((st.sent, st.awaiting_ack, st.awaiting_ack_bytes), (1, 1, 1000));
+    assert_eq!(
+        (st.sent, st.awaiting_ack, st.awaiting_ack_bytes),
+        (1, 1, 1000)
+    );
     assert_eq!(r.count(|e| matches!(e, Effect::ForgetCapture { .. })), 0);
     assert_eq!(r.tick_after(9), (vec![], vec![]), "not yet due");
-    assert_eq!(r.tick_after(1), (vec![id.clone()], vec![]), "sent again after 10 s");
-    assert_eq!(r.tick_after(30), (vec![], vec![]), "one resend on its way at a time");
+    assert_eq!(
+        r.tick_after(1),
+        (vec![id.clone()], vec![]),
+        "sent again after 10 s"
+    );
+    assert_eq!(
+        r.tick_after(30),
+        (vec![], vec![]),
+        "one resend on its way at a time"
+    );
     r.delivered(&id, false);
     // The wait doubled (20 s from the resend, 30 s of which have passed): due at once.
     assert_eq!(r.tick_after(0), (vec![id.clone()], vec![]));
@@ -788,7 +802,11 @@ fn resends_are_bounded_and_their_wait_capped() {
     assert_eq!(r.tick_after(10).0, vec![id.clone()]);
     r.delivered(&id, false);
     assert_eq!(r.tick_after(19).0, Vec::<String>::new());
-    assert_eq!(r.tick_after(1).0, vec![id.clone()], "20 s after the first resend");
+    assert_eq!(
+        r.tick_after(1).0,
+        vec![id.clone()],
+        "20 s after the first resend"
+    );
     r.delivered(&id, false);
     assert_eq!(r.tick_after(39), (vec![], vec![]), "40 s: the cap");
     // The third wait is over and max_resends (2) were sent: given up and deleted.
@@ -824,7 +842,11 @@ fn the_disk_budget_gives_up_the_oldest_unacknowledged_capture_first() {
     r.delivered(&b, true); // 2000 of 2200 bytes wait for an acknowledgement
     let before = r.log.len();
     let c = r.capture("c");
-    assert_eq!(r.capture_effects(before).1, vec![a.clone()], "the oldest goes");
+    assert_eq!(
+        r.capture_effects(before).1,
+        vec![a.clone()],
+        "the oldest goes"
+    );
     let budget = r.log[before..].iter().find_map(|e| match e {
         Effect::Capture { max_disk_bytes, .. } => Some(*max_disk_bytes),
         _ => None,

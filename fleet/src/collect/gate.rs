@@ -257,7 +257,11 @@ mod tests {
         assert_eq!(g.admit("d", "d/1-1", 600, t0), Verdict::New);
         let v = g.admit("d", "d/2-1", 600, t0);
         assert!(matches!(v, Verdict::OverQuota { .. }), "{v:?}");
-        assert_eq!(g.admit("d", "d/3-1", 400, t0), Verdict::New, "a smaller one fits");
+        assert_eq!(
+            g.admit("d", "d/3-1", 400, t0),
+            Verdict::New,
+            "a smaller one fits"
+        );
         // The window rolls: an hour after the first, its bytes are free again.
         let v = g.admit("d", "d/4-1", 600, t0 + HOUR + Duration::from_secs(1));
         assert_eq!(v, Verdict::New);

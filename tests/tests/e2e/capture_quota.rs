@@ -95,7 +95,7 @@ fn honest_config(dir: &Path, b: &Broker) -> PathBuf {
     text.push_str(&format!(
         "[capture]\nenabled = true\npolicy = \"random\"\nrate = 1.0\n\
          max_per_hour = {HONEST_CAPTURES}\nresend_after_s = 1\nresend_max_s = 2\n\
-         max_resends = 1000\ncollector_acks = false\n"
+         max_resends = 1000\n"
     ));
     std::fs::write(&conf, text).unwrap();
     conf
@@ -161,6 +161,7 @@ fn flood_is_cut_at_its_quota_and_every_honest_capture_is_stored(kind: BrokerKind
         assert!(log.contains("dropped for client collect-quota"), "{log}");
         // And the flooder cannot tell the honest device that its captures are stored.
         let ids = waiting(&store);
+        assert_eq!(ids.len() as u64, HONEST_CAPTURES, "{ids:?}");
         let ack = serde_json::to_vec(&CaptureAck {
             ids,
             collector: "forged".into(),
@@ -177,13 +178,21 @@ fn flood_is_cut_at_its_quota_and_every_honest_capture_is_stored(kind: BrokerKind
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
-    let st = wait_status(&b.config(), HONEST, 120, "every capture acknowledged", |s| {
-        let c = captures(s);
-        c.queued == 0
-    });
+    let st = wait_status(
+        &b.config(),
+        HONEST,
+        120,
+        "every capture acknowledged",
+        |s| {
+            let c = captures(s);
+            c.acked == HONEST_CAPTURES && c.awaiting_ack == 0 && c.queued == 0
+        },
+    );
     let out = summary(child, &log);
     eprintln!("{kind:?}: collector {out}\nhonest device {:?}", st.captures);
     let c = captures(&st);
+    assert_eq!((c.unacked_dropped, c.evicted), (0, 0), "{c:?}");
+    assert!(waiting(&store).is_empty(), "deleted once acknowledged");
     // The flooder is cut at its quota (here its bytes: 12 MiB of 2 MB messages); the honest
     // device is never over quota, and each of its captures is stored once.
     let flood_rows = QUOTA_CAPTURES.min(QUOTA_BYTES / size);
@@ -191,10 +200,17 @@ fn flood_is_cut_at_its_quota_and_every_honest_capture_is_stored(kind: BrokerKind
     assert_eq!(rows.get(FLOODER), Some(&flood_rows), "{rows:?} {out}");
     assert_eq!(rows.get(HONEST), Some(&HONEST_CAPTURES), "{rows:?} {out}");
     let over = out["over_quota_devices"][FLOODER].as_u64().unwrap_or(0);
-    assert!(over >= 1 && out["over_quota_devices"][HONEST].is_null(), "{out}");
+    assert!(
+        over >= 1 && out["over_quota_devices"][HONEST].is_null(),
+        "{out}"
+    );
     assert_eq!(out["over_quota"].as_u64(), Some(over), "{out}");
     let err = std::fs::read_to_string(&log).unwrap();
-    assert_eq!(err.matches("is over its quota").count(), 1, "logged once: {err}");
+    assert_eq!(
+        err.matches("is over its quota").count(),
+        1,
+        "logged once: {err}"
+    );
     // A second run stores nothing: every capture was acknowledged to the broker.
     let o = collect_command(&b, &table, 2).output().unwrap();
     let again: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
