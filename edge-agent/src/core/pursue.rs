@@ -66,9 +66,27 @@ impl<M: Model> Core<M> {
                 self.out.push(Effect::SaveKeys(saved));
                 tracing::info!("{}: key list v{version} in force", self.id());
                 self.publish_status();
-                self.subscribe_all();
+                self.ask_again();
             }
         }
+    }
+
+    /// Asks the broker again for the retained desired states (own and groups') and the pursued
+    /// model's offer, after a key list that may verify what was refused before: unsubscribed and
+    /// subscribed, since a broker resends retained messages only on a new subscription (rumqttd
+    /// 0.20 never on one it already has).
+    fn ask_again(&mut self) {
+        let mut topics = vec![
+            self.topics
+                .desired(&Target::Device(self.cfg.device_id.clone())),
+        ];
+        for g in &self.cfg.groups {
+            topics.push(self.topics.desired(&Target::Group(g.clone())));
+        }
+        if let Some(p) = &self.pursued {
+            topics.push(self.topics.artifact_manifest(&p.name, p.version));
+        }
+        self.out.extend(topics.into_iter().map(Effect::Resubscribe));
     }
 
     /// At every input: once the key list held expires, its publishing keys are no longer
@@ -79,7 +97,7 @@ impl<M: Model> Core<M> {
             return;
         };
         let topic = self.topics.keys();
-        self.out.push(Effect::Subscribe(topic.clone()));
+        self.out.push(Effect::Resubscribe(topic.clone()));
         self.on_verdict(Verdict::Refused(format!("{topic}: {why}")), 0);
     }
 

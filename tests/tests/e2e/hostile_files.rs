@@ -645,8 +645,8 @@ fn zip_view(size: &[u64], stride: &[u64], offset: u64) -> Vec<u8> {
 }
 
 /// The hostile checkpoints: file name, bytes, and what the refusal must say.
+// long-function: a table of hostile files, one short entry per attack
 fn hostile_checkpoints() -> Vec<(&'static str, Vec<u8>, Vec<&'static str>)> {
-    // long-function: a table of hostile files, one short entry per attack
     const LIMIT: &str = "refused, over a safety limit";
     const GIB: usize = 1 << 30;
     let bomb = |start: &[u8], step: &[u8]| {
