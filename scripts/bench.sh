@@ -214,7 +214,7 @@ pids=()
 trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"' EXIT
 port=$(free_port)
 broker="mqtt://127.0.0.1:$port"
-"$trainer" broker --listen "127.0.0.1:$port" 2>/dev/null & pids+=($!)
+"$trainer" broker --listen "127.0.0.1:$port" --persist "$work/broker" 2>/dev/null & pids+=($!)
 "$trainer" keygen --out "$work/keys" >/dev/null
 mkdir -p "$work/agent"
 printf 'device_id = "bench-pi"\nstore = "store"\ntrusted_keys = ["%s"]\n[broker]\nurl = "%s"\n' \

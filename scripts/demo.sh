@@ -42,7 +42,7 @@ port=$(free_port)
 broker="mqtt://127.0.0.1:$port"
 
 log "start the embedded broker (rumqttd) on $broker"
-"$trainer" broker --listen "127.0.0.1:$port" 2>"$work/broker.log" &
+"$trainer" broker --listen "127.0.0.1:$port" --persist "$work/broker" 2>"$work/broker.log" &
 pids+=($!)
 wait_port "$port"
 

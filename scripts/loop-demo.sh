@@ -73,7 +73,7 @@ keys="$work/keys"
 port=$(free_port)
 broker="mqtt://127.0.0.1:$port"
 log "start the embedded broker on $broker"
-"$trainer" broker --listen "127.0.0.1:$port" 2>"$work/broker.log" &
+"$trainer" broker --listen "127.0.0.1:$port" --persist "$work/broker" 2>"$work/broker.log" &
 pids+=($!)
 wait_port "$port"
 # The collector's persistent session exists before any device captures.

@@ -217,12 +217,13 @@ impl Broker {
         }
         let log = self.dir.join(format!("{:?}.log", self.kind));
         let mut p = match self.kind {
+            // Its retained messages kept in the test's own directory (by default they are kept
+            // per port under $KESTREL_HOME, where a later test given the same port would read them).
             BrokerKind::Rumqttd => Proc::spawn(
-                Command::new(bin("trainer")).args([
-                    "broker",
-                    "--listen",
-                    &format!("127.0.0.1:{}", self.port),
-                ]),
+                Command::new(bin("trainer"))
+                    .args(["broker", "--listen", &format!("127.0.0.1:{}", self.port)])
+                    .arg("--persist")
+                    .arg(self.dir.join("retained")),
                 &log,
             ),
             BrokerKind::Mosquitto | BrokerKind::MosquittoAcl => {
