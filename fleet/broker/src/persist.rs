@@ -14,10 +14,11 @@
 //! no subscriber at all.
 //!
 //! On disk: `DIR/retained/<sha256 of the topic>.msg`, one file per message, each written whole
-//! (a temporary file, fsync, rename), so a crash leaves every topic either as it was or as it is
-//! now; `DIR/lock` is held by the one broker that uses `DIR`. At most `--persist-max-messages`
-//! messages and `--persist-max-bytes` bytes: beyond them a message is refused (logged, and an
-//! older copy on disk removed, so that a restart never brings back an outdated message).
+//! (a temporary file, fsync, rename; the directory synced once per round), so a crash leaves
+//! every topic either as it was or as it is now; `DIR/lock` is held by the one broker that uses
+//! `DIR`. At most `--persist-max-messages` messages and `--persist-max-bytes` bytes: beyond them
+//! a message is refused (logged, and an older copy on disk removed, so that a restart never
+//! brings back an outdated message).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, TryLockError};
@@ -26,11 +27,11 @@ use std::hash::{BuildHasher, RandomState};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use kestrel_shared::fsutil::{AtomicFile, remove_temp_files};
+use kestrel_shared::fsutil::remove_temp_files;
 use kestrel_shared::protocol::sha256_hex;
 use rumqttd::Notification;
 use rumqttd::local::{LinkError, LinkRx, LinkTx};
@@ -284,24 +285,42 @@ impl Store {
                 }
             }
         }
-        if removed_any && let Ok(d) = File::open(&self.files) {
+        // The renames and removals of this round, durable.
+        if (removed_any || out.wrote > 0)
+            && let Ok(d) = File::open(&self.files)
+        {
             let _ = d.sync_all();
         }
         out
     }
 
+    /// Writes one message whole: a temporary file beside it (named as
+    /// `kestrel_shared::fsutil` names them, so a torn one is removed at the next start), fsync,
+    /// rename. The directory is synced once per round ([`Store::apply`]), not once per file.
     fn write(&self, topic: &str, p: &Publish) -> Result<(), StoreError> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
         let path = message_path(&self.files, topic);
-        let write = || -> io::Result<()> {
-            let mut f = AtomicFile::create(&path)?;
-            f.write_all(MAGIC)?;
-            f.write_all(&(topic.len() as u32).to_le_bytes())?;
-            f.write_all(topic.as_bytes())?;
-            f.write_all(&(p.payload.len() as u64).to_le_bytes())?;
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let tmp = self
+            .files
+            .join(format!(".{name}.tmp.{}.{n}", std::process::id()));
+        let mut head = MAGIC.to_vec();
+        head.extend((topic.len() as u32).to_le_bytes());
+        head.extend(topic.as_bytes());
+        head.extend((p.payload.len() as u64).to_le_bytes());
+        let written = (|| {
+            let mut f = File::create_new(&tmp)?;
+            f.write_all(&head)?;
             f.write_all(&p.payload)?;
-            f.commit()
-        };
-        write().map_err(io_at(&path))
+            f.sync_all()?;
+            drop(f);
+            fs::rename(&tmp, &path)
+        })();
+        if written.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        written.map_err(io_at(&path))
     }
 
     fn remove(&mut self, topic: &str) -> Result<(), StoreError> {
