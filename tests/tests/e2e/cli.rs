@@ -11,8 +11,9 @@ use kestrel_tests::{run, stdout};
 
 /// Flags whose help text is per command by design: where this command writes, what it prints.
 /// Flags whose meaning is the command's own: what it writes (`--out`), reads (`--from`), prints,
-/// and where it serves (`--listen`: MQTT for `broker`, HTTP for `console`).
-const PER_COMMAND: [&str; 4] = ["--out", "--from", "--json", "--listen"];
+/// and where it serves (`--listen`: MQTT for `broker`, HTTP for `console`), and how long what it
+/// signs stays valid (`--expires-in`: a desired state for `publish`, a key list for `keys`).
+const PER_COMMAND: [&str; 5] = ["--out", "--from", "--json", "--listen", "--expires-in"];
 
 /// A command's flags with their help text (`[default: ...]` removed, whitespace collapsed).
 fn flags(bin: &str, path: &[&str]) -> BTreeMap<String, String> {
