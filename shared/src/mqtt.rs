@@ -338,12 +338,25 @@ mod tests {
             c.password_file = Some(pw.clone());
             c
         };
-        for url in ["mqtt://127.0.0.1:1883", "mqtt://127.8.9.1:1", "localhost:1883", "mqtt://[::1]:1883"] {
+        for url in [
+            "mqtt://127.0.0.1:1883",
+            "mqtt://127.8.9.1:1",
+            "localhost:1883",
+            "mqtt://[::1]:1883",
+        ] {
             assert!(cfg(url).options("c", true).is_ok(), "{url}");
         }
-        for url in ["mqtt://192.168.1.10:1883", "mqtt://broker.lan", "10.0.0.2:1883", "mqtt://[fe80::1]:1883"] {
+        for url in [
+            "mqtt://192.168.1.10:1883",
+            "mqtt://broker.lan",
+            "10.0.0.2:1883",
+            "mqtt://[fe80::1]:1883",
+        ] {
             let e = cfg(url).options("c", true).unwrap_err().to_string();
-            assert!(e.contains(url) && e.contains("--insecure-plain-password"), "{e}");
+            assert!(
+                e.contains(url) && e.contains("--insecure-plain-password"),
+                "{e}"
+            );
             let mut lab = cfg(url);
             lab.insecure_plain_password = true;
             assert!(lab.options("c", true).is_ok(), "{url}");

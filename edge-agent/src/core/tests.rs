@@ -11,8 +11,8 @@ use ed25519_dalek::SigningKey;
 use kestrel_shared::manifest::Manifest;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{
-    ArtifactOffer, Class, Desired, DeviceEvent, InferReply, ModelRef, SignedDesired, Target, Topics,
-    sha256_hex,
+    ArtifactOffer, Class, Desired, DeviceEvent, InferReply, ModelRef, SignedDesired, Target,
+    Topics, sha256_hex,
 };
 use kestrel_shared::signing::{PayloadType, sign};
 
@@ -345,7 +345,10 @@ fn install_goes_from_desired_state_to_active_journaling_before_activating() {
             .iter()
             .all(|e| !matches!(e, Effect::Verify { .. }))
     );
-    let installed = r.status().manifest_sha256.expect("the installed manifest's sha256");
+    let installed = r
+        .status()
+        .manifest_sha256
+        .expect("the installed manifest's sha256");
     assert_eq!(
         installed,
         sha256_hex(serde_json::to_string(&r.manifests[0]).unwrap().as_bytes())
@@ -355,8 +358,14 @@ fn install_goes_from_desired_state_to_active_journaling_before_activating() {
     r.publish(&key(), "faces", 1, 2000, false);
     assert_eq!(r.events().last().unwrap(), &("refused".to_string(), 1));
     let s = r.status();
-    assert!(s.refused.as_deref().unwrap().contains("conflict: faces v1"), "{s:?}");
-    assert_eq!((s.active, s.manifest_sha256.as_deref()), (Some(1), Some(installed.as_str())));
+    assert!(
+        s.refused.as_deref().unwrap().contains("conflict: faces v1"),
+        "{s:?}"
+    );
+    assert_eq!(
+        (s.active, s.manifest_sha256.as_deref()),
+        (Some(1), Some(installed.as_str()))
+    );
     assert_eq!(r.count(|e| matches!(e, Effect::WriteChunk { .. })), 3);
 }
 

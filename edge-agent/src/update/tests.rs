@@ -145,11 +145,24 @@ fn corrupt_chunks_are_refetched_never_rejected() {
             version: 1,
             chunks: vec![2],
         }];
-        assert_eq!(a, if n <= MAX_CORRUPT_REFETCHES { refetch } else { vec![] }, "{n}");
+        assert_eq!(
+            a,
+            if n <= MAX_CORRUPT_REFETCHES {
+                refetch
+            } else {
+                vec![]
+            },
+            "{n}"
+        );
         assert!(matches!(u.phase, Phase::Downloading { .. }), "{n}");
     }
     assert_eq!(u.last_failed, None);
-    assert!(u.last_error.as_deref().unwrap().contains("chunk 2 of v1 failed its sha256 check"));
+    assert!(
+        u.last_error
+            .as_deref()
+            .unwrap()
+            .contains("chunk 2 of v1 failed its sha256 check")
+    );
     for index in 0..4 {
         u.handle(Event::ChunkStored { version: 1, index });
     }

@@ -262,16 +262,14 @@ fn rollouts_show_phases_and_their_transitions_in_the_feed() {
     c.start(100);
     let mut v = FleetView::new("k");
     let topic = "k/rollouts/r1/state";
-    v.apply(topic, &sealed(&c), NOW)
-        .unwrap();
+    v.apply(topic, &sealed(&c), NOW).unwrap();
     let r = v.rollout_row("r1").unwrap();
     assert_eq!((r.state.as_str(), r.phase), ("running", 0));
     assert_eq!(r.phases[0].progress, "current");
     assert_eq!((r.phases[0].devices, r.phases[0].moved), (1, 1));
     assert_eq!(r.phases[1].waiting, 1);
     c.on_abort("operator", "console@test");
-    v.apply(topic, &sealed(&c), NOW)
-        .unwrap();
+    v.apply(topic, &sealed(&c), NOW).unwrap();
     let r = v.rollout_row("r1").unwrap();
     assert_eq!(r.state, "aborted");
     assert_eq!(r.phases[0].rolled_back, 1);

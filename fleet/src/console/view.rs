@@ -6,9 +6,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use kestrel_shared::capture::CaptureStats;
-use kestrel_shared::protocol::{
-    DeviceCounters, DeviceEvent, LatencyHistogram, Status, Topics,
-};
+use kestrel_shared::protocol::{DeviceCounters, DeviceEvent, LatencyHistogram, Status, Topics};
 use kestrel_shared::quality::DeviceQuality;
 use kestrel_shared::topics::{self, DeviceTopic, Route};
 use serde::Serialize;

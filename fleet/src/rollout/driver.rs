@@ -554,7 +554,10 @@ pub fn table(c: &Controller) -> String {
     }
     for d in c.devices.values() {
         if let Some(why) = d.quality.as_ref().and_then(|q| q.excluded.as_ref()) {
-            out.push_str(&format!("excluded from the quality gates: {}: {why}\n", d.id));
+            out.push_str(&format!(
+                "excluded from the quality gates: {}: {why}\n",
+                d.id
+            ));
         }
     }
     out

@@ -216,7 +216,9 @@ pub fn any(spec: &PhaseSpec) -> bool {
 /// The devices whose reports a phase's gates need before they are judged: the phase's
 /// `min_reporting_devices`, else a majority of its `n` devices.
 pub fn reporting_needed(spec: &PhaseSpec, n: usize) -> usize {
-    spec.min_reporting_devices.unwrap_or(n / 2 + 1).clamp(1, n.max(1))
+    spec.min_reporting_devices
+        .unwrap_or(n / 2 + 1)
+        .clamp(1, n.max(1))
 }
 
 /// The median of `values` (None when empty): each device one vote, and a value that fewer
@@ -257,10 +259,22 @@ pub fn evaluate<'a>(
         let requests = reporting
             .iter()
             .fold(0u64, |sum, s| sum.saturating_add(s.requests.min(share)));
-        gates.push(Gate::new(phase, "min_requests", Some(requests as f64), m as f64, true));
+        gates.push(Gate::new(
+            phase,
+            "min_requests",
+            Some(requests as f64),
+            m as f64,
+            true,
+        ));
     }
     if let Some(m) = spec.min_shadow_agreement {
-        gates.push(Gate::new(phase, "min_shadow_agreement", over(&|s| s.agreement), m, true));
+        gates.push(Gate::new(
+            phase,
+            "min_shadow_agreement",
+            over(&|s| s.agreement),
+            m,
+            true,
+        ));
     }
     if let Some(m) = spec.max_confidence_drop {
         let drop = over(&|s| Some(s.baseline_confidence? - s.confidence?));

@@ -180,7 +180,9 @@ impl Plan {
                      group membership from the plan, never from what devices say of themselves)"
                 )));
             }
-            if ph.max_request_rate.is_some_and(|r| !(r > 0.0 && r.is_finite()))
+            if ph
+                .max_request_rate
+                .is_some_and(|r| !(r > 0.0 && r.is_finite()))
                 || ph.min_reporting_devices == Some(0)
             {
                 return Err(bad(format!(
@@ -317,7 +319,8 @@ impl Controller {
         let n = fleet.len();
         let mut devices = BTreeMap::new();
         let mut assigned = 0usize;
-        let member = |g: &str, s: &Status| plan.groups.get(g).is_some_and(|m| m.contains(&s.device));
+        let member =
+            |g: &str, s: &Status| plan.groups.get(g).is_some_and(|m| m.contains(&s.device));
         for (i, ph) in plan.phases.iter().enumerate() {
             let chosen: Vec<&Status> = match (&ph.group, ph.percent) {
                 (Some(g), _) => order

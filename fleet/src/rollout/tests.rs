@@ -370,7 +370,10 @@ fn a_shadow_phase_gates_on_agreement_before_anything_activates() {
         assert_eq!(c.gates[0].value, Some(50.0));
         assert_eq!(c.gates[1].passed, Some(agreement >= 0.9));
         assert_eq!(c.gates[2].name, "min_reporting_devices");
-        assert_eq!((c.gates[2].value, c.gates[2].passed), (Some(1.0), Some(false)));
+        assert_eq!(
+            (c.gates[2].value, c.gates[2].passed),
+            (Some(1.0), Some(false))
+        );
         let second = quality(
             &shadowed[1].0,
             1,
@@ -608,42 +611,74 @@ fn a_lying_device_neither_outweighs_the_honest_ones_nor_passes_the_gate() {
                 min_requests = 60\nmin_shadow_agreement = 0.9\ntimeout_s = 600\n\
                 [[phases]]\nname = \"all\"\npercent = 100\n";
     let lies: [&[(f64, u64)]; 5] = [
-        &[(1.0, 3_000)],                // plausible numbers, a false agreement
-        &[(1.0, u64::MAX)],             // more requests than the time allows (and overflow)
-        &[(1.0, 10_000_000)],           // a jump
-        &[(7.5, 40)],                   // not a fraction
-        &[(1.0, 50), (1.0, 20)],        // a counter that goes back
+        &[(1.0, 3_000)],         // plausible numbers, a false agreement
+        &[(1.0, u64::MAX)],      // more requests than the time allows (and overflow)
+        &[(1.0, 10_000_000)],    // a jump
+        &[(7.5, 40)],            // not a fraction
+        &[(1.0, 50), (1.0, 20)], // a counter that goes back
     ];
     for lie in lies {
-        let mut c = Controller::new("r", "m", 2, Plan::parse(plan, "f").unwrap(), &fleet(3))
-            .unwrap();
+        let mut c =
+            Controller::new("r", "m", 2, Plan::parse(plan, "f").unwrap(), &fleet(3)).unwrap();
         c.start(1_000);
         for id in ["d000", "d001", "d002"] {
             c.on_status(&running_shadow(id, 2), 1_001);
         }
         for &(agreement, compared) in lie {
-            c.on_quality(&quality("d002", 1, (0.9, 900, false), Some((2, agreement, compared, 0.9))), 1_010);
+            c.on_quality(
+                &quality(
+                    "d002",
+                    1,
+                    (0.9, 900, false),
+                    Some((2, agreement, compared, 0.9)),
+                ),
+                1_010,
+            );
         }
         for id in ["d000", "d001"] {
-            c.on_quality(&quality(id, 1, (0.9, 900, false), Some((2, 0.02, 40, 0.3))), 1_020);
+            c.on_quality(
+                &quality(id, 1, (0.9, 900, false), Some((2, 0.02, 40, 0.3))),
+                1_020,
+            );
         }
         let RolloutState::Aborted(reason) = &c.state else {
-            panic!("lie {lie:?}: the bad model must not pass: {:?} {:?}", c.state, c.gates)
+            panic!(
+                "lie {lie:?}: the bad model must not pass: {:?} {:?}",
+                c.state, c.gates
+            )
         };
-        assert!(reason.contains("quality gate min_shadow_agreement"), "{lie:?}: {reason}");
-        let agreement = c.gates.iter().find(|g| g.name == "min_shadow_agreement").unwrap();
+        assert!(
+            reason.contains("quality gate min_shadow_agreement"),
+            "{lie:?}: {reason}"
+        );
+        let agreement = c
+            .gates
+            .iter()
+            .find(|g| g.name == "min_shadow_agreement")
+            .unwrap();
         let value = agreement.value.unwrap();
-        assert!(value < 0.6, "lie {lie:?}: one device moved the gate to {value}");
+        assert!(
+            value < 0.6,
+            "lie {lie:?}: one device moved the gate to {value}"
+        );
         let liar = c.devices["d002"].quality.as_ref().unwrap();
         if lie.len() > 1 || lie[0].1 > 1_000_000 || lie[0].0 > 1.0 {
-            let why = liar.excluded.as_deref().unwrap_or_else(|| panic!("{lie:?}: not excluded"));
+            let why = liar
+                .excluded
+                .as_deref()
+                .unwrap_or_else(|| panic!("{lie:?}: not excluded"));
             assert!(
-                why.contains("outside [0, 1]") || why.contains("went back") || why.contains("requests"),
+                why.contains("outside [0, 1]")
+                    || why.contains("went back")
+                    || why.contains("requests"),
                 "{why}"
             );
             // The exclusion is in the saved state (the rollout's JSON).
             let json = serde_json::to_value(&c).unwrap();
-            assert!(json["devices"]["d002"]["quality"]["excluded"].is_string(), "{json}");
+            assert!(
+                json["devices"]["d002"]["quality"]["excluded"].is_string(),
+                "{json}"
+            );
         }
     }
 }
@@ -661,7 +696,15 @@ fn gates_need_a_majority_of_devices_reporting() {
     }
     for i in 0..3 {
         assert_eq!(c.phase, 0, "promoted with {i} reporting devices");
-        c.on_quality(&quality(&format!("d{i:03}"), 1, (0.9, 900, false), Some((2, 0.99, 500, 0.9))), 100);
+        c.on_quality(
+            &quality(
+                &format!("d{i:03}"),
+                1,
+                (0.9, 900, false),
+                Some((2, 0.99, 500, 0.9)),
+            ),
+            100,
+        );
     }
     assert_eq!(c.phase, 1, "{:?}", c.gates);
 }
@@ -674,25 +717,47 @@ fn a_restarted_agent_counter_is_not_a_lie() {
     let mut c = Controller::new("r", "m", 2, Plan::parse(plan, "f").unwrap(), &fleet(1)).unwrap();
     c.start(0);
     c.on_status(&running_shadow("d000", 2), 1);
-    c.on_quality(&quality("d000", 1, (0.9, 9, false), Some((2, 0.99, 500, 0.9))), 100);
+    c.on_quality(
+        &quality("d000", 1, (0.9, 9, false), Some((2, 0.99, 500, 0.9))),
+        100,
+    );
     let mut restarted = running_shadow("d000", 2);
     restarted.started = 150;
     c.on_status(&restarted, 150);
-    c.on_quality(&quality("d000", 1, (0.9, 9, false), Some((2, 0.99, 20, 0.9))), 160);
+    c.on_quality(
+        &quality("d000", 1, (0.9, 9, false), Some((2, 0.99, 20, 0.9))),
+        160,
+    );
     let q = c.devices["d000"].quality.as_ref().unwrap();
     assert_eq!((q.excluded.as_deref(), q.requests), (None, 20));
     // Without a restart, the same drop is a lie.
-    c.on_quality(&quality("d000", 1, (0.9, 9, false), Some((2, 0.99, 10, 0.9))), 170);
-    assert!(c.devices["d000"].quality.as_ref().unwrap().excluded.is_some());
+    c.on_quality(
+        &quality("d000", 1, (0.9, 9, false), Some((2, 0.99, 10, 0.9))),
+        170,
+    );
+    assert!(
+        c.devices["d000"]
+            .quality
+            .as_ref()
+            .unwrap()
+            .excluded
+            .is_some()
+    );
 }
 
 /// A plan's group must be listed in its [groups]; what devices say of themselves does not count.
 #[test]
 fn group_membership_comes_from_the_plan() {
-    let e = Plan::parse("[[phases]]\nname = \"c\"\ngroup = \"canary\"\n", "fleet.toml")
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("group `canary` is not listed in the plan's [groups]"), "{e}");
+    let e = Plan::parse(
+        "[[phases]]\nname = \"c\"\ngroup = \"canary\"\n",
+        "fleet.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("group `canary` is not listed in the plan's [groups]"),
+        "{e}"
+    );
     // A device that claims the canary group in its status is not in a canary the plan lists.
     let p = Plan::parse(
         "[groups]\ncanary = [\"d005\"]\n[[phases]]\nname = \"c\"\ngroup = \"canary\"\n\
@@ -725,7 +790,10 @@ fn a_saved_state_resumes_only_when_signed_by_the_rollout_key() {
         kestrel_shared::chain(&e)
     };
     let e = refused(&saved::seal(&other, &c), "r1", &plan);
-    assert!(e.contains("k/rollouts/r1/state: the saved state does not verify"), "{e}");
+    assert!(
+        e.contains("k/rollouts/r1/state: the saved state does not verify"),
+        "{e}"
+    );
     let e = refused(&serde_json::to_vec(&c).unwrap(), "r1", &plan);
     assert!(e.contains("not a signed rollout state"), "{e}");
     let mut planted: saved::SignedState = serde_json::from_slice(&sealed).unwrap();

@@ -289,7 +289,7 @@ pub(super) fn candidates() -> (PathBuf, PathBuf) {
 }
 
 /// The value of a rollout's gate `name` (of its first phase).
-fn gate(c: &Value, name: &str) -> f64 {
+pub(super) fn gate(c: &Value, name: &str) -> f64 {
     c["gates"]
         .as_array()
         .unwrap()

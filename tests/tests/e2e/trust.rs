@@ -26,7 +26,7 @@ use kestrel_tests::{Scratch, run, s, stderr, stdout};
 use serde_json::Value;
 
 use super::adversary::{EVIL, INTRUDER, SIM, broker, plan, put, sim_fleet};
-use super::quality::{candidates, held_out};
+use super::quality::{candidates, gate, held_out};
 
 /// The device's latest retained status, as the fleet reads it.
 fn status_of(cfg: &BrokerConfig, device: &str) -> Status {
@@ -39,7 +39,10 @@ fn status_of(cfg: &BrokerConfig, device: &str) -> Status {
 
 /// A rollout run to its end with `--json`: (succeeded, the controller's JSON, stderr).
 fn rollout_json(b: &Broker, art: &Path, plan: &str) -> (bool, Value, String) {
-    let o = rollout_command(b, art, plan).arg("--json").output().unwrap();
+    let o = rollout_command(b, art, plan)
+        .arg("--json")
+        .output()
+        .unwrap();
     let err = stderr(&o);
     let c = serde_json::from_str(stdout(&o).trim()).unwrap_or(Value::Null);
     (o.status.success(), c, err)
@@ -64,17 +67,20 @@ fn liar(cfg: BrokerConfig, honest: Status, stop: Arc<AtomicBool>) -> std::thread
             if let Some((t, p)) = c.recv(Duration::from_millis(500)).unwrap()
                 && t.ends_with("/desired")
                 && let Ok(signed) = serde_json::from_slice::<SignedDesired>(&p)
-                && let Ok(d) = serde_json::from_str::<kestrel_shared::protocol::Desired>(&signed.body)
+                && let Ok(d) =
+                    serde_json::from_str::<kestrel_shared::protocol::Desired>(&signed.body)
             {
                 shadow = d.shadow;
             }
             me.seq += 1;
-            me.shadow = shadow.as_ref().map(|m| kestrel_shared::protocol::ShadowStatus {
-                name: m.name.clone(),
-                version: m.version,
-                state: "running".into(),
-                error: None,
-            });
+            me.shadow = shadow
+                .as_ref()
+                .map(|m| kestrel_shared::protocol::ShadowStatus {
+                    name: m.name.clone(),
+                    version: m.version,
+                    state: "running".into(),
+                    error: None,
+                });
             let mut msgs = vec![(topics.status(EVIL), serde_json::to_vec(&me).unwrap(), true)];
             if let Some(m) = &shadow {
                 let q = DeviceQuality {
@@ -146,13 +152,24 @@ fn a_lying_device_does_not_outweigh_the_fleet(kind: BrokerKind) {
     assert!(!ok, "the bad model must not pass: {c}\n{err}");
     assert_eq!(c["state"]["state"], "aborted", "{c}");
     let reason = c["state"]["reason"].as_str().unwrap();
-    assert!(reason.contains("phase 0 `shadow`: quality gate min_shadow_agreement"), "{reason}");
-    let agreement = gate_value(&c, "min_shadow_agreement");
-    assert!(agreement < 0.9, "the liar moved the gate to {agreement}: {c}");
+    assert!(
+        reason.contains("phase 0 `shadow`: quality gate min_shadow_agreement"),
+        "{reason}"
+    );
+    let agreement = gate(&c, "min_shadow_agreement");
+    assert!(
+        agreement < 0.9,
+        "the liar moved the gate to {agreement}: {c}"
+    );
     // Its trillion requests excluded it, named in the JSON and the log.
-    let why = c["devices"][EVIL]["quality"]["excluded"].as_str().unwrap_or_default();
+    let why = c["devices"][EVIL]["quality"]["excluded"]
+        .as_str()
+        .unwrap_or_default();
     assert!(why.contains("requests"), "{c}");
-    assert!(err.contains(&format!("{EVIL}: excluded from the quality gates")), "{err}");
+    assert!(
+        err.contains(&format!("{EVIL}: excluded from the quality gates")),
+        "{err}"
+    );
 
     // A canary by group: the liar says it is in `canary`, the plan says who is.
     let canary = "[groups]\ncanary = [\"q-000\", \"q-001\"]\n\
@@ -173,17 +190,6 @@ fn a_lying_device_does_not_outweigh_the_fleet(kind: BrokerKind) {
         assert_eq!(status_of(&b.config(), id).active, Some(1), "{id}");
     }
     eprintln!("{kind:?}: honest agreement {agreement:.3}, liar excluded: {why}");
-}
-
-/// The value of a rollout's gate `name` (its first phase's).
-fn gate_value(c: &Value, name: &str) -> f64 {
-    c["gates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|g| g["name"] == name && g["phase"] == 0)
-        .and_then(|g| g["value"].as_f64())
-        .unwrap_or_else(|| panic!("no value of gate {name}: {c}"))
 }
 
 #[test]
@@ -229,16 +235,32 @@ fn a_planted_rollout_state_is_refused(kind: BrokerKind) {
         d.previous = Some(("lfw".into(), 0));
     }
     let planted = [
-        ("unsigned completed", serde_json::to_vec(&done).unwrap(), "not a signed rollout state"),
-        ("rogue-signed failed", saved::seal(&rogue, &failed), "does not verify with this rollout's key"),
+        (
+            "unsigned completed",
+            serde_json::to_vec(&done).unwrap(),
+            "not a signed rollout state",
+        ),
+        (
+            "rogue-signed failed",
+            saved::seal(&rogue, &failed),
+            "does not verify with this rollout's key",
+        ),
     ];
     for (what, payload, expect) in planted {
         put(&intruder, vec![(topic.clone(), payload, true)]);
         let (ok, _, err) = rollout_json(&b, &f.v2, &plan_path);
         assert!(!ok, "{what}: must be refused: {err}");
-        assert!(err.contains(&topic) && err.contains(expect), "{what}: {err}");
+        assert!(
+            err.contains(&topic) && err.contains(expect),
+            "{what}: {err}"
+        );
         for s in kestrel_fleet::statuses(&b.config(), None).unwrap() {
-            assert_eq!((s.active, s.target), (Some(1), None), "{what}: {}", s.device);
+            assert_eq!(
+                (s.active, s.target),
+                (Some(1), None),
+                "{what}: {}",
+                s.device
+            );
         }
         // No desired state for a device was signed: every device follows the group's v1.
         let mut c = Conn::connect(&b.config(), "t").unwrap();
@@ -249,7 +271,10 @@ fn a_planted_rollout_state_is_refused(kind: BrokerKind) {
             )
             .unwrap();
         c.disconnect();
-        assert!(desired.values().all(|p| p.is_empty()), "{what}: {desired:?}");
+        assert!(
+            desired.values().all(|p| p.is_empty()),
+            "{what}: {desired:?}"
+        );
     }
     put(&intruder, vec![(topic.clone(), vec![], true)]);
     let (ok, c, err) = rollout_json(&b, &f.v2, &plan_path);
@@ -320,16 +345,25 @@ fn garbage_on_chunk_topics_changes_nothing(kind: BrokerKind) {
     let st = wait_status(&b.config(), device, 120, "garbage dropped", |s| {
         s.target == Some(2) && s.counters.chunks_corrupt >= 1
     });
-    assert_eq!((st.state.as_str(), st.active), ("downloading", Some(1)), "{st:?}");
+    assert_eq!(
+        (st.state.as_str(), st.active),
+        ("downloading", Some(1)),
+        "{st:?}"
+    );
     assert_ne!(st.failed_version, Some(2), "{st:?}");
     // The genuine chunk, published again by the publisher: the download completes.
     put(&b.config(), vec![good]);
-    let st = wait_status(&b.config(), device, 180, "v2 active", |s| s.active == Some(2));
+    let st = wait_status(&b.config(), device, 180, "v2 active", |s| {
+        s.active == Some(2)
+    });
     stop.store(true, Ordering::Relaxed);
     let sent = flood.join().unwrap();
     assert!(sent > 0);
     assert_ne!(st.failed_version, Some(2), "{st:?}");
-    eprintln!("{kind:?}: {sent} garbage chunks, {} dropped by the device", st.counters.chunks_corrupt);
+    eprintln!(
+        "{kind:?}: {sent} garbage chunks, {} dropped by the device",
+        st.counters.chunks_corrupt
+    );
 }
 
 #[test]
@@ -340,6 +374,55 @@ fn garbage_on_chunk_topics_changes_nothing_on_mosquitto() {
 #[test]
 fn garbage_on_chunk_topics_changes_nothing_on_rumqttd() {
     garbage_on_chunk_topics_changes_nothing(BrokerKind::Rumqttd);
+}
+
+/// Another model (another signed manifest) published at the version a device has active, as a
+/// mistaken or hostile publisher would: the device reports a conflict and keeps the model it
+/// has, whose manifest its status names; it never counts the other as installed.
+fn another_model_at_an_installed_version_is_a_conflict(kind: BrokerKind) {
+    let f = fixture();
+    let w = Scratch::new();
+    let b = broker(kind, &w.join("broker"));
+    let device = "cf-000";
+    let conf = agent_config_on(&w.join("sim"), "cf", &b, SIM, "");
+    let _agent = start_agent_with(&conf, &[], &["--simulate", "1"]);
+    wait_fleet(&b.config(), 1);
+    publish_ok(&b, &f.v1, &f.key(), &format!("device/{device}"));
+    let st = wait_status(&b.config(), device, 120, "v1", |s| s.active == Some(1));
+    let installed = st
+        .manifest_sha256
+        .clone()
+        .expect("the status names the manifest");
+    let manifest = std::fs::read(f.v1.join("manifest.json")).unwrap();
+    assert_eq!(installed, kestrel_shared::protocol::sha256_hex(&manifest));
+
+    let other = f.variant(&f.v1, 1, |m| m["training"]["note"] = "another model".into());
+    let bundle = Bundle::from_dir(&other, &f.signing(), 128 * 1024).unwrap();
+    publish_raw(
+        &b,
+        bundle.messages(&Topics::default()),
+        desired(device, 1, false),
+    );
+    let st = wait_status(&b.config(), device, 120, "the conflict reported", |s| {
+        s.refused
+            .as_deref()
+            .is_some_and(|r| r.contains("conflict: lfw v1"))
+    });
+    assert_eq!(
+        (st.active, st.manifest_sha256.as_deref()),
+        (Some(1), Some(installed.as_str())),
+        "{st:?}"
+    );
+}
+
+#[test]
+fn another_model_at_an_installed_version_is_a_conflict_on_mosquitto() {
+    another_model_at_an_installed_version_is_a_conflict(BrokerKind::Mosquitto);
+}
+
+#[test]
+fn another_model_at_an_installed_version_is_a_conflict_on_rumqttd() {
+    another_model_at_an_installed_version_is_a_conflict(BrokerKind::Rumqttd);
 }
 
 /// A password for a broker on another machine over plain MQTT is refused before anything is
@@ -353,12 +436,22 @@ fn passwords_never_cross_plain_mqtt_to_another_machine() {
     let url = "mqtt://broker.kestrel-test.invalid:1883";
     let o = run(
         "trainer",
-        &["status", "--broker", url, "--username", "ops", "--password-file", &s(&pw)],
+        &[
+            "status",
+            "--broker",
+            url,
+            "--username",
+            "ops",
+            "--password-file",
+            &s(&pw),
+        ],
     );
     assert!(!o.status.success());
     let err = stderr(&o);
     assert!(
-        err.contains(url) && err.contains("--insecure-plain-password") && err.contains("plain MQTT"),
+        err.contains(url)
+            && err.contains("--insecure-plain-password")
+            && err.contains("plain MQTT"),
         "{err}"
     );
     let dir = w.join("agent");
