@@ -20,7 +20,6 @@ use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, fixture, publish_ok, start_agent,
 };
 use kestrel_tests::{Scratch, lfw, python, run, s, stderr, stdout, trainer_ok};
-use serde_json::Value;
 
 #[test]
 fn a_withheld_key_list_stops_being_trusted_on_mosquitto() {
@@ -309,28 +308,9 @@ fn label_export_escapes_formulas_from_devices() {
     let w = Scratch::new();
     let b = Broker::start(BrokerKind::Rumqttd, &w.join("broker"));
     let table = w.join("captures");
-    let collect = |idle: &str| {
-        let o = run(
-            "trainer",
-            &[
-                "collect",
-                "--broker",
-                &b.url(),
-                "--out",
-                &s(&table),
-                "--client-id",
-                "labeller",
-                "--until-idle",
-                idle,
-                "--json",
-            ],
-        );
-        assert!(o.status.success(), "{}", stderr(&o));
-        serde_json::from_str::<Value>(stdout(&o).trim())
-            .unwrap_or_else(|e| panic!("{e}: {}", stderr(&o)))
-    };
+    let collect = |idle_s| super::capture::collect(&b, &table, "labeller", idle_s);
     // The session first, so that the broker keeps the captures while collect is away.
-    assert_eq!(collect("1")["stored"], 0);
+    assert_eq!(collect(1)["stored"], 0);
 
     let hostile = [
         Hostile {
@@ -391,7 +371,7 @@ fn label_export_escapes_formulas_from_devices() {
             .unwrap();
         c.disconnect();
     }
-    let got = collect("2");
+    let got = collect(2);
     assert_eq!(got["stored"], hostile.len(), "{got}");
 
     let todo = w.join("todo.csv");
