@@ -19,7 +19,7 @@ from pathlib import Path
 
 # Lowest first. Modules on one line are one layer: they may not use each other.
 LAYERS = [
-    ["report", "images"],  # progress bars, plots, metrics files; image decoding
+    ["report", "images", "interrupt"],  # progress bars, plots, metrics files; image decoding; stop
     ["distributed"],  # ranks, collectives, jobs (local, MPI, TCP)
     ["data"],  # tables, samples, feature extraction over ranks, the cache
     ["train", "classify", "predict", "collect"],  # training; inference; captures from the fleet

@@ -7,17 +7,19 @@
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
 use clap::Parser;
 use kestrel_models::EngineKind;
 use kestrel_models::artifact::LoadedModel;
+use kestrel_trainer::cli::exit::{self, Failure};
 use kestrel_trainer::cli::{self, Cli};
 use kestrel_trainer::data::extract::Extractor as RustExtractor;
 use kestrel_trainer::distributed::{TcpComm, tcp};
+use kestrel_trainer::interrupt;
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyKeyboardInterrupt};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -27,27 +29,97 @@ create_exception!(
     PyException,
     "A Kestrel command or operation failed; the message is the CLI's."
 );
+create_exception!(
+    kestrel,
+    DataError,
+    KestrelError,
+    "A bad input: a table, column, image, label, cache or weights file (the message names it)."
+);
+create_exception!(
+    kestrel,
+    ConfigError,
+    KestrelError,
+    "Wrong or missing configuration: an unknown flag, a broker URL or TLS setting, a backbone or \
+     engine not installed where the work runs. Retrying cannot help."
+);
+create_exception!(
+    kestrel,
+    ServiceError,
+    KestrelError,
+    "A service did not answer (broker, MLflow, a peer rank) or a wait ran out of time: worth \
+     retrying later."
+);
+create_exception!(
+    kestrel,
+    GateError,
+    KestrelError,
+    "A check refused the result: an export gate, a rollout that did not complete."
+);
+
+/// A failed command: what kind of failure (the exception class) and the CLI's message.
+struct Fail {
+    kind: Failure,
+    msg: String,
+}
+
+impl Fail {
+    fn other(msg: impl std::fmt::Display) -> Fail {
+        Fail {
+            kind: Failure::Other,
+            msg: msg.to_string(),
+        }
+    }
+
+    fn config(msg: impl std::fmt::Display) -> Fail {
+        Fail {
+            kind: Failure::Config,
+            msg: msg.to_string(),
+        }
+    }
+
+    fn of(e: &anyhow::Error) -> Fail {
+        Fail {
+            kind: exit::classify(e),
+            msg: kestrel_shared::chain(e.as_ref()),
+        }
+    }
+}
+
+impl From<Fail> for PyErr {
+    fn from(f: Fail) -> PyErr {
+        match f.kind {
+            Failure::Data => DataError::new_err(f.msg),
+            Failure::Config => ConfigError::new_err(f.msg),
+            Failure::Unavailable => ServiceError::new_err(f.msg),
+            Failure::Gate => GateError::new_err(f.msg),
+            Failure::Interrupted => PyKeyboardInterrupt::new_err(f.msg),
+            Failure::Other => KestrelError::new_err(f.msg),
+        }
+    }
+}
 
 fn py_err(e: impl std::fmt::Display) -> PyErr {
-    KestrelError::new_err(e.to_string())
+    Fail::other(e).into()
 }
 
 /// Parses `argv` (without the program name) as the `trainer` command line. `--help` and
 /// `--version` come back as `Ok(Err(text))`.
-fn parse(argv: &[String]) -> Result<Result<cli::Cmd, String>, String> {
+fn parse(argv: &[String]) -> Result<Result<cli::Cmd, String>, Fail> {
     let args = std::iter::once("trainer".to_string()).chain(argv.iter().cloned());
     match Cli::try_parse_from(args) {
         Ok(c) => Ok(Ok(c.cmd)),
         Err(e) if !e.use_stderr() => Ok(Err(e.render().to_string())),
-        Err(e) => Err(e.render().to_string()),
+        Err(e) => Err(Fail::config(e.render())),
     }
 }
 
 /// Runs `run` with the command's output captured: the output, or the error as the CLI prints it.
+/// A command that ends without an error but not successfully (a rollout that did not complete)
+/// is a [`Failure::Gate`].
 fn captured(
     argv: Vec<String>,
     run: impl FnOnce(cli::Cmd) -> anyhow::Result<ExitCode>,
-) -> Result<String, String> {
+) -> Result<String, Fail> {
     let cmd = match parse(&argv)? {
         Ok(cmd) => cmd,
         Err(help) => return Ok(help),
@@ -55,16 +127,54 @@ fn captured(
     let (r, out) = cli::out::capture(|| run(cmd));
     match r {
         Ok(code) if code == ExitCode::SUCCESS => Ok(out),
-        Ok(_) => Err(format!("trainer {} failed\n{out}", argv.join(" "))),
-        Err(e) => Err(kestrel_shared::chain(e.as_ref())),
+        Ok(_) => Err(Fail {
+            kind: Failure::Gate,
+            msg: format!("trainer {} failed\n{out}", argv.join(" ")),
+        }),
+        Err(e) => Err(Fail::of(&e)),
     }
+}
+
+/// Runs `work` on a thread of its own while this thread waits without the GIL, taking it back
+/// every 100 ms to let Python handle signals: Ctrl-C ("interrupt kernel") asks the work to stop
+/// at its next check ([`interrupt`]), waits for it to end, and raises `KeyboardInterrupt`.
+fn interruptible<T: Send>(py: Python<'_>, work: impl FnOnce() -> T + Send) -> PyResult<T> {
+    let finished = (Mutex::new(false), Condvar::new());
+    std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            let r = work();
+            *finished.0.lock().unwrap_or_else(|p| p.into_inner()) = true;
+            finished.1.notify_all();
+            r
+        });
+        loop {
+            let done = py.detach(|| {
+                let g = finished.0.lock().unwrap_or_else(|p| p.into_inner());
+                let (g, _) = finished
+                    .1
+                    .wait_timeout_while(g, Duration::from_millis(100), |d| !*d)
+                    .unwrap_or_else(|p| p.into_inner());
+                *g
+            });
+            if done {
+                break;
+            }
+            if let Err(e) = py.check_signals() {
+                interrupt::request();
+                let _ = py.detach(|| h.join());
+                interrupt::clear();
+                return Err(e);
+            }
+        }
+        Ok(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+    })
 }
 
 /// Runs the `trainer` command line `argv` (without the program name) in this process and returns
 /// what it printed. Raises `KestrelError` with the CLI's message when it fails.
 #[pyfunction]
 fn run(py: Python<'_>, argv: Vec<String>) -> PyResult<String> {
-    py.detach(|| captured(argv, cli::run)).map_err(py_err)
+    Ok(interruptible(py, || captured(argv, cli::run))??)
 }
 
 /// Runs the distributed command `argv` as rank `rank` (> 0) of `world` processes whose rank 0
@@ -86,12 +196,11 @@ fn run_rank(
         .map_err(|e| py_err(format!("rank 0's address `{lead}`: {e}")))?
         .next()
         .ok_or_else(|| py_err(format!("rank 0's address `{lead}` resolves to nothing")))?;
-    py.detach(|| {
-        let comm =
-            TcpComm::join(rank, world, addr, &token, secs(timeout_s)).map_err(|e| e.to_string())?;
+    Ok(interruptible(py, || {
+        let comm = TcpComm::join(rank, world, addr, &token, secs(timeout_s))
+            .map_err(|e| Fail::of(&anyhow::Error::from(e)))?;
         captured(argv, |cmd| cli::run_as_rank(cmd, Box::new(comm)))
-    })
-    .map_err(py_err)
+    })??)
 }
 
 fn secs(s: f64) -> Duration {
@@ -135,12 +244,11 @@ impl Lead {
             .map_err(py_err)?
             .take()
             .ok_or_else(|| py_err("this Lead already ran its job"))?;
-        py.detach(|| {
+        Ok(interruptible(py, || {
             let comm = TcpComm::lead(listener, world, &token, secs(timeout_s))
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| Fail::of(&anyhow::Error::from(e)))?;
             captured(argv, |cmd| cli::run_as_rank(cmd, Box::new(comm)))
-        })
-        .map_err(py_err)
+        })??)
     }
 }
 
@@ -155,11 +263,7 @@ impl Extractor {
     /// `flags`: `trainer prepare`'s backbone and engine flags (`--backbone`, `--engine`, ...).
     #[new]
     fn new(py: Python<'_>, flags: Vec<String>) -> PyResult<Extractor> {
-        let inner = py
-            .detach(|| {
-                cli::features::extractor(&flags).map_err(|e| kestrel_shared::chain(e.as_ref()))
-            })
-            .map_err(py_err)?;
+        let inner = py.detach(|| cli::features::extractor(&flags).map_err(|e| Fail::of(&e)))?;
         Ok(Extractor { inner })
     }
 
@@ -246,12 +350,12 @@ impl Predictor {
     #[new]
     #[pyo3(signature = (artifact, threads=1, max_bytes=64 << 20))]
     fn new(py: Python<'_>, artifact: PathBuf, threads: usize, max_bytes: u64) -> PyResult<Self> {
-        let model = py
-            .detach(|| {
-                LoadedModel::load(&artifact, max_bytes, EngineKind::Tract, threads)
-                    .map_err(|e| format!("{}: {}", artifact.display(), kestrel_shared::Chain(&e)))
+        let model = py.detach(|| {
+            LoadedModel::load(&artifact, max_bytes, EngineKind::Tract, threads).map_err(|e| Fail {
+                kind: Failure::Data,
+                msg: format!("{}: {}", artifact.display(), kestrel_shared::Chain(&e)),
             })
-            .map_err(py_err)?;
+        })?;
         Ok(Predictor { model })
     }
 
@@ -292,6 +396,18 @@ impl Predictor {
     }
 }
 
+/// Where this process keeps the canonical weights of the pretrained backbone `name` (whether or
+/// not they are there), or None when `name` is not a backbone with pretrained weights.
+#[pyfunction]
+fn pretrained_path(name: &str) -> Option<String> {
+    let arch = kestrel_models::Arch::parse(name)?;
+    (arch == kestrel_models::Arch::EfficientnetLite0).then(|| {
+        kestrel_models::backbone::pretrained_path(arch)
+            .display()
+            .to_string()
+    })
+}
+
 /// Log lines on stderr at `verbosity` (0 info, 1 debug, -1 warnings only); `RUST_LOG` overrides.
 #[pyfunction]
 fn init_logging(verbosity: i8) {
@@ -301,6 +417,11 @@ fn init_logging(verbosity: i8) {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KestrelError", m.py().get_type::<KestrelError>())?;
+    m.add("DataError", m.py().get_type::<DataError>())?;
+    m.add("ConfigError", m.py().get_type::<ConfigError>())?;
+    m.add("ServiceError", m.py().get_type::<ServiceError>())?;
+    m.add("GateError", m.py().get_type::<GateError>())?;
+    m.add_function(wrap_pyfunction!(pretrained_path, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(run_rank, m)?)?;

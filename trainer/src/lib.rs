@@ -6,7 +6,7 @@
 //! - [`train`]: head (and last blocks) training; [`tune`]: TPE search over trials;
 //! - [`export`]: artifacts (ONNX f32/int8, manifest, safetensors, golden samples);
 //! - [`track`]: MLflow tracking and registry;
-//! - [`predict`], [`classify`], [`report`];
+//! - [`predict`], [`classify`], [`report`]; [`interrupt`]: a stop asked for by the Python package;
 //! - [`cli`]: the `trainer` command line over all of these (the binary and the Python package
 //!   both run it).
 //!
@@ -20,6 +20,7 @@ pub mod data;
 pub mod distributed;
 pub mod export;
 pub mod images;
+pub mod interrupt;
 pub mod predict;
 pub mod report;
 pub mod track;

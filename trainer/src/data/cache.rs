@@ -24,6 +24,8 @@ use crate::distributed::{CollectiveError, ErrorScope, RankError, WorkerError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
+    #[error(transparent)]
+    Interrupted(#[from] crate::interrupt::Interrupted),
     #[error("{path}")]
     Io {
         path: String,

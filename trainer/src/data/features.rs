@@ -131,6 +131,7 @@ pub fn run_frozen(
     let per = 3 * (h * w) as usize;
     let mut out = Vec::with_capacity(pixels.len() * out_per_sample);
     for chunk in pixels.chunks(32) {
+        crate::interrupt::check()?;
         let mut data = vec![0f32; chunk.len() * per];
         for (px, dst) in chunk.iter().zip(data.chunks_exact_mut(per)) {
             spec.normalize_into(px, dst);

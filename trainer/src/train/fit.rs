@@ -309,6 +309,7 @@ impl Fit<'_> {
         let (mut loss_sum, mut correct, mut seen) = (0.0f64, 0usize, 0usize);
         let mut aug_rng = StdRng::seed_from_u64(p.seed.wrapping_add(epoch as u64 * 7919));
         for b in &batches {
+            crate::interrupt::check()?;
             let mine = distributed::share(b.len(), rank, world);
             let part = &b[mine.clone()];
             let aug_feats = aug

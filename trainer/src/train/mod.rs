@@ -65,6 +65,8 @@ pub struct Recording<'a> {
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
     #[error(transparent)]
+    Interrupted(#[from] crate::interrupt::Interrupted),
+    #[error(transparent)]
     Data(#[from] data::DataError),
     #[error(transparent)]
     Cache(#[from] CacheError),
