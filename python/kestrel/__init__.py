@@ -9,8 +9,14 @@ Every function runs the command the CLI runs, in this process, with the GIL rele
 Keyword arguments are the command's flags (``--label-column`` is ``label_column=``; ``True``
 gives a switch, ``None``/``False`` leave it out, a list repeats the flag). The result is the
 command's ``--json`` summary as a dict (a list of dicts for commands that print one object per
-line); a failure raises :class:`KestrelError` with the CLI's message. ``kestrel.spark`` runs
-extraction, training, tuning and batch inference on a Spark cluster.
+line). A failure raises a :class:`KestrelError` with the CLI's message, of the class that says
+what failed: :class:`DataError` (a table, column, image, label or weights file),
+:class:`ConfigError` (a flag, URL or setting; a backbone or engine not installed),
+:class:`ServiceError` (a broker, MLflow or a peer did not answer: worth retrying) or
+:class:`GateError` (a check refused the result). Ctrl-C ("interrupt kernel") stops a command
+within one batch and raises ``KeyboardInterrupt``; what the command wrote is whole (every write
+is crash-safe). ``kestrel.spark`` runs extraction, training, tuning and batch inference on a
+Spark cluster, and ``kestrel.spark.ml`` has them as Spark ML estimator and model.
 """
 
 from __future__ import annotations
@@ -19,10 +25,23 @@ import json
 from typing import Any, Dict, List, Optional, Union
 
 from . import _native
-from ._native import Extractor, KestrelError, Predictor, __version__
+from ._native import (
+    ConfigError,
+    DataError,
+    Extractor,
+    GateError,
+    KestrelError,
+    Predictor,
+    ServiceError,
+    __version__,
+)
 
 __all__ = [
     "KestrelError",
+    "DataError",
+    "ConfigError",
+    "ServiceError",
+    "GateError",
     "Extractor",
     "Predictor",
     "prepare",

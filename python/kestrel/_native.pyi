@@ -7,6 +7,21 @@ __version__: str
 class KestrelError(Exception):
     """A Kestrel command or operation failed; the message is the CLI's."""
 
+class DataError(KestrelError):
+    """A bad input: a table, column, image, label, cache or weights file."""
+
+class ConfigError(KestrelError):
+    """Wrong or missing configuration (a flag, URL, setting; a backbone or engine not installed)."""
+
+class ServiceError(KestrelError):
+    """A service did not answer (broker, MLflow, a peer rank) or a wait ran out of time."""
+
+class GateError(KestrelError):
+    """A check refused the result: an export gate, a rollout that did not complete."""
+
+def pretrained_path(name: str) -> Optional[str]:
+    """Where this process keeps the pretrained backbone `name`'s weights, or None."""
+
 def run(argv: List[str]) -> str:
     """Runs the `trainer` command line `argv` (no program name) here; returns what it printed."""
 

@@ -56,6 +56,14 @@ create_exception!(
     "A check refused the result: an export gate, a rollout that did not complete."
 );
 
+create_exception!(
+    kestrel,
+    PeerFailed,
+    KestrelError,
+    "Another rank of the job failed first; its error is the job's (kestrel.spark's rank tasks \
+     leave the reporting to it)."
+);
+
 /// A failed command: what kind of failure (the exception class) and the CLI's message.
 struct Fail {
     kind: Failure,
@@ -93,6 +101,7 @@ impl From<Fail> for PyErr {
             Failure::Unavailable => ServiceError::new_err(f.msg),
             Failure::Gate => GateError::new_err(f.msg),
             Failure::Interrupted => PyKeyboardInterrupt::new_err(f.msg),
+            Failure::Peer => PeerFailed::new_err(f.msg),
             Failure::Other => KestrelError::new_err(f.msg),
         }
     }
@@ -421,6 +430,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ConfigError", m.py().get_type::<ConfigError>())?;
     m.add("ServiceError", m.py().get_type::<ServiceError>())?;
     m.add("GateError", m.py().get_type::<GateError>())?;
+    m.add("PeerFailed", m.py().get_type::<PeerFailed>())?;
     m.add_function(wrap_pyfunction!(pretrained_path, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(run, m)?)?;

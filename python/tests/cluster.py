@@ -1,6 +1,12 @@
 """A standalone Spark cluster on this machine, started from the pyspark wheel's own
 `spark-class` on loopback (a master and one-core workers), and a session on it: what the tests
-(conftest.py) and the bench (scripts/bench_spark.py) run on."""
+(conftest.py) and the bench (scripts/bench_spark.py) run on.
+
+`isolated=True` gives each worker (and so its executors) its own mount namespace, as a host of
+its own would be: a private `/tmp` (its working directory and its own `KESTREL_HOME` there),
+and the driver's Kestrel weights, caches, datasets and ONNX Runtime library hidden under empty
+mounts. What they share with the driver is the installed software (Java, the venv with the
+wheel) and the directories the test hands them, standing for object storage."""
 
 from __future__ import annotations
 
@@ -48,10 +54,21 @@ def alive_workers(ui: int) -> int:
     return sum(1 for w in state.get("workers", []) if w.get("state") == "ALIVE")
 
 
+#: What an isolated worker must not see of the driver's Kestrel home.
+HIDDEN = ("weights", "cache", "datasets", "onnxruntime", "photos", "registry")
+
+#: Runs in the worker's new mount namespace: a private /tmp, the driver's things hidden.
+PRIVATE = (
+    'set -e; mount -t tmpfs kestrel-private /tmp; '
+    'for d in $KESTREL_HIDE; do if [ -d "$d" ]; then mount -t tmpfs kestrel-hidden "$d"; fi; done; '
+    'mkdir -p "$KESTREL_HOME"; cd /tmp; exec "$@"'
+)
+
+
 @contextlib.contextmanager
-def standalone(workers: int = 2):
+def standalone(workers: int = 2, isolated: bool = False):
     """(master URL, workers' log dir) of a running standalone cluster of `workers` one-core
-    workers, stopped on exit."""
+    workers, stopped on exit; `isolated`: each worker in a mount namespace of its own (above)."""
     import pyspark
 
     spark_home = Path(pyspark.__file__).parent
@@ -68,9 +85,18 @@ def standalone(workers: int = 2):
     spark_class = str(spark_home / "bin" / "spark-class")
     procs = []
 
-    def start(name, *args):
+    def start(name, *args, private=False):
         out = open(logs / f"{name}.log", "wb")
-        procs.append(subprocess.Popen([spark_class, *args], env=env, stdout=out, stderr=out))
+        cmd, penv = [spark_class, *args], env
+        if private:
+            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE, "sh", *cmd]
+            penv = {k: v for k, v in env.items() if k != "ORT_DYLIB_PATH"}
+            penv.update(
+                KESTREL_HOME="/tmp/kestrel-home",
+                KESTREL_HIDE=" ".join(str(HOME / d) for d in HIDDEN),
+                SPARK_WORKER_DIR="/tmp/spark-work",
+            )
+        procs.append(subprocess.Popen(cmd, env=penv, stdout=out, stderr=out))
 
     start(
         "master",
@@ -82,6 +108,7 @@ def standalone(workers: int = 2):
             f"worker{i}",
             "org.apache.spark.deploy.worker.Worker",
             "--cores", "1", "--memory", "1g", "--webui-port", str(free_port()), master,
+            private=isolated,
         )
     try:
         wait_until(f"{workers} Spark workers registered", lambda: alive_workers(ui) == workers)
@@ -97,8 +124,9 @@ def standalone(workers: int = 2):
         shutil.rmtree(logs, ignore_errors=True)
 
 
-def session(master: str, executors: int = 2, app: str = "kestrel-tests"):
-    """A SparkSession on `master`, returned once `executors` executors have registered."""
+def session(master: str, executors: int = 2, app: str = "kestrel-tests", isolated: bool = False):
+    """A SparkSession on `master`, returned once `executors` executors have registered; on an
+    `isolated` cluster the executors get nothing of the driver's environment."""
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -113,10 +141,16 @@ def session(master: str, executors: int = 2, app: str = "kestrel-tests"):
         # A killed task is retried (the fault test), a barrier stage fails fast.
         .config("spark.task.maxFailures", "4")
         .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "1")
-        .config("spark.executorEnv.KESTREL_HOME", str(HOME))
-        .config("spark.executorEnv.ORT_DYLIB_PATH", os.environ.get("ORT_DYLIB_PATH", ""))
-        .getOrCreate()
     )
+    if isolated:
+        # Executors on one address are taken for one host, whose shuffle files each may read
+        # from the other's disk: here each has its own /tmp, as separate hosts have.
+        s = s.config("spark.shuffle.readHostLocalDisk", "false")
+    else:
+        s = s.config("spark.executorEnv.KESTREL_HOME", str(HOME)).config(
+            "spark.executorEnv.ORT_DYLIB_PATH", os.environ.get("ORT_DYLIB_PATH", "")
+        )
+    s = s.getOrCreate()
     # Every executor registered before anyone counts on them (the driver is one more).
     wait_until(
         f"{executors} executors",

@@ -1,12 +1,17 @@
 """A real Spark cluster for the tests: a standalone master and two workers (one core each),
-started from the pyspark wheel's own `spark-class` on loopback, and a session on it
-(cluster.py)."""
+started from the pyspark wheel's own `spark-class` on loopback, each worker in a mount namespace
+of its own (a private /tmp and Kestrel home, the driver's weights, caches and datasets hidden),
+as two hosts would be; `shared` is the one directory they have in common with the driver,
+standing for object storage (cluster.py)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import tempfile
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -14,30 +19,46 @@ from cluster import BIN, HOME, LFW, free_port, session, standalone, wait_until  
 
 
 @pytest.fixture(scope="session")
+def shared():
+    """The directory every node sees (outside /tmp, which each worker has to itself)."""
+    d = Path(tempfile.mkdtemp(prefix="kestrel-shared-", dir="/var/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
 def cluster():
-    """(master URL, workers' log dir) of a running standalone cluster with two workers."""
-    with standalone(2) as c:
+    """(master URL, workers' log dir) of a running standalone cluster with two isolated workers."""
+    with standalone(2, isolated=True) as c:
         yield c
 
 
 @pytest.fixture(scope="session")
 def spark(cluster):
-    s = session(cluster[0], 2)
+    s = session(cluster[0], 2, isolated=True)
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="session")
-def lfw(spark):
+def lfw_dir(shared):
+    """The LFW subset (an image folder, `face` and `nonface`) in the shared directory."""
+    if not LFW.is_dir():
+        pytest.fail(f"{LFW} is missing: run scripts/fetch-datasets.sh (scripts/test.sh does)")
+    d = shared / "lfw"
+    shutil.copytree(LFW, d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def lfw(spark, lfw_dir):
     """The LFW subset as Spark's binaryFile reader gives it, with `label` from the folder."""
     from pyspark.sql import functions as F
 
-    if not LFW.is_dir():
-        pytest.fail(f"{LFW} is missing: run scripts/fetch-datasets.sh (scripts/test.sh does)")
     df = (
         spark.read.format("binaryFile")
         .option("recursiveFileLookup", "true")
-        .load(str(LFW))
+        .load(str(lfw_dir))
     )
     return df.withColumn("label", F.element_at(F.split("path", "/"), -2)).repartition(4)
 

@@ -1,4 +1,6 @@
-"""kestrel.spark on a real standalone cluster (two workers), against the trainer binary."""
+"""kestrel.spark on a real standalone cluster of two isolated workers (conftest.py), against the
+trainer binary. What the executors open is under `shared`; the driver's own files (`tmp_path`)
+reach them only through Spark."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import kestrel
 from kestrel import KestrelError
 from kestrel import spark as ks
 
-from conftest import LFW, tasks_per_executor, trainer
+from conftest import tasks_per_executor, trainer
 
 
 def local(path: str) -> str:
@@ -31,9 +33,9 @@ def cached_features(summary: dict) -> dict:
     return dict(zip(ids, data))
 
 
-def test_features_on_two_executors_equal_trainer_prepare(spark, lfw, tmp_path):
+def test_features_on_two_executors_equal_trainer_prepare(spark, lfw, lfw_dir, shared, tmp_path):
     before = tasks_per_executor(spark)
-    stored = tmp_path / "from-spark"
+    stored = shared / "from-spark"
     rows = (
         ks.features(lfw, engine="tract", threads=1, cache=str(stored))
         .select("path", "features", "error")
@@ -41,7 +43,7 @@ def test_features_on_two_executors_equal_trainer_prepare(spark, lfw, tmp_path):
     )
     after = tasks_per_executor(spark)
     assert len(rows) == 200 and all(r.error is None for r in rows)
-    prepare = ("prepare", "--data", str(LFW), "--engine", "tract", "--json", "--cache")
+    prepare = ("prepare", "--data", str(lfw_dir), "--engine", "tract", "--json", "--cache")
     expected = cached_features(json.loads(trainer(*prepare, str(tmp_path / "fresh"))))
     worst = max(
         float(np.abs(np.asarray(r.features, dtype=np.float32) - expected[local(r.path)]).max())
@@ -82,13 +84,14 @@ def test_a_bad_row_names_itself_or_is_kept(spark, lfw):
         ks.fit(lfw, out="/tmp/never", label="species", num_workers=2)
 
 
-def test_fit_on_a_barrier_stage_equals_trainer_fit_workers(spark, lfw, tmp_path):
-    common = ["--engine", "tract", "--cache", str(tmp_path / "cache"), "--no-mlflow", "--epochs", "3",
+def test_fit_on_a_barrier_stage_equals_trainer_fit_workers(spark, lfw, shared, tmp_path):
+    cache = str(shared / "cache")
+    common = ["--engine", "tract", "--cache", cache, "--no-mlflow", "--epochs", "3",
               "--optimizer", "sgd", "--threads", "1"]
-    staged = ks.stage(lfw, str(tmp_path / "staged"))
+    staged = ks.stage(lfw, str(shared / "staged"))
     spark_run = ks.fit(
-        staged, out=str(tmp_path / "spark"), num_workers=2, engine="tract",
-        cache=str(tmp_path / "cache"), no_mlflow=True, epochs=3, optimizer="sgd", threads=1,
+        staged, out=str(shared / "fit-spark"), num_workers=2, engine="tract",
+        cache=cache, no_mlflow=True, epochs=3, optimizer="sgd", threads=1,
     )
     cli_run = json.loads(
         trainer("fit", "--data", staged, "--out", str(tmp_path / "cli"), "--workers", "2", *common, "--json")
@@ -97,16 +100,16 @@ def test_fit_on_a_barrier_stage_equals_trainer_fit_workers(spark, lfw, tmp_path)
     assert abs(spark_run["val_loss"] - cli_run["val_loss"]) <= 1e-6
     assert spark_run["val_accuracy"] == cli_run["val_accuracy"]
     with pytest.raises(KestrelError, match="needs 3 task slots.*has 2"):
-        ks.fit(staged, out=str(tmp_path / "x"), num_workers=3)
+        ks.fit(staged, out=str(shared / "x"), num_workers=3)
 
 
-def test_predict_gives_trainer_predicts_classes(spark, lfw, tmp_path):
+def test_predict_gives_trainer_predicts_classes(spark, lfw, lfw_dir, tmp_path):
     run = tmp_path / "run"
     art = tmp_path / "art"
-    kestrel.fit(str(LFW), out=str(run), no_mlflow=True, cache=str(tmp_path / "cache"), engine="tract")
+    kestrel.fit(str(lfw_dir), out=str(run), no_mlflow=True, cache=str(tmp_path / "cache"), engine="tract")
     kestrel.export(str(run), out=str(art), no_mlflow=True)
     out = tmp_path / "p.parquet"
-    trainer("predict", "--model", str(art), "--data", str(LFW), "--out", str(out))
+    trainer("predict", "--model", str(art), "--data", str(lfw_dir), "--out", str(out))
     expected = {r["path"]: r["prediction"] for r in pq.read_table(out).to_pylist()}
     rows = ks.predict(lfw, str(art), k=2).collect()
     assert len(rows) == 200
@@ -135,12 +138,11 @@ def test_a_worker_killed_during_features_is_retried_with_the_same_result(spark, 
     assert again == clean
 
 
-def test_tune_spreads_its_trials_over_a_barrier_stage(spark, lfw, tmp_path):
-    staged = ks.stage(lfw, str(tmp_path / "staged"))
+def test_tune_spreads_its_trials_over_a_barrier_stage(spark, lfw, shared):
     before = tasks_per_executor(spark)
     s = ks.tune(
-        staged, out=str(tmp_path / "tune"), num_workers=2, trials=4, startup=2, engine="tract",
-        cache=str(tmp_path / "cache"), no_mlflow=True, threads=1,
+        lfw, out=str(shared / "tune"), num_workers=2, trials=4, startup=2, engine="tract",
+        cache=str(shared / "cache"), no_mlflow=True, threads=1,
     )
     after = tasks_per_executor(spark)
     assert sorted(t["trial"] for t in s["trials"]) == [0, 1, 2, 3]

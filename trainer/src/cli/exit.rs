@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use crate::data::DataError;
 use crate::data::extract::ExtractError;
 use crate::data::label::LabelError;
+use crate::distributed::CollectiveError;
 use crate::export::ExportError;
 use crate::track::TrackError;
 use kestrel_fleet::FleetError;
@@ -37,6 +38,8 @@ pub enum Failure {
     Gate,
     /// A stop was asked for ([`crate::interrupt`]).
     Interrupted,
+    /// Another rank of the job failed first (its error is the job's; this rank only stopped).
+    Peer,
     /// Anything else.
     Other,
 }
@@ -48,7 +51,7 @@ impl Failure {
             Failure::Unavailable => ExitCode::from(UNAVAILABLE),
             Failure::Config => ExitCode::from(CONFIG),
             Failure::Interrupted => ExitCode::from(INTERRUPTED),
-            Failure::Data | Failure::Gate | Failure::Other => ExitCode::FAILURE,
+            Failure::Data | Failure::Gate | Failure::Peer | Failure::Other => ExitCode::FAILURE,
         }
     }
 }
@@ -85,6 +88,7 @@ fn transparent(cause: Cause<'_>) -> Option<Cause<'_>> {
             R::Backbone(x) => Some(x),
             R::Engine(x) => Some(x),
             R::Preprocess(x) => Some(x),
+            R::Collective(x) => Some(x),
             _ => None,
         };
     }
@@ -94,6 +98,7 @@ fn transparent(cause: Cause<'_>) -> Option<Cause<'_>> {
             C::Data(x) => Some(x),
             C::Backbone(x) => Some(x),
             C::Engine(x) => Some(x),
+            C::Collective(x) => Some(x),
             _ => None,
         };
     }
@@ -107,8 +112,12 @@ fn transparent(cause: Cause<'_>) -> Option<Cause<'_>> {
             _ => None,
         };
     }
-    if let Some(U::Train(x)) = cause.downcast_ref::<U>() {
-        return Some(x);
+    if let Some(e) = cause.downcast_ref::<U>() {
+        return match e {
+            U::Train(x) => Some(x),
+            U::Collective(x) => Some(x),
+            _ => None,
+        };
     }
     if let Some(F::Fit(x)) = cause.downcast_ref::<F>() {
         return Some(x);
@@ -127,6 +136,9 @@ fn kind_of(cause: Cause<'_>) -> Option<Failure> {
     }
     if cause.is::<crate::interrupt::Interrupted>() {
         return Some(Failure::Interrupted);
+    }
+    if let Some(CollectiveError::PeerFailed { .. }) = cause.downcast_ref::<CollectiveError>() {
+        return Some(Failure::Peer);
     }
     if let Some(f) = cause.downcast_ref::<FleetError>() {
         match f {
@@ -168,6 +180,15 @@ fn kind_of(cause: Cause<'_>) -> Option<Failure> {
             Disagrees { .. } | AccuracyDrop { .. } | GoldenMismatch { .. }
         ) {
             return Some(Failure::Gate);
+        }
+    }
+    if let Some(c) = cause.downcast_ref::<crate::data::cache::CacheError>() {
+        use crate::data::cache::CacheError::*;
+        if matches!(
+            c,
+            Invalid(_) | Meta { .. } | Shard { .. } | TooFewSamples { .. } | Empty(_)
+        ) {
+            return Some(Failure::Data);
         }
     }
     if cause.is::<DataError>()
@@ -218,6 +239,14 @@ mod tests {
             u8_of(Failure::Interrupted.code()),
             u8_of(ExitCode::from(130))
         );
+        let undecodable = crate::data::cache::CacheError::Invalid(
+            kestrel_shared::PreprocessError::UnknownFormat {
+                source_name: "x.png".into(),
+                magic: "00".into(),
+            },
+        );
+        let e = anyhow::Error::from(TrainError::from(undecodable));
+        assert_eq!(classify(&e), Failure::Data);
         let plain = anyhow::anyhow!("something else");
         assert_eq!(classify(&plain), Failure::Other);
         assert_eq!(u8_of(code(&plain)), u8_of(ExitCode::FAILURE));

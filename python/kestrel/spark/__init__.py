@@ -10,23 +10,45 @@
 
 A DataFrame of images is what Spark's ``binaryFile`` reader gives: ``path`` and ``content``
 (other column names through ``path=`` and ``content=``). The package must be installed on the
-executors (a cluster library: the wheel), and what the tasks open (a backbone file, the staging
-directory, the run directory) must be paths every node sees (``/dbfs/...``, ``/Volumes/...``, a
-shared mount) or object URLs (``s3://``, ``abfss://``, ``gs://``).
+executors (a cluster library: the wheel). Nothing else is assumed of them: the pretrained
+backbone's weights go with the job into each executor's own cache, ONNX Runtime comes from the
+executor's ``onnxruntime`` wheel, and a DataFrame is staged for the ranks under ``out``. What the
+tasks open (the run directory ``out``, a ``cache``, a backbone file) must be a location every node
+sees — ``/dbfs/...`` (or ``dbfs:/...``), ``/Volumes/...``, a shared mount, or for data an object
+URL (``s3://``, ``abfss://``, ``gs://``) — and a local path is checked before any work: one that
+only the driver sees fails with a :class:`~kestrel.ConfigError` naming the executors that do not.
+
+A Kestrel exception raised on an executor (a bad image: :class:`~kestrel.DataError`) reaches the
+driver as the same class, which is also Spark's ``PythonException``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import secrets
 import tempfile
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from kestrel import KestrelError, _native, flags, parse_json_output
+from kestrel import DataError, KestrelError, _native, flags, parse_json_output
+from kestrel.spark._cluster import (
+    check_shared,
+    gpu_of_task,
+    is_object_url,
+    locate,
+    provision,
+    ship,
+    slots,
+    typed,
+    typed_errors,
+)
 
-__all__ = ["features", "predict", "fit", "tune", "stage", "slots"]
+__all__ = ["features", "predict", "fit", "tune", "stage", "slots", "artifact_files"]
+
+log = logging.getLogger("kestrel.spark")
+typed_errors()
 
 #: Rows per Arrow batch handed to a task (Spark's default, 10,000 images, can exceed a worker's
 #: memory); set on the session by the functions here unless it was changed from the default.
@@ -44,7 +66,7 @@ def _require(df, *columns: str) -> None:
     have = df.columns
     for c in columns:
         if c not in have:
-            raise KestrelError(f"the DataFrame has no column `{c}` (it has: {', '.join(have)})")
+            raise DataError(f"the DataFrame has no column `{c}` (it has: {', '.join(have)})")
 
 
 def _small_batches(spark, rows: int) -> None:
@@ -93,8 +115,12 @@ def features(
     if on_error not in ("raise", "keep"):
         raise ValueError(f"on_error must be 'raise' or 'keep', not {on_error!r}")
     _require(df, path, content)
+    spark = _session(df)
     if cache is not None:
-        cache = os.path.abspath(cache)
+        cache = locate(cache)[1]
+        check_shared(spark, cache, "cache")
+    shipped = ship(spark, backbone)
+    engine = kwargs.get("engine")
     flag_list = tuple(flags(backbone=backbone, **kwargs))
     _small_batches(_session(df), batch_rows)
     kept = [f for f in df.schema.fields if f.name != content]
@@ -110,6 +136,7 @@ def features(
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import numpy as np
 
+        provision(shipped, engine)
         ex = _extractor(flag_list)
         stored: List[str] = []
         stored_rows: List[bytes] = []
@@ -126,7 +153,7 @@ def features(
             if on_error == "raise":
                 for i, e in zip(ids, errors):
                     if e is not None:
-                        raise KestrelError(f"row `{i}` (column `{content}`): {e}")
+                        raise DataError(f"row `{i}` (column `{content}`): {e}")
             flat = np.frombuffer(data, dtype="<f4")
             rows: List[Optional[np.ndarray]] = []
             k = 0
@@ -145,7 +172,8 @@ def features(
     return df.mapInArrow(run, schema)
 
 
-def _artifact_files(artifact: str) -> Dict[str, bytes]:
+def artifact_files(artifact: str) -> Dict[str, bytes]:
+    """An exported artifact directory's files, by path relative to it."""
     files = {}
     for root, _, names in os.walk(artifact):
         for name in sorted(names):
@@ -153,27 +181,46 @@ def _artifact_files(artifact: str) -> Dict[str, bytes]:
             with open(p, "rb") as f:
                 files[os.path.relpath(p, artifact)] = f.read()
     if "manifest.json" not in files:
-        raise KestrelError(f"{artifact}: not an exported artifact (no manifest.json)")
+        raise DataError(f"{artifact}: not an exported artifact (no manifest.json)")
     return files
 
 
-def _predictor(files: Dict[str, bytes], threads: int):
-    """The artifact, written once per worker to a directory of its own and loaded as the edge
-    loads it (hashes, then the golden-sample health check)."""
+def files_digest(files: Dict[str, bytes]) -> str:
+    """One sha256 over an artifact's file names and contents."""
     digest = hashlib.sha256()
-    for name, b in files.items():
-        digest.update(name.encode() + b"\0" + hashlib.sha256(b).digest())
-    key = f"{digest.hexdigest()}-{threads}"
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
+    return digest.hexdigest()
+
+
+def _predictor(files, key: str, threads: int):
+    """The artifact (``files``: a broadcast of its files, read once per executor), written once
+    per Python worker to a directory of its own and loaded as the edge loads it (hashes, then the
+    golden-sample health check)."""
+    key = f"{key}-{threads}"
     p = _predictors.get(key)
     if p is None:
         d = tempfile.mkdtemp(prefix="kestrel-artifact-")
-        for name, b in files.items():
+        for name, b in files.value.items():
             p = os.path.join(d, name)
             os.makedirs(os.path.dirname(p), exist_ok=True)
             with open(p, "wb") as f:
                 f.write(b)
         p = _predictors[key] = _native.Predictor(d, threads)
     return p
+
+
+def broadcast_artifact(spark, files: Dict[str, bytes]):
+    """``(broadcast, key)`` of an artifact's files, checked here on the driver first (hashes and
+    golden samples), so a bad artifact fails before any task."""
+    with tempfile.TemporaryDirectory(prefix="kestrel-artifact-") as d:
+        for name, b in files.items():
+            p = os.path.join(d, name)
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "wb") as f:
+                f.write(b)
+        _native.Predictor(d, 1)
+    return spark.sparkContext.broadcast(files), files_digest(files)
 
 
 def predict(
@@ -186,8 +233,8 @@ def predict(
     threads: int = 1,
     batch_rows: int = BATCH_ROWS,
 ):
-    """Classifies every image with an exported artifact (a directory on the driver; its files go
-    to the executors with the task). Returns the DataFrame without ``content``, with
+    """Classifies every image with an exported artifact (a directory on the driver; its files are
+    broadcast, so each executor receives them once). Returns the DataFrame without ``content``, with
     ``prediction`` (label), ``class``, ``score`` (softmax), ``top`` (the top ``k`` as
     label/class/score structs) and ``error`` (null, or why the image was not classified: such
     rows are kept, as in ``trainer predict``)."""
@@ -202,8 +249,7 @@ def predict(
     )
 
     _require(df, path, content)
-    files = _artifact_files(artifact)
-    _native.Predictor(artifact, threads)  # fails here, on the driver, if the artifact is bad
+    files, key = broadcast_artifact(_session(df), artifact_files(artifact))
     _small_batches(_session(df), batch_rows)
     kept = [f for f in df.schema.fields if f.name != content]
     top_type = StructType(
@@ -229,7 +275,7 @@ def predict(
     )
 
     def run(batches):
-        model = _predictor(files, threads)
+        model = _predictor(files, key, threads)
         for batch in batches:
             ids = [str(p) for p in batch.column(path).to_pylist()]
             images = [b if b is not None else b"" for b in batch.column(content).to_pylist()]
@@ -253,38 +299,53 @@ def predict(
 
 
 def stage(df, out: str, *, label: str = "label", path: str = "path", content: str = "content") -> str:
-    """Writes the images and labels of ``df`` as a Parquet table at ``out`` (a path every node
-    sees, or an object URL) for the trainer to read; returns ``out``."""
+    """Writes the images and labels of ``df`` as a Parquet table at ``out`` (a location every
+    node sees, or an object URL; ``dbfs:/`` and ``/dbfs/`` alike) for the trainer to read;
+    returns the location as the trainer opens it. A label column that is not a string (a
+    ``StringIndexer``'s index) is written as its string."""
+    from pyspark.sql import functions as F
+
     _require(df, path, content, label)
-    df.select(path, content, label).write.mode("overwrite").parquet(out)
-    return out
+    spark_uri, trainer_path = locate(out)
+    labels = F.col(label).cast("string").alias(label)
+    df.select(path, content, labels).write.mode("overwrite").parquet(spark_uri)
+    return trainer_path
 
 
-def slots(spark) -> int:
-    """Task slots of the cluster: cores over ``spark.task.cpus``."""
-    sc = spark.sparkContext
-    per_task = int(sc.getConf().get("spark.task.cpus", "1"))
-    return max(1, sc.defaultParallelism // per_task)
+#: Where a DataFrame is staged in a run directory by default.
+STAGED = "data"
 
 
-def _data(df_or_table, label: str, path: str, content: str, staging: Optional[str]) -> Tuple[str, list]:
-    """The ``--data`` of a command: a table path/URL as given, or a DataFrame staged as Parquet."""
+def _data(spark, df_or_table, out: str, label, path, content, staging):
+    """The ``--data`` of a command and its extra flags: a table path/URL as given, or a DataFrame
+    staged as Parquet in ``staging`` (default: ``OUT/data``, which every node sees; the run reads
+    it again to export and evaluate, so it stays with the run)."""
     if isinstance(df_or_table, str):
-        return df_or_table, []
-    df = df_or_table
-    staged = stage(
-        df,
-        staging or tempfile.mkdtemp(prefix="kestrel-stage-"),
-        label=label,
-        path=path,
-        content=content,
-    )
-    return staged, ["--label-column", label, "--path-column", path, "--content-column", content]
+        return locate(df_or_table)[1], []
+    where = staging or os.path.join(out, STAGED)
+    if staging is not None and not is_object_url(locate(staging)[1]):
+        check_shared(spark, locate(staging)[1], "staging")
+    staged = stage(df_or_table, where, label=label, path=path, content=content)
+    extra = ["--label-column", label, "--path-column", path, "--content-column", content]
+    return staged, extra
 
 
-def _on_barrier(spark, argv: List[str], num_workers: int, timeout_s: float) -> str:
+def _run_dir(spark, out: str) -> str:
+    """The run directory ``out`` as the ranks open it, checked to be the same on every node."""
+    path = locate(out)[1]
+    if is_object_url(path):
+        raise KestrelError(
+            f"out `{out}`: a run directory is files the ranks write and read back; give a "
+            f"directory every node sees (/dbfs/..., /Volumes/..., a shared mount), not an object URL"
+        )
+    check_shared(spark, path, "out")
+    return path
+
+
+def _on_barrier(spark, argv: List[str], num_workers: int, timeout_s: float, shipped, engine, use_gpu):
     """Runs the distributed command ``argv`` with one rank per task of a barrier stage; returns
-    rank 0's output."""
+    rank 0's output. Each task first provisions its executor (weights, ONNX Runtime) and, with
+    ``use_gpu``, runs on the GPU Spark assigned to it."""
     have = slots(spark)
     if num_workers > have:
         raise KestrelError(
@@ -298,27 +359,50 @@ def _on_barrier(spark, argv: List[str], num_workers: int, timeout_s: float) -> s
 
         ctx = BarrierTaskContext.get()
         rank = ctx.partitionId()
+        provision(shipped, engine)
+        mine = argv + (["--compute-device", gpu_of_task(ctx)] if use_gpu else [])
         host = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0]
-        if rank == 0:
-            lead = _native.Lead(host)
-            ports = ctx.allGather(str(lead.port))
-            out = lead.run(argv, num_workers, token, timeout_s)
-        else:
-            ports = ctx.allGather("")
-            out = _native.run_rank(argv, rank, num_workers, f"{host}:{ports[0]}", token, timeout_s)
+        try:
+            if rank == 0:
+                lead = _native.Lead(host)
+                ports = ctx.allGather(str(lead.port))
+                out = lead.run(mine, num_workers, token, timeout_s)
+            else:
+                ports = ctx.allGather("")
+                out = _native.run_rank(mine, rank, num_workers, f"{host}:{ports[0]}", token, timeout_s)
+        except _native.PeerFailed:
+            # Stopped because another rank failed: that rank's error (a bad image: DataError) is
+            # the one the stage reports, whichever task Spark hears of first.
+            out = None
         yield (rank, out)
 
     sc = spark.sparkContext
-    results = sc.parallelize(range(num_workers), num_workers).barrier().mapPartitions(rank_task).collect()
-    return dict(results)[0]
+    log.info("%s on %d ranks (a barrier stage)", argv[0], num_workers)
+    try:
+        results = sc.parallelize(range(num_workers), num_workers).barrier().mapPartitions(rank_task).collect()
+    except Exception as e:
+        t = typed(e)
+        if t is e:
+            raise
+        raise t from None
+    lead = dict(results)[0]
+    if lead is None:
+        raise KestrelError(f"{argv[0]}: rank 0 stopped because another rank failed, which reported nothing")
+    return lead
 
 
-def _distributed(command, df_or_table, out, label, num_workers, path, content, staging, timeout_s, kwargs):
+def _distributed(command, df_or_table, out, label, num_workers, path, content, staging, timeout_s,
+                 use_gpu, kwargs):
     """``trainer COMMAND --data ... --out OUT FLAGS --json`` on a barrier stage; its summary."""
     spark = _spark_of(df_or_table)
-    data, extra = _data(df_or_table, label, path, content, staging)
-    argv = [command, "--data", data, "--out", out] + extra + flags(**kwargs) + ["--json"]
-    return parse_json_output(_on_barrier(spark, argv, num_workers, timeout_s))
+    if not isinstance(df_or_table, str):
+        _require(df_or_table, path, content, label)
+    run_dir = _run_dir(spark, out)
+    shipped = ship(spark, kwargs.get("backbone", "efficientnet-lite0"))
+    data, extra = _data(spark, df_or_table, run_dir, label, path, content, staging)
+    argv = [command, "--data", data, "--out", run_dir] + extra + flags(**kwargs) + ["--json"]
+    text = _on_barrier(spark, argv, num_workers, timeout_s, shipped, kwargs.get("engine"), use_gpu)
+    return parse_json_output(text)
 
 
 def fit(
@@ -331,14 +415,18 @@ def fit(
     content: str = "content",
     staging: Optional[str] = None,
     timeout_s: float = 600.0,
+    use_gpu: bool = False,
     **kwargs: Any,
 ):
     """``trainer fit`` with ``num_workers`` ranks, one per task of a barrier stage: the same
     training as ``trainer fit --workers N`` (same shards, same collectives, same results). The
     data is a table (path or URL) or a DataFrame of images with a ``label`` column, staged as
-    Parquet in ``staging`` first. ``out`` is the run directory (rank 0 writes it). Other keyword
+    Parquet first (in ``staging``, by default ``OUT/data``: the run reads it again to export and
+    evaluate). ``out`` is the run directory (rank 0 writes it), a directory every node sees. ``use_gpu``: each rank trains
+    on the GPU Spark assigned to its task (``spark.task.resource.gpu.amount``). Other keyword
     arguments are ``trainer fit``'s flags. Returns the run's summary."""
-    return _distributed("fit", df_or_table, out, label, num_workers, path, content, staging, timeout_s, kwargs)
+    return _distributed("fit", df_or_table, out, label, num_workers, path, content, staging, timeout_s,
+                        use_gpu, kwargs)
 
 
 def tune(
@@ -351,13 +439,16 @@ def tune(
     content: str = "content",
     staging: Optional[str] = None,
     timeout_s: float = 600.0,
+    use_gpu: bool = False,
     **kwargs: Any,
 ):
     """``trainer tune`` with its trials spread over ``num_workers`` tasks of a barrier stage (what
     Hyperopt's ``SparkTrials`` does for the seed): each task runs its share of every round of
     trials and the search sees all results. Other keyword arguments are ``trainer tune``'s flags
-    (``trials=``, ``startup=``, ``space=``...). Returns the search's summary."""
-    return _distributed("tune", df_or_table, out, label, num_workers, path, content, staging, timeout_s, kwargs)
+    (``trials=``, ``startup=``, ``space=``...); the rest as :func:`fit`. Returns the search's
+    summary."""
+    return _distributed("tune", df_or_table, out, label, num_workers, path, content, staging, timeout_s,
+                        use_gpu, kwargs)
 
 
 def _spark_of(df_or_table):
