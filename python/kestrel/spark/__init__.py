@@ -378,13 +378,23 @@ def _on_barrier(spark, argv: List[str], num_workers: int, timeout_s: float, ship
 
     sc = spark.sparkContext
     log.info("%s on %d ranks (a barrier stage)", argv[0], num_workers)
+    group = f"kestrel-{argv[0]}-{token[:8]}"
+    sc.setJobGroup(group, f"kestrel {argv[0]} on {num_workers} ranks", interruptOnCancel=True)
     try:
         results = sc.parallelize(range(num_workers), num_workers).barrier().mapPartitions(rank_task).collect()
+    except KeyboardInterrupt:
+        # "Interrupt kernel": the ranks are cancelled (their Python workers killed: the run
+        # directory keeps only whole files), and the slots are free again.
+        log.warning("interrupted: cancelling the %s ranks", argv[0])
+        sc.cancelJobGroup(group)
+        raise
     except Exception as e:
         t = typed(e)
         if t is e:
             raise
         raise t from None
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
     lead = dict(results)[0]
     if lead is None:
         raise KestrelError(f"{argv[0]}: rank 0 stopped because another rank failed, which reported nothing")
