@@ -22,9 +22,11 @@ Spark cluster, and ``kestrel.spark.ml`` has them as Spark ML estimator and model
 from __future__ import annotations
 
 import json
+import logging
+import sys
 from typing import Any, Dict, List, Optional, Union
 
-from . import _native
+from . import _native, tracking
 from ._native import (
     ConfigError,
     DataError,
@@ -109,16 +111,25 @@ def prepare(data: Union[str, List[str]], **kwargs: Any) -> Summary:
     return _summary("prepare", data=data, **kwargs)
 
 
-def fit(data: Union[str, List[str]], *, out: Optional[str] = None, **kwargs: Any) -> Summary:
+def fit(data: Union[str, List[str]], *, out: str, **kwargs: Any) -> Summary:
     """``trainer fit``: trains a head (or fine-tunes) on ``data`` into the run directory ``out``
-    (``epochs=``, ``lr=``, ``workers=``, ``backbone=``, ``no_mlflow=True``...). Returns the run's
+    (``epochs=``, ``lr=``, ``workers=``, ``backbone=``, ``no_mlflow=True``...). Tracked in the
+    notebook's MLflow under its active run (:mod:`kestrel.tracking`). Returns the run's
     ``summary.json``."""
-    return _summary("fit", data=data, out=out, **kwargs)
+    return _tracked("fit", data, out, kwargs)
 
 
-def tune(data: Union[str, List[str]], *, out: Optional[str] = None, **kwargs: Any) -> Summary:
-    """``trainer tune``: TPE search over trials (``trials=``, ``parallel=``, ``space=``...)."""
-    return _summary("tune", data=data, out=out, **kwargs)
+def tune(data: Union[str, List[str]], *, out: str, **kwargs: Any) -> Summary:
+    """``trainer tune``: TPE search over trials (``trials=``, ``parallel=``, ``space=``...),
+    tracked as :func:`fit` is."""
+    return _tracked("tune", data, out, kwargs)
+
+
+def _tracked(command: str, data: Union[str, List[str]], out: str, kwargs: Dict[str, Any]) -> Summary:
+    extra, finish = tracking.plan(kwargs)
+    summary = _summary(command, data=data, out=out, **kwargs, **extra)
+    finish(out)
+    return summary
 
 
 def evaluate(run_dir: Optional[str] = None, **kwargs: Any) -> Summary:
@@ -152,7 +163,19 @@ def status(*, broker: str, **kwargs: Any) -> Summary:
 
 
 def init_logging(verbosity: int = 0) -> None:
-    """Log lines on stderr: 0 info, 1 debug, -1 warnings only (``RUST_LOG`` overrides)."""
+    """The Rust code's log records as Python ``logging`` records, on the loggers ``kestrel.*``
+    (``kestrel.trainer.train.fit``, libraries under ``kestrel.lib``): 0 information (each epoch,
+    each trial, each rank's start), 1 debug, -1 errors only (``RUST_LOG`` overrides). Takes effect
+    when called. They are handed to ``logging`` while a command runs, so a notebook shows them in
+    the cell as they happen; unless ``logging.getLogger("kestrel")`` already has handlers, one is
+    added that writes them to ``sys.stderr`` (configure that logger to send them elsewhere)."""
+    logger = logging.getLogger("kestrel")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.DEBUG if verbosity > 0 else logging.INFO if verbosity == 0 else logging.ERROR)
     _native.init_logging(verbosity)
 
 

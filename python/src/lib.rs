@@ -10,6 +10,8 @@ use std::process::ExitCode;
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
+mod logs;
+
 use clap::Parser;
 use kestrel_models::EngineKind;
 use kestrel_models::artifact::LoadedModel;
@@ -165,6 +167,7 @@ fn interruptible<T: Send>(py: Python<'_>, work: impl FnOnce() -> T + Send) -> Py
                     .unwrap_or_else(|p| p.into_inner());
                 *g
             });
+            logs::forward(py)?;
             if done {
                 break;
             }
@@ -417,10 +420,13 @@ fn pretrained_path(name: &str) -> Option<String> {
     })
 }
 
-/// Log lines on stderr at `verbosity` (0 info, 1 debug, -1 warnings only); `RUST_LOG` overrides.
+/// The Rust code's log records, as Python `logging` records (loggers `kestrel.*`), at
+/// `verbosity` (0 information, 1 debug, -1 errors only); `RUST_LOG` overrides. Takes effect when
+/// called, again and again.
 #[pyfunction]
-fn init_logging(verbosity: i8) {
-    kestrel_trainer::shared::logging::init(verbosity);
+fn init_logging(py: Python<'_>, verbosity: i8) -> PyResult<()> {
+    logs::init(verbosity);
+    logs::forward(py)
 }
 
 #[pymodule]

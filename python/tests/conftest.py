@@ -78,3 +78,36 @@ def tasks_per_executor(spark, field: str = "totalTasks") -> dict:
     url = f"{sc.uiWebUrl}/api/v1/applications/{sc.applicationId}/executors"
     with urllib.request.urlopen(url, timeout=10) as r:
         return {e["id"]: e[field] for e in json.load(r) if e["id"] != "driver"}
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` (SQLite backend, proxied artifacts) on a free port: its URL."""
+    import os
+    import sys
+
+    d = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    exe = Path(sys.executable).with_name("mlflow")
+    log = open(d / "server.log", "wb")
+    p = subprocess.Popen(
+        [str(exe), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--serve-artifacts", "--backend-store-uri", f"sqlite:///{d}/mlflow.db",
+         "--artifacts-destination", str(d / "artifacts")],
+        stdout=log, stderr=log, start_new_session=True,
+        env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        assert p.poll() is None, (d / "server.log").read_text()[-2000:]
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    wait_until("mlflow server up", healthy, timeout=120)
+    yield url
+    os.killpg(p.pid, 15)
+    p.wait(timeout=30)

@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from kestrel import DataError, KestrelError, _native, flags, parse_json_output
+from kestrel import DataError, KestrelError, _native, flags, parse_json_output, tracking
 from kestrel.spark._cluster import (
     check_shared,
     gpu_of_task,
@@ -410,8 +410,10 @@ def _distributed(command, df_or_table, out, label, num_workers, path, content, s
     run_dir = _run_dir(spark, out)
     shipped = ship(spark, kwargs.get("backbone", "efficientnet-lite0"))
     data, extra = _data(spark, df_or_table, run_dir, label, path, content, staging)
-    argv = [command, "--data", data, "--out", run_dir] + extra + flags(**kwargs) + ["--json"]
+    tracked, finish = tracking.plan(kwargs)
+    argv = [command, "--data", data, "--out", run_dir] + extra + flags(**kwargs, **tracked) + ["--json"]
     text = _on_barrier(spark, argv, num_workers, timeout_s, shipped, kwargs.get("engine"), use_gpu)
+    finish(run_dir)
     return parse_json_output(text)
 
 

@@ -172,7 +172,6 @@ class KestrelClassifier(Estimator, _Columns, DefaultParamsReadable, DefaultParam
             content=self.getOrDefault(self.contentCol),
             timeout_s=self.getOrDefault(self.timeoutS),
             use_gpu=self.getOrDefault(self.useGpu),
-            **_no_mlflow_unless_given(extra),
             **flags,
             **_extra_flags(extra),
         )
@@ -204,11 +203,6 @@ def _extra_flags(argv: List[str]) -> Dict[str, Any]:
             out[key] = True
             i += 1
     return out
-
-
-def _no_mlflow_unless_given(extra: List[str]) -> Dict[str, Any]:
-    given = any(a in ("--mlflow", "--run-id", "--no-mlflow") for a in extra)
-    return {} if given or os.environ.get("MLFLOW_TRACKING_URI") else {"no_mlflow": True}
 
 
 class KestrelModel(Model, _Columns, MLReadable, MLWritable):

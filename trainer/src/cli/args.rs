@@ -508,6 +508,15 @@ pub struct TrackArgs {
     /// MLflow's own clients do, it is ended when the command finishes.
     #[arg(long, value_name = "ID", env = "MLFLOW_RUN_ID")]
     pub run_id: Option<String>,
+    /// Start the run as a child of this MLflow run (a notebook's active run), in its experiment
+    /// (the Python package passes the active run's id).
+    #[arg(
+        long,
+        value_name = "ID",
+        env = "MLFLOW_PARENT_RUN_ID",
+        conflicts_with = "run_id"
+    )]
+    pub parent_run_id: Option<String>,
     /// Do not track, even when MLFLOW_TRACKING_URI is set.
     #[arg(long)]
     pub no_mlflow: bool,
@@ -521,6 +530,7 @@ impl TrackArgs {
             uri,
             experiment: self.experiment.clone(),
             run_id: self.run_id.clone(),
+            parent_run_id: self.parent_run_id.clone(),
         })
     }
 }

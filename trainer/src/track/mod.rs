@@ -229,12 +229,14 @@ pub struct RunLink {
 }
 
 /// Where a command tracks to: `--mlflow` / `MLFLOW_TRACKING_URI`, `--experiment` /
-/// `MLFLOW_EXPERIMENT_NAME`, and `--run-id` / `MLFLOW_RUN_ID` (an existing run to log into).
+/// `MLFLOW_EXPERIMENT_NAME`, `--run-id` / `MLFLOW_RUN_ID` (an existing run to log into) and
+/// `--parent-run-id` / `MLFLOW_PARENT_RUN_ID` (the run a new one is started under).
 #[derive(Debug, Clone, Default)]
 pub struct TrackTo {
     pub uri: String,
     pub experiment: String,
     pub run_id: Option<String>,
+    pub parent_run_id: Option<String>,
 }
 
 impl TrackTo {
@@ -301,10 +303,20 @@ impl Tracker {
         let run = match &to.run_id {
             // An existing run (MLFLOW_RUN_ID): logged into as it is, its experiment its own.
             Some(id) => client.get_run(id)?,
-            None => {
-                let experiment_id = client.experiment_id(&to.experiment)?;
-                client.create_run(&experiment_id, name, tags, now_ms())?
-            }
+            // A child of the parent (a notebook's run), in the parent's experiment, as MLflow's
+            // nested runs are.
+            None => match &to.parent_run_id {
+                Some(parent) => {
+                    let p = client.get_run(parent)?;
+                    let mut tags = tags.to_vec();
+                    tags.push(kv("mlflow.parentRunId", parent.as_str()));
+                    client.create_run(&p.experiment_id, name, &tags, now_ms())?
+                }
+                None => {
+                    let experiment_id = client.experiment_id(&to.experiment)?;
+                    client.create_run(&experiment_id, name, tags, now_ms())?
+                }
+            },
         };
         let link = RunLink {
             uri: client.uri().to_string(),
