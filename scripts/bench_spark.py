@@ -8,7 +8,9 @@ extraction and training, against the CLI on the same images.
   warming up its Arrow path), each after a `trainer prepare` run, medians compared: the machine's
   speed drifts by more than the overhead measured, so the two sides take turns;
 - `kestrel.spark.fit(num_workers=2)` against `trainer fit --workers 2`, on the same staged table;
-- `kestrel.fit` (the Python API, in-process) against `trainer fit`, taking turns, 5 each.
+- `kestrel.fit` (the Python API, in-process) against `trainer fit`, taking turns, 5 each;
+- `KestrelClassifier(numWorkers=2).fit(df)` (staging, barrier fit, export on the driver) against
+  `trainer fit --workers 2` plus `trainer export`.
 
     python scripts/bench_spark.py PHOTO_DIR   # an ImageFolder (scripts/camera_photos.py writes one)
 """
@@ -91,6 +93,14 @@ def main() -> None:
             lambda: ks.fit(staged, out=str(work / "run-spark"), num_workers=2, no_mlflow=True,
                            cache=str(work / "cache-spark"))
         )
+        # The Spark ML estimator on the DataFrame: staging, a barrier fit and the export on the
+        # driver, against the CLI's fit and export.
+        from kestrel.spark.ml import KestrelClassifier
+
+        ml_model, ml_s = timed(
+            lambda: KestrelClassifier(outputDir=str(work / "ml"), numWorkers=2,
+                                      trainerArgs=["--cache", str(work / "cache-ml")]).fit(df)
+        )
         spark.stop()
 
     def cli_fit(i: int):
@@ -103,6 +113,8 @@ def main() -> None:
                                          cache=str(work / f"cache-py-{i}")))
 
     fits = [(cli_fit(i), py_fit(i)) for i in range(FIT_ROUNDS)]
+    _, export_s = timed(lambda: trainer("export", "--run", str(work / "run-cli-0"), "--out", str(work / "art-cli"),
+                                        "--no-mlflow", "--json"))
     cli_fit_out, py_fit_out = fits[0][0][0], fits[0][1][0]
     cfit_s = statistics.median(c[1] for c, _ in fits)
     pfit_s = statistics.median(p[1] for _, p in fits)
@@ -114,6 +126,7 @@ def main() -> None:
     row(f"kestrel.spark.features, warm (median of {ROUNDS})", feat_s, "trainer prepare --workers 2", prep_s)
     row("kestrel.spark.fit(num_workers=2)", sfit_s, "trainer fit --workers 2", cfit_s)
     row(f"kestrel.fit(workers=2), median of {FIT_ROUNDS}", pfit_s, "trainer fit --workers 2", cfit_s)
+    row("KestrelClassifier(numWorkers=2).fit(df)", ml_s, "trainer fit --workers 2 + export", cfit_s + export_s)
     print(f"val_loss: spark {spark_fit['val_loss']:.6f}, python {py_fit_out['val_loss']:.6f}, "
           f"cli {cli_fit_out['val_loss']:.6f}")
 
