@@ -87,3 +87,24 @@ def test_log_records_reach_logging_while_the_command_runs(lfw_dir, tmp_path):
     assert all(name.startswith("kestrel.") and level == logging.INFO for name, level, _, _ in epochs)
     print(f"epochs written when the first epoch's record arrived: {epochs[0][3]} of 200")
     assert epochs[0][3] < 200, "the first epoch's record arrived while the run went on"
+
+
+def test_the_ranks_epochs_show_on_the_driver(spark, lfw, shared):
+    from kestrel import spark as ks
+
+    seen = []
+
+    class Driver(logging.Handler):
+        def emit(self, r):
+            seen.append((r.name, r.getMessage()))
+
+    h = Driver()
+    logging.getLogger("kestrel").addHandler(h)
+    try:
+        ks.fit(lfw, out=str(shared / "relayed"), num_workers=2, epochs=3, optimizer="sgd", no_mlflow=True,
+               engine="tract", threads=1, cache=str(shared / "cache"))
+    finally:
+        logging.getLogger("kestrel").removeHandler(h)
+    epochs = [m for n, m in seen if re.match(r"\[rank 0\] epoch +\d+/3:", m)]
+    assert len(epochs) == 3, seen
+    assert all(n.startswith("kestrel.") for n, m in seen if m.startswith("[rank 0] epoch")), seen

@@ -56,3 +56,22 @@ def test_a_uri_only_python_knows_gets_the_run_from_its_directory(notebook_mlflow
     assert run.data.metrics["val_accuracy"] == pytest.approx(s["val_accuracy"])
     assert [m.step for m in MlflowClient().get_metric_history(run.info.run_id, "train_loss")] == [1, 2, 3]
     assert {a.path for a in MlflowClient().list_artifacts(run.info.run_id)} >= {"params.json", "summary.json"}
+
+
+def test_the_model_scores_images_through_mlflow_spark_udf(notebook_mlflow, spark, lfw, lfw_dir, tmp_path):
+    from kestrel import pyfunc
+
+    run, art = tmp_path / "run", tmp_path / "art"
+    kestrel.fit(str(lfw_dir), out=str(run), no_mlflow=True, engine="tract", cache=str(tmp_path / "cache"))
+    kestrel.export(str(run), out=str(art), no_mlflow=True)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/models.db")
+    mlflow.set_experiment(experiment_id=mlflow.create_experiment("models", artifact_location=f"file:{tmp_path}/a"))
+    with mlflow.start_run():
+        info = pyfunc.log_model(str(art), name="faces")
+    expected = {r.path: r.prediction for r in ks.predict(lfw, str(art)).collect()}
+    local = mlflow.pyfunc.load_model(info.model_uri)
+    rows = lfw.select("path", "content").limit(5).toPandas()
+    assert list(local.predict(rows[["content"]])) == [expected[p] for p in rows["path"]]
+    udf = mlflow.pyfunc.spark_udf(spark, info.model_uri, result_type="string")
+    got = {r.path: r.pred for r in lfw.select("path", udf("content").alias("pred")).collect()}
+    assert got == expected

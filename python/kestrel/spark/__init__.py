@@ -34,6 +34,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from kestrel import DataError, KestrelError, _native, flags, parse_json_output, tracking
 from kestrel.spark._cluster import (
+    LogRelay,
+    RelayHandler,
     check_shared,
     gpu_of_task,
     is_object_url,
@@ -353,12 +355,26 @@ def _on_barrier(spark, argv: List[str], num_workers: int, timeout_s: float, ship
             f"and the cluster has {have}: add executors or cores, or ask for fewer workers"
         )
     token = secrets.token_hex(16)
+    sc = spark.sparkContext
+    relay = LogRelay(sc.getConf().get("spark.driver.host", "127.0.0.1"))
+    relay_at, relay_token = relay.address, relay.token
 
     def rank_task(_):
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
         rank = ctx.partitionId()
+        try:
+            sender = RelayHandler(relay_at, relay_token, rank)
+        except OSError:
+            sender = None  # the driver is out of reach: the ranks' logs stay on the executors
+        try:
+            yield from _rank(ctx, rank)
+        finally:
+            if sender is not None:
+                sender.close()
+
+    def _rank(ctx, rank):
         provision(shipped, engine)
         mine = argv + (["--compute-device", gpu_of_task(ctx)] if use_gpu else [])
         host = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0]
@@ -376,7 +392,6 @@ def _on_barrier(spark, argv: List[str], num_workers: int, timeout_s: float, ship
             out = None
         yield (rank, out)
 
-    sc = spark.sparkContext
     log.info("%s on %d ranks (a barrier stage)", argv[0], num_workers)
     group = f"kestrel-{argv[0]}-{token[:8]}"
     sc.setJobGroup(group, f"kestrel {argv[0]} on {num_workers} ranks", interruptOnCancel=True)
@@ -395,6 +410,7 @@ def _on_barrier(spark, argv: List[str], num_workers: int, timeout_s: float, ship
         raise t from None
     finally:
         sc.setLocalProperty("spark.jobGroup.id", None)
+        relay.close()
     lead = dict(results)[0]
     if lead is None:
         raise KestrelError(f"{argv[0]}: rank 0 stopped because another rank failed, which reported nothing")

@@ -237,3 +237,84 @@ def gpu_of_task(ctx) -> str:
             "cluster sets them)"
         )
     return f"cuda:{gpus[0]}"
+
+
+# --- the ranks' log records in the driver's cell ------------------------------------------------
+
+
+class LogRelay:
+    """A listener on the driver that the rank tasks send their ``kestrel.*`` log records to, as
+    lines (level, logger, message), re-emitted on the driver's ``logging`` (so a notebook cell
+    shows each rank's epochs as they end). A connection must first send the job's token."""
+
+    def __init__(self, host: str) -> None:
+        import socket
+        import threading
+
+        self.token = secrets.token_hex(16)
+        self._server = socket.create_server((host, 0))
+        self.address = f"{host}:{self._server.getsockname()[1]}"
+        self._threads: List[threading.Thread] = []
+        self._accept = threading.Thread(target=self._serve, name="kestrel-log-relay", daemon=True)
+        self._accept.start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            t = threading.Thread(target=self._read, args=(conn,), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _read(self, conn) -> None:
+        import logging
+
+        with conn, conn.makefile("r", encoding="utf-8", errors="replace") as f:
+            if f.readline().strip() != self.token:
+                return
+            for line in f:
+                level, name, message = (line.rstrip("\n").split("\t", 2) + ["", ""])[:3]
+                if not name.startswith("kestrel"):
+                    continue
+                logging.getLogger(name).log(int(level) if level.isdigit() else 20, message.replace("\\n", "\n"))
+
+    def close(self) -> None:
+        self._server.close()
+        for t in self._threads:
+            t.join(timeout=5)
+
+
+class RelayHandler:
+    """On a rank task: a ``logging.Handler`` on the ``kestrel`` logger that sends each record to
+    the driver's :class:`LogRelay` (best effort: a relay that cannot be reached is skipped)."""
+
+    def __init__(self, address: str, token: str, rank: int) -> None:
+        import logging
+        import socket
+
+        host, port = address.rsplit(":", 1)
+        self.rank = rank
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.sock.sendall((token + "\n").encode())
+        outer = self
+
+        class Handler(logging.Handler):
+            def emit(self, r: logging.LogRecord) -> None:
+                msg = f"[rank {outer.rank}] {r.getMessage()}".replace("\n", "\\n")
+                try:
+                    outer.sock.sendall(f"{r.levelno}\t{r.name}\t{msg}\n".encode())
+                except OSError:
+                    pass
+
+        self.handler = Handler()
+        logging.getLogger("kestrel").addHandler(self.handler)
+
+    def close(self) -> None:
+        import logging
+
+        logging.getLogger("kestrel").removeHandler(self.handler)
+        self.sock.close()

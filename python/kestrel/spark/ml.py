@@ -250,6 +250,21 @@ class KestrelModel(Model, _Columns, MLReadable, MLWritable):
         """The exported artifact's files by relative path (write them out to publish the model)."""
         return dict(self._files)
 
+    def log_mlflow(self, name: str = "model", registered_model_name: Optional[str] = None) -> Any:
+        """Logs the artifact in the active MLflow run as a model over images
+        (:mod:`kestrel.pyfunc`: usable with ``mlflow.pyfunc.spark_udf``); MLflow's ``ModelInfo``."""
+        import tempfile
+
+        from kestrel import pyfunc
+
+        with tempfile.TemporaryDirectory(prefix="kestrel-artifact-") as d:
+            for rel, data in self._files.items():
+                p = os.path.join(d, rel)
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                with open(p, "wb") as f:
+                    f.write(data)
+            return pyfunc.log_model(d, name=name, registered_model_name=registered_model_name)
+
     def _index(self) -> Dict[str, int]:
         """Position of each class in ``probability`` (the label value for numeric labels)."""
         labels = self.getOrDefault(self.labels)
