@@ -47,7 +47,7 @@ from kestrel.spark._cluster import (
     typed_errors,
 )
 
-__all__ = ["features", "predict", "fit", "tune", "stage", "slots", "artifact_files"]
+__all__ = ["features", "predict", "fit", "tune", "stage", "slots", "artifact_files", "write_files", "locate", "check_shared", "STAGED"]
 
 log = logging.getLogger("kestrel.spark")
 typed_errors()
@@ -187,6 +187,16 @@ def artifact_files(artifact: str) -> Dict[str, bytes]:
     return files
 
 
+def write_files(files: Dict[str, bytes], directory: str) -> str:
+    """Writes an artifact's files (relative path -> bytes) under ``directory``; returns it."""
+    for name, b in files.items():
+        p = os.path.join(directory, name)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(b)
+    return directory
+
+
 def files_digest(files: Dict[str, bytes]) -> str:
     """One sha256 over an artifact's file names and contents."""
     digest = hashlib.sha256()
@@ -202,12 +212,7 @@ def _predictor(files, key: str, threads: int):
     key = f"{key}-{threads}"
     p = _predictors.get(key)
     if p is None:
-        d = tempfile.mkdtemp(prefix="kestrel-artifact-")
-        for name, b in files.value.items():
-            p = os.path.join(d, name)
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            with open(p, "wb") as f:
-                f.write(b)
+        d = write_files(files.value, tempfile.mkdtemp(prefix="kestrel-artifact-"))
         p = _predictors[key] = _native.Predictor(d, threads)
     return p
 
@@ -216,12 +221,7 @@ def broadcast_artifact(spark, files: Dict[str, bytes]):
     """``(broadcast, key)`` of an artifact's files, checked here on the driver first (hashes and
     golden samples), so a bad artifact fails before any task."""
     with tempfile.TemporaryDirectory(prefix="kestrel-artifact-") as d:
-        for name, b in files.items():
-            p = os.path.join(d, name)
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            with open(p, "wb") as f:
-                f.write(b)
-        _native.Predictor(d, 1)
+        _native.Predictor(write_files(files, d), 1)
     return spark.sparkContext.broadcast(files), files_digest(files)
 
 

@@ -258,11 +258,7 @@ class KestrelModel(Model, _Columns, MLReadable, MLWritable):
         from kestrel import pyfunc
 
         with tempfile.TemporaryDirectory(prefix="kestrel-artifact-") as d:
-            for rel, data in self._files.items():
-                p = os.path.join(d, rel)
-                os.makedirs(os.path.dirname(p), exist_ok=True)
-                with open(p, "wb") as f:
-                    f.write(data)
+            ks.write_files(self._files, d)
             return pyfunc.log_model(d, name=name, registered_model_name=registered_model_name)
 
     def _index(self) -> Dict[str, int]:
