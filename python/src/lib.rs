@@ -167,15 +167,16 @@ fn interruptible<T: Send>(py: Python<'_>, work: impl FnOnce() -> T + Send) -> Py
                     .unwrap_or_else(|p| p.into_inner());
                 *g
             });
-            logs::forward(py)?;
-            if done {
-                break;
-            }
-            if let Err(e) = py.check_signals() {
+            // Python code runs here (logging, signal handlers): a KeyboardInterrupt may come from
+            // either, and the work must hear of it before this thread waits for it to end.
+            if let Err(e) = logs::forward(py).and_then(|()| py.check_signals()) {
                 interrupt::request();
                 let _ = py.detach(|| h.join());
                 interrupt::clear();
                 return Err(e);
+            }
+            if done {
+                break;
             }
         }
         Ok(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))

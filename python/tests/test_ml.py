@@ -108,3 +108,15 @@ def test_a_bad_image_on_an_executor_is_a_data_error_on_the_driver(spark, lfw, sh
 
     with pytest.raises(DataError, match="broken.png"):
         ks.fit(mixed, out=str(shared / "bad-fit"), num_workers=2, no_mlflow=True, epochs=1, engine="tract")
+
+
+def test_executors_find_onnx_runtime_in_their_own_wheel(spark, lfw):
+    """engine="ort" with the driver's ORT_DYLIB_PATH hidden from the executors: each finds the
+    library of its `onnxruntime` wheel; the features are tract's within 1e-4."""
+    import numpy as np
+
+    some = lfw.orderBy("path").limit(6)
+    ort = {r.path: np.asarray(r.features) for r in ks.features(some, engine="ort", threads=1).collect()}
+    tract = {r.path: np.asarray(r.features) for r in ks.features(some, engine="tract", threads=1).collect()}
+    assert len(ort) == 6 and ort.keys() == tract.keys()
+    assert max(float(np.abs(ort[p] - tract[p]).max()) for p in ort) <= 1e-4
