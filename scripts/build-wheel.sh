@@ -35,9 +35,12 @@ esac
 mkdir -p "$out"
 args=(build --release --locked --zig --compatibility manylinux_2_28 -m "$here/../python/Cargo.toml" -o "$out")
 target="$arch-unknown-linux-gnu"
+# Its own target directory: zig as the C compiler rebuilds every crate with C parts, which would
+# otherwise be rebuilt again for the tests' builds.
+export CARGO_TARGET_DIR="$KESTREL_HOME/target-wheel-$arch"
 if [ "$arch" = aarch64 ]; then
   # Debian's compiler, which has the arm64 standard library; its own target directory.
-  export RUSTC=/usr/bin/rustc CARGO_TARGET_DIR="$KESTREL_HOME/target-wheel-aarch64"
+  export RUSTC=/usr/bin/rustc
   [ -d /usr/lib/rustlib/aarch64-unknown-linux-gnu ] || {
     echo "build-wheel.sh: no arm64 standard library: scripts/setup.sh installs libstd-rust-web-dev:arm64" >&2; exit 78; }
 fi

@@ -31,7 +31,8 @@ def test_the_seed_notebook_translated_runs_as_written(spark, lfw_dir, shared, tm
     work = shared / "notebook"
     before = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/notebook.db")
-    mlflow.set_experiment("seed")
+    # Artifacts beside the database (a SQLite store's default is ./mlruns, in the checkout).
+    mlflow.set_experiment(experiment_id=mlflow.create_experiment("seed", artifact_location=f"file:{tmp_path}/a"))
     ns = {"spark": spark, "print": print}
     try:
         # The first cell names the locations: the test's own, in the same shape.

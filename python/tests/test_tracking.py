@@ -45,7 +45,8 @@ def test_a_spark_fit_is_a_child_of_the_notebooks_run(notebook_mlflow, mlflow_ser
 
 def test_a_uri_only_python_knows_gets_the_run_from_its_directory(notebook_mlflow, lfw_dir, tmp_path):
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/notebook.db")
-    mlflow.set_experiment("kestrel-notebook")
+    # Artifacts beside the database (a SQLite store's default is ./mlruns, in the checkout).
+    mlflow.set_experiment(experiment_id=mlflow.create_experiment("kestrel-notebook", artifact_location=f"file:{tmp_path}/a"))
     with mlflow.start_run(run_name="notebook") as parent:
         s = kestrel.fit(str(lfw_dir), out=str(tmp_path / "run"), epochs=3, optimizer="sgd",
                         engine="tract", cache=str(tmp_path / "cache"))
