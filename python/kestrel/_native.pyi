@@ -19,6 +19,12 @@ class ServiceError(KestrelError):
 class GateError(KestrelError):
     """A check refused the result: an export gate, a rollout that did not complete."""
 
+class PeerFailed(KestrelError):
+    """Another rank of the job failed first; its error is the job's."""
+
+def init_logging(verbosity: int) -> None:
+    """The Rust log records as `logging` records at `verbosity`; takes effect when called."""
+
 def pretrained_path(name: str) -> Optional[str]:
     """Where this process keeps the pretrained backbone `name`'s weights, or None."""
 
@@ -30,7 +36,6 @@ def run_rank(
 ) -> str:
     """Runs a distributed command as rank `rank` (> 0) of `world`; rank 0 listens at `lead`."""
 
-def init_logging(verbosity: int) -> None: ...
 
 class Lead:
     """Rank 0 of a job of processes, listening on `host` at `port`."""
