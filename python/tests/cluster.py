@@ -65,6 +65,22 @@ PRIVATE = (
 )
 
 
+def can_isolate() -> bool:
+    """Whether this process may give a child a mount namespace of its own (root with
+    CAP_SYS_ADMIN: CI's containers and this machine; not every sandbox). KESTREL_TEST_ISOLATION=0
+    says no."""
+    if os.environ.get("KESTREL_TEST_ISOLATION") == "0":
+        return False
+    try:
+        r = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs t /mnt"],
+            capture_output=True, timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
 @contextlib.contextmanager
 def standalone(workers: int = 2, isolated: bool = False):
     """(master URL, workers' log dir) of a running standalone cluster of `workers` one-core

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from cluster import BIN, HOME, LFW, free_port, session, standalone, wait_until  # noqa: F401
+from cluster import BIN, HOME, LFW, can_isolate, free_port, session, standalone, wait_until  # noqa: F401
+
+#: Workers in mount namespaces of their own when this machine allows it; else they share the
+#: driver's files and the tests that need them apart are skipped, saying why.
+ISOLATED = can_isolate()
+needs_isolation = pytest.mark.skipif(
+    not ISOLATED, reason="needs `unshare --mount` (root with CAP_SYS_ADMIN) to keep the workers' files apart"
+)
 
 
 @pytest.fixture(scope="session")
@@ -29,13 +36,13 @@ def shared():
 @pytest.fixture(scope="session")
 def cluster():
     """(master URL, workers' log dir) of a running standalone cluster with two isolated workers."""
-    with standalone(2, isolated=True) as c:
+    with standalone(2, isolated=ISOLATED) as c:
         yield c
 
 
 @pytest.fixture(scope="session")
 def spark(cluster):
-    s = session(cluster[0], 2, isolated=True)
+    s = session(cluster[0], 2, isolated=ISOLATED)
     yield s
     s.stop()
 

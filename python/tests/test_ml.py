@@ -12,6 +12,8 @@ import kestrel
 from kestrel import ConfigError, DataError, _native
 from kestrel import spark as ks
 
+from conftest import needs_isolation
+
 
 def on_executors(spark, fn):
     """`fn()` on one task per slot of a barrier stage (so on every executor); the results."""
@@ -19,6 +21,7 @@ def on_executors(spark, fn):
     return spark.sparkContext.parallelize(range(n), n).barrier().mapPartitions(lambda _: [fn()]).collect()
 
 
+@needs_isolation
 def test_a_driver_local_location_is_refused_before_any_work(spark, lfw, tmp_path):
     with pytest.raises(ConfigError, match=r"out `.*` is the driver's alone: the executors at .*127\.0\.0\.1"):
         ks.fit(lfw, out=str(tmp_path / "run"), num_workers=2, no_mlflow=True)
@@ -36,6 +39,7 @@ def test_locations_name_one_place_for_spark_and_for_the_trainer():
     assert ks.locate("/Volumes/main/default/v") == ("file:/Volumes/main/default/v", "/Volumes/main/default/v")
 
 
+@needs_isolation
 def test_executors_provision_the_backbone_themselves(spark, lfw):
     driver_weights = _native.pretrained_path("efficientnet-lite0")
 
@@ -110,6 +114,7 @@ def test_a_bad_image_on_an_executor_is_a_data_error_on_the_driver(spark, lfw, sh
         ks.fit(mixed, out=str(shared / "bad-fit"), num_workers=2, no_mlflow=True, epochs=1, engine="tract")
 
 
+@needs_isolation
 def test_executors_find_onnx_runtime_in_their_own_wheel(spark, lfw):
     """engine="ort" with the driver's ORT_DYLIB_PATH hidden from the executors: each finds the
     library of its `onnxruntime` wheel; the features are tract's within 1e-4."""
