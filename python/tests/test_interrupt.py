@@ -5,7 +5,6 @@ files: `kestrel.fit` in a Python process of its own (as a notebook kernel runs i
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -8,7 +8,6 @@ import os
 
 import pytest
 
-import kestrel
 from kestrel import ConfigError, DataError, _native
 from kestrel import spark as ks
 

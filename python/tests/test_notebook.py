@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from pathlib import Path
 
 import mlflow
-import pytest
 from mlflow.tracking import MlflowClient
 
 import kestrel

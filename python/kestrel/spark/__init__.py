@@ -124,7 +124,7 @@ def features(
     shipped = ship(spark, backbone)
     engine = kwargs.get("engine")
     flag_list = tuple(flags(backbone=backbone, **kwargs))
-    _small_batches(_session(df), batch_rows)
+    _small_batches(spark, batch_rows)
     kept = [f for f in df.schema.fields if f.name != content]
     schema = StructType(
         kept
@@ -251,8 +251,9 @@ def predict(
     )
 
     _require(df, path, content)
-    files, key = broadcast_artifact(_session(df), artifact_files(artifact))
-    _small_batches(_session(df), batch_rows)
+    spark = _session(df)
+    files, key = broadcast_artifact(spark, artifact_files(artifact))
+    _small_batches(spark, batch_rows)
     kept = [f for f in df.schema.fields if f.name != content]
     top_type = StructType(
         [
@@ -325,8 +326,8 @@ def _data(spark, df_or_table, out: str, label, path, content, staging):
     if isinstance(df_or_table, str):
         return locate(df_or_table)[1], []
     where = staging or os.path.join(out, STAGED)
-    if staging is not None and not is_object_url(locate(staging)[1]):
-        check_shared(spark, locate(staging)[1], "staging")
+    if staging is not None:
+        check_shared(spark, locate(staging)[1], "staging")  # an object URL needs no probe
     staged = stage(df_or_table, where, label=label, path=path, content=content)
     extra = ["--label-column", label, "--path-column", path, "--content-column", content]
     return staged, extra
