@@ -7,10 +7,10 @@ extraction and training, against the CLI on the same images.
   on warm executors (a notebook's later cells: 5 calls after a second one, whose JVM is still
   warming up its Arrow path), each after a `trainer prepare` run, medians compared: the machine's
   speed drifts by more than the overhead measured, so the two sides take turns;
-- `kestrel.spark.fit(num_workers=2)` against `trainer fit --workers 2`, on the same staged table;
-- `kestrel.fit` (the Python API, in-process) against `trainer fit`, taking turns, 5 each;
-- `KestrelClassifier(numWorkers=2).fit(df)` (staging, barrier fit, export on the driver) against
-  `trainer fit --workers 2` plus `trainer export`.
+- `kestrel.spark.fit(num_workers=2)` against `trainer fit --workers 2`, on the same staged table,
+  and `KestrelClassifier(numWorkers=2).fit(df)` (staging, barrier fit, export on the driver)
+  against `trainer fit --workers 2` plus `trainer export`: 3 rounds taking turns, medians;
+- `kestrel.fit` (the Python API, in-process) against `trainer fit`, taking turns, 5 each.
 
     python scripts/bench_spark.py PHOTO_DIR   # an ImageFolder (scripts/camera_photos.py writes one)
 """
@@ -31,6 +31,7 @@ from cluster import BIN, session, standalone  # noqa: E402
 
 ROUNDS = 5  # warm features calls, each beside a `trainer prepare`
 FIT_ROUNDS = 5  # `kestrel.fit` beside `trainer fit`
+SPARK_ROUNDS = 3  # `kestrel.spark.fit` and the estimator beside `trainer fit` (and export)
 
 
 def timed(f):
@@ -64,6 +65,11 @@ def main() -> None:
         return timed(lambda: trainer("prepare", "--data", str(args.photos), "--workers", "2", "--threads", "2",
                                      "--engine", "tract", "--cache", str(work / f"cache-{i}"), "--json"))[1]
 
+    def cli_fit(i):
+        return timed(lambda: json.loads(trainer("fit", "--data", str(work / "staged"), "--workers", "2", "--out",
+                                                str(work / f"run-cli-{i}"), "--cache", str(work / f"cache-cli-{i}"),
+                                                "--no-mlflow", "--json")))
+
     with standalone(2) as (master, _):
         spark = session(master, 2, app="kestrel-bench")
         df = (
@@ -89,45 +95,50 @@ def main() -> None:
         feat_s = statistics.median(f for _, f in pairs)
         staged = str(work / "staged")
         ks.stage(df, staged)
-        spark_fit, sfit_s = timed(
-            lambda: ks.fit(staged, out=str(work / "run-spark"), num_workers=2, no_mlflow=True,
-                           cache=str(work / "cache-spark"))
-        )
-        # The Spark ML estimator on the DataFrame: staging, a barrier fit and the export on the
-        # driver, against the CLI's fit and export.
         from kestrel.spark.ml import KestrelClassifier
 
-        ml_model, ml_s = timed(
-            lambda: KestrelClassifier(outputDir=str(work / "ml"), numWorkers=2,
-                                      trainerArgs=["--cache", str(work / "cache-ml")]).fit(df)
-        )
+        # Each round: the CLI's fit (and export), `kestrel.spark.fit` on the same staged table, and
+        # the Spark ML estimator on the DataFrame (staging, a barrier fit, the export on the
+        # driver); medians compared, as above.
+        fits = []
+        for i in range(SPARK_ROUNDS):
+            cli = cli_fit(f"s{i}")
+            _, export_s = timed(lambda: trainer("export", "--run", str(work / f"run-cli-s{i}"), "--out",
+                                                str(work / f"art-cli-{i}"), "--no-mlflow", "--json"))
+            spark_out, sfit_s = timed(
+                lambda: ks.fit(staged, out=str(work / f"run-spark-{i}"), num_workers=2, no_mlflow=True,
+                               cache=str(work / f"cache-spark-{i}"))
+            )
+            _, ml_s = timed(
+                lambda: KestrelClassifier(outputDir=str(work / f"ml-{i}"), numWorkers=2,
+                                          trainerArgs=["--cache", str(work / f"cache-ml-{i}")]).fit(df)
+            )
+            fits.append((cli[1], export_s, sfit_s, ml_s))
         spark.stop()
-
-    def cli_fit(i: int):
-        return timed(lambda: json.loads(trainer("fit", "--data", staged, "--workers", "2", "--out",
-                                                str(work / f"run-cli-{i}"), "--cache", str(work / f"cache-cli-{i}"),
-                                                "--no-mlflow", "--json")))
+    cfit_spark_s = statistics.median(f[0] for f in fits)
+    cfit_export_s = statistics.median(f[0] + f[1] for f in fits)
+    sfit_s = statistics.median(f[2] for f in fits)
+    ml_s = statistics.median(f[3] for f in fits)
 
     def py_fit(i: int):
         return timed(lambda: kestrel.fit(staged, out=str(work / f"run-py-{i}"), workers=2, no_mlflow=True,
                                          cache=str(work / f"cache-py-{i}")))
 
-    fits = [(cli_fit(i), py_fit(i)) for i in range(FIT_ROUNDS)]
-    _, export_s = timed(lambda: trainer("export", "--run", str(work / "run-cli-0"), "--out", str(work / "art-cli"),
-                                        "--no-mlflow", "--json"))
-    cli_fit_out, py_fit_out = fits[0][0][0], fits[0][1][0]
-    cfit_s = statistics.median(c[1] for c, _ in fits)
-    pfit_s = statistics.median(p[1] for _, p in fits)
+    pairs = [(cli_fit(i), py_fit(i)) for i in range(FIT_ROUNDS)]
+    cli_fit_out, py_fit_out = pairs[0][0][0], pairs[0][1][0]
+    cfit_s = statistics.median(c[1] for c, _ in pairs)
+    pfit_s = statistics.median(p[1] for _, p in pairs)
     print(f"# kestrel.spark on a standalone cluster (2 workers, 1 core each) vs the CLI, {n} photos; "
           "fresh caches (each fit extracts its features)")
     print(f"{'kestrel':<44}{'':>11}  {'peer':<34}{'':>11}  {'ratio':>7}")
     row("kestrel.spark.features, fresh executors", cold_s, "trainer prepare --workers 2", prep_s)
     row("kestrel.spark.features, second call", again_s, "trainer prepare --workers 2", prep_s)
     row(f"kestrel.spark.features, warm (median of {ROUNDS})", feat_s, "trainer prepare --workers 2", prep_s)
-    row("kestrel.spark.fit(num_workers=2)", sfit_s, "trainer fit --workers 2", cfit_s)
+    row(f"kestrel.spark.fit(num_workers=2), median of {SPARK_ROUNDS}", sfit_s, "trainer fit --workers 2", cfit_spark_s)
     row(f"kestrel.fit(workers=2), median of {FIT_ROUNDS}", pfit_s, "trainer fit --workers 2", cfit_s)
-    row("KestrelClassifier(numWorkers=2).fit(df)", ml_s, "trainer fit --workers 2 + export", cfit_s + export_s)
-    print(f"val_loss: spark {spark_fit['val_loss']:.6f}, python {py_fit_out['val_loss']:.6f}, "
+    row(f"KestrelClassifier(numWorkers=2).fit(df), median of {SPARK_ROUNDS}", ml_s, "trainer fit --workers 2 + export",
+        cfit_export_s)
+    print(f"val_loss: spark {spark_out['val_loss']:.6f}, python {py_fit_out['val_loss']:.6f}, "
           f"cli {cli_fit_out['val_loss']:.6f}")
 
 

@@ -138,7 +138,9 @@ def test_a_worker_killed_during_features_is_retried_with_the_same_result(spark, 
     assert again == clean
 
 
-def test_tune_spreads_its_trials_over_a_barrier_stage(spark, lfw, shared):
+def test_tune_spreads_its_trials_over_a_barrier_stage(spark, lfw, shared, monkeypatch):
+    # The ranks find rank 0 through Spark's allGather here (the other tests: the driver's relay).
+    monkeypatch.setenv("KESTREL_SPARK_RENDEZVOUS", "barrier")
     before = tasks_per_executor(spark)
     s = ks.tune(
         lfw, out=str(shared / "tune"), num_workers=2, trials=4, startup=2, engine="tract",

@@ -4,9 +4,10 @@
   (``mapInArrow``; the backbone is loaded once per Python worker, which Spark reuses);
 - :func:`predict`: an exported artifact over a DataFrame of images (top-k classes and scores);
 - :func:`fit` and :func:`tune`: ``trainer fit`` / ``trainer tune`` with one rank per task of a
-  *barrier stage*: the tasks find rank 0 through ``BarrierTaskContext`` (its address from
-  ``getTaskInfos``, its port by ``allGather``) and run the same collectives as ``--workers N``
-  and ``mpirun`` over TCP (TorchDistributor's pattern; Horovod is gone from Databricks ML).
+  *barrier stage*: rank 0 listens and posts its address to a small service on the driver, where
+  the other tasks find it (horovod.spark's driver service; Spark's own ``allGather`` waits in
+  whole seconds), and all run the same collectives as ``--workers N`` and ``mpirun`` over TCP
+  (TorchDistributor's pattern; Horovod is gone from Databricks ML).
 
 A DataFrame of images is what Spark's ``binaryFile`` reader gives: ``path`` and ``content``
 (other column names through ``path=`` and ``content=``). The package must be installed on the
@@ -32,10 +33,11 @@ import tempfile
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from kestrel import DataError, KestrelError, _native, flags, parse_json_output, tracking
+from kestrel import DataError, KestrelError, ServiceError, _native, flags, parse_json_output, tracking
 from kestrel.spark._cluster import (
-    LogRelay,
-    RelayHandler,
+    RENDEZVOUS_ENV,
+    Relay,
+    RelayClient,
     check_shared,
     gpu_of_task,
     is_object_url,
@@ -357,8 +359,9 @@ def _on_barrier(spark, argv: List[str], num_workers: int, timeout_s: float, ship
         )
     token = secrets.token_hex(16)
     sc = spark.sparkContext
-    relay = LogRelay(sc.getConf().get("spark.driver.host", "127.0.0.1"))
+    relay = Relay(sc.getConf().get("spark.driver.host", "127.0.0.1"), timeout_s)
     relay_at, relay_token = relay.address, relay.token
+    by_barrier = os.environ.get(RENDEZVOUS_ENV) == "barrier"
 
     def rank_task(_):
         from pyspark import BarrierTaskContext
@@ -366,27 +369,36 @@ def _on_barrier(spark, argv: List[str], num_workers: int, timeout_s: float, ship
         ctx = BarrierTaskContext.get()
         rank = ctx.partitionId()
         try:
-            sender = RelayHandler(relay_at, relay_token, rank)
-        except OSError:
-            sender = None  # the driver is out of reach: the ranks' logs stay on the executors
+            link = RelayClient(relay_at, relay_token, rank)
+        except OSError as e:
+            if not by_barrier:
+                raise ServiceError(
+                    f"rank {rank}: the driver's relay at {relay_at} cannot be reached ({e}): the ranks "
+                    f"find rank 0 there; where executors may reach only Spark's own ports, set "
+                    f"{RENDEZVOUS_ENV}=barrier on the driver (rank 0 found by Spark's allGather)"
+                ) from e
+            link = None  # the ranks' logs stay on the executors
         try:
-            yield from _rank(ctx, rank)
+            yield from _rank(ctx, rank, link)
         finally:
-            if sender is not None:
-                sender.close()
+            if link is not None:
+                link.close()
 
-    def _rank(ctx, rank):
+    def _rank(ctx, rank, link):
         provision(shipped, engine)
         mine = argv + (["--compute-device", gpu_of_task(ctx)] if use_gpu else [])
         host = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0]
         try:
             if rank == 0:
                 lead = _native.Lead(host)
-                ports = ctx.allGather(str(lead.port))
+                if by_barrier:
+                    ctx.allGather(str(lead.port))
+                else:
+                    link.post_lead(f"{host}:{lead.port}")
                 out = lead.run(mine, num_workers, token, timeout_s)
             else:
-                ports = ctx.allGather("")
-                out = _native.run_rank(mine, rank, num_workers, f"{host}:{ports[0]}", token, timeout_s)
+                at = f"{host}:{ctx.allGather('')[0]}" if by_barrier else link.find_lead(timeout_s)
+                out = _native.run_rank(mine, rank, num_workers, at, token, timeout_s)
         except _native.PeerFailed:
             # Stopped because another rank failed: that rank's error (a bad image: DataError) is
             # the one the stage reports, whichever task Spark hears of first.
@@ -425,6 +437,9 @@ def _distributed(command, df_or_table, out, label, num_workers, path, content, s
     if not isinstance(df_or_table, str):
         _require(df_or_table, path, content, label)
     run_dir = _run_dir(spark, out)
+    # A rank uses the cores Spark gives its task (spark.task.cpus, as Spark tells Python workers
+    # through OMP_NUM_THREADS): two ranks on one executor must not each take every core.
+    kwargs.setdefault("threads", int(spark.sparkContext.getConf().get("spark.task.cpus", "1")))
     shipped = ship(spark, kwargs.get("backbone", "efficientnet-lite0"))
     data, extra = _data(spark, df_or_table, run_dir, label, path, content, staging)
     tracked, finish = tracking.plan(kwargs)

@@ -239,23 +239,36 @@ def gpu_of_task(ctx) -> str:
     return f"cuda:{gpus[0]}"
 
 
-# --- the ranks' log records in the driver's cell ------------------------------------------------
+# --- the driver's service to the ranks: their log records, rank 0's address ------------------
+
+#: ``KESTREL_SPARK_RENDEZVOUS=barrier`` (on the driver): the ranks find rank 0 by Spark's
+#: ``BarrierTaskContext.allGather`` instead of the driver's :class:`Relay`, for clusters whose
+#: executors may reach only the driver's Spark ports. Spark's barrier calls wait in whole
+#: seconds (the JVM polls its RPC once a second), so it costs a second a job.
+RENDEZVOUS_ENV = "KESTREL_SPARK_RENDEZVOUS"
 
 
-class LogRelay:
-    """A listener on the driver that the rank tasks send their ``kestrel.*`` log records to, as
-    lines (level, logger, message), re-emitted on the driver's ``logging`` (so a notebook cell
-    shows each rank's epochs as they end). A connection must first send the job's token."""
+class Relay:
+    """A listener on the driver that the rank tasks connect to (horovod.spark's driver service,
+    smaller): each sends its ``kestrel.*`` log records as lines (level, logger, message),
+    re-emitted on the driver's ``logging`` (so a notebook cell shows each rank's epochs as they
+    end); rank 0 posts the address its collectives listen on, and the other ranks ask for it
+    (the rendezvous, in milliseconds where Spark's ``allGather`` takes a second). A connection
+    must first send the job's token."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, wait_s: float) -> None:
         import socket
         import threading
 
         self.token = secrets.token_hex(16)
+        self.wait_s = wait_s
         self._server = socket.create_server((host, 0))
         self.address = f"{host}:{self._server.getsockname()[1]}"
+        self._lead: Optional[str] = None
+        self._closed = False
+        self._changed = threading.Condition()
         self._threads: List[threading.Thread] = []
-        self._accept = threading.Thread(target=self._serve, name="kestrel-log-relay", daemon=True)
+        self._accept = threading.Thread(target=self._serve, name="kestrel-relay", daemon=True)
         self._accept.start()
 
     def _serve(self) -> None:
@@ -277,26 +290,40 @@ class LogRelay:
             if f.readline().strip() != self.token:
                 return
             for line in f:
-                level, name, message = (line.rstrip("\n").split("\t", 2) + ["", ""])[:3]
-                if not name.startswith("kestrel"):
-                    continue
-                logging.getLogger(name).log(int(level) if level.isdigit() else 20, message.replace("\\n", "\n"))
+                line = line.rstrip("\n")
+                if line.startswith("!lead\t"):
+                    with self._changed:
+                        self._lead = line[len("!lead\t"):]
+                        self._changed.notify_all()
+                elif line == "!find":
+                    with self._changed:
+                        self._changed.wait_for(lambda: self._lead is not None or self._closed, self.wait_s)
+                        lead = self._lead or ""
+                    conn.sendall(f"{lead}\n".encode())
+                else:
+                    level, name, message = (line.split("\t", 2) + ["", ""])[:3]
+                    if name.startswith("kestrel"):
+                        logging.getLogger(name).log(int(level) if level.isdigit() else 20, message.replace("\\n", "\n"))
 
     def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
         self._server.close()
         for t in self._threads:
             t.join(timeout=5)
 
 
-class RelayHandler:
-    """On a rank task: a ``logging.Handler`` on the ``kestrel`` logger that sends each record to
-    the driver's :class:`LogRelay` (best effort: a relay that cannot be reached is skipped)."""
+class RelayClient:
+    """On a rank task: the connection to the driver's :class:`Relay`, and a ``logging.Handler``
+    on the ``kestrel`` logger that sends each record there (best effort once connected)."""
 
     def __init__(self, address: str, token: str, rank: int) -> None:
         import logging
         import socket
 
         host, port = address.rsplit(":", 1)
+        self.address = address
         self.rank = rank
         self.sock = socket.create_connection((host, int(port)), timeout=10)
         self.sock.sendall((token + "\n").encode())
@@ -305,13 +332,41 @@ class RelayHandler:
         class Handler(logging.Handler):
             def emit(self, r: logging.LogRecord) -> None:
                 msg = f"[rank {outer.rank}] {r.getMessage()}".replace("\n", "\\n")
-                try:
-                    outer.sock.sendall(f"{r.levelno}\t{r.name}\t{msg}\n".encode())
-                except OSError:
-                    pass
+                outer._send(f"{r.levelno}\t{r.name}\t{msg}")
 
         self.handler = Handler()
         logging.getLogger("kestrel").addHandler(self.handler)
+
+    def _send(self, line: str) -> bool:
+        try:
+            self.sock.sendall(f"{line}\n".encode())
+            return True
+        except OSError:
+            return False
+
+    def post_lead(self, lead: str) -> None:
+        """Rank 0: the address its collectives listen on, for the other ranks."""
+        if not self._send(f"!lead\t{lead}"):
+            raise ServiceError(f"the driver's relay at {self.address} closed before rank 0 could post its address")
+
+    def find_lead(self, timeout_s: float) -> str:
+        """Another rank: rank 0's address, once rank 0 has posted it."""
+        self.sock.settimeout(timeout_s)
+        try:
+            self.sock.sendall(b"!find\n")
+            reply = b""
+            while not reply.endswith(b"\n"):
+                more = self.sock.recv(256)
+                if not more:
+                    break
+                reply += more
+        except OSError as e:
+            raise ServiceError(f"rank {self.rank}: no address of rank 0 from the driver at {self.address}: {e}") from e
+        lead = reply.decode().strip()
+        if not lead:
+            raise ServiceError(f"rank {self.rank}: rank 0 posted no address to the driver at {self.address} "
+                               f"within {timeout_s:.0f}s")
+        return lead
 
     def close(self) -> None:
         import logging

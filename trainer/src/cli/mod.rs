@@ -76,13 +76,23 @@ pub fn run(cmd: Cmd) -> Result<ExitCode> {
 
 /// Runs a command as one rank of a job of processes that `comm` connects (the tasks of a Spark
 /// barrier stage, each running the same command line); only the distributed commands can.
-pub fn run_as_rank(cmd: Cmd, comm: Box<dyn Collective>) -> Result<ExitCode> {
+pub fn run_as_rank(cmd: Cmd, comm: Box<dyn Collective + Send>) -> Result<ExitCode> {
     let opts = job_opts(&cmd)?;
     if !opts.distributed {
         return Err(JobError::NotDistributed.into());
     }
-    let job = Job::ranked(opts, comm);
-    dispatch(cmd, &job).map_err(|e| job.fail(e))
+    // The process may hold other work (a Spark executor's Python worker, whose global pool the
+    // first command sized): candle's kernels for this rank run in a pool of its own threads. The
+    // command runs on that pool's thread; its output goes where this thread's would.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(opts.threads.max(1))
+        .build()?;
+    let (r, printed) = pool.install(move || {
+        let job = Job::ranked(opts, comm);
+        out::capture(|| dispatch(cmd, &job).map_err(|e| job.fail(e)))
+    });
+    out::text(&printed);
+    r
 }
 
 fn job_opts(cmd: &Cmd) -> Result<JobOpts> {
