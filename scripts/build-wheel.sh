@@ -2,8 +2,8 @@
 # The `kestrel` wheels a cluster installs (`%pip install`, a cluster library): one abi3 wheel per platform
 # (CPython 3.9 and later), manylinux_2_28 (glibc 2.28 or later: Databricks runtimes, EMR, Ubuntu 20.04 and
 # later). zig (the `ziglang` wheel from PyPI) compiles and links the C parts against glibc 2.28, whatever this
-# host's glibc, and cross-compiles aarch64 with Debian's `rustc-web` and its arm64 standard library (as
-# scripts/build-edge.sh does for the agent).
+# host's glibc, and cross-compiles aarch64 with Debian's `rustc-web` and its arm64 standard library, or rustup's
+# aarch64 target (as scripts/build-edge.sh does for the agent).
 #
 #   scripts/build-wheel.sh                      # x86_64, CPU                -> dist/wheels/
 #   scripts/build-wheel.sh --target aarch64     # aarch64 (Graviton, Ampere), CPU
@@ -39,10 +39,17 @@ target="$arch-unknown-linux-gnu"
 # otherwise be rebuilt again for the tests' builds.
 export CARGO_TARGET_DIR="$KESTREL_HOME/target-wheel-$arch"
 if [ "$arch" = aarch64 ]; then
-  # Debian's compiler, which has the arm64 standard library; its own target directory.
-  export RUSTC=/usr/bin/rustc
-  [ -d /usr/lib/rustlib/aarch64-unknown-linux-gnu ] || {
-    echo "build-wheel.sh: no arm64 standard library: scripts/setup.sh installs libstd-rust-web-dev:arm64" >&2; exit 78; }
+  # A compiler with the arm64 standard library: Debian's rustc-web (libstd-rust-web-dev:arm64), else rustup's
+  # target (as scripts/build-edge.sh chooses); its own target directory either way.
+  if [ -d /usr/lib/rustlib/aarch64-unknown-linux-gnu ] && [ -x /usr/bin/rustc ]; then
+    export RUSTC=/usr/bin/rustc
+  elif command -v rustup >/dev/null 2>&1 && { rustup target list --installed | grep -qx "$target" || rustup target add "$target" >&2; }; then
+    RUSTC="$(rustup which rustc)"
+    export RUSTC
+  else
+    echo "build-wheel.sh: no arm64 standard library: install libstd-rust-web-dev:arm64 (Debian 12) or rustup's $target" >&2
+    exit 78
+  fi
 fi
 args+=(--target "$target")
 if [ "$cuda" = 1 ]; then

@@ -35,6 +35,8 @@ AZURITE_VERSION=3.35.0
 # The Python package's Spark tests: pyspark (Java 17 from Debian), the wheel built by maturin.
 PYSPARK_VERSION=4.3.0
 MATURIN_VERSION=1.16.0
+# The type checker that reads the package's flag hints as an IDE does (python/tests/test_flags.py).
+MYPY_VERSION=1.19.1
 # CUDA (scripts/setup-cuda.sh, behind its own flag): the CUDA 13 toolkit's wheels that build candle's
 # kernels (13.4: the newest CUDA that cudarc 0.19 knows; CCCL has its own numbering), and the
 # onnxruntime-gpu release (CUDA 13, cuDNN 9) whose library runs ONNX graphs on a GPU (the newest;

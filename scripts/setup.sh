@@ -126,6 +126,10 @@ if [ $full = 1 ]; then
     "$KESTREL_PY" -m pip install --quiet "pyspark==$PYSPARK_VERSION" "maturin==$MATURIN_VERSION" \
       pytest "pandas>=2.2,<3" >&2
   fi
+  if ! venv_has 'mypy'; then
+    log "installing mypy==$MYPY_VERSION (the flags' type hints are checked as an IDE reads them)"
+    "$KESTREL_PY" -m pip install --quiet "mypy==$MYPY_VERSION" >&2
+  fi
   if ! command -v java >/dev/null 2>&1; then
     log "installing Java 17 (Debian) for Spark"
     apt-get install -y -q openjdk-17-jre-headless >&2 || log "WARNING: no Java: the Spark tests fail saying so"

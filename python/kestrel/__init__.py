@@ -7,7 +7,8 @@ Every function runs the command the CLI runs, in this process, with the GIL rele
     s["val_accuracy"]
 
 Keyword arguments are the command's flags (``--label-column`` is ``label_column=``; ``True``
-gives a switch, ``None``/``False`` leave it out, a list repeats the flag). The result is the
+gives a switch, ``None``/``False`` leave it out, a list repeats the flag), typed for IDEs by
+the TypedDicts of ``kestrel._flags`` (written from the CLI by ``scripts/gen-flags.py``). The result is the
 command's ``--json`` summary as a dict (a list of dicts for commands that print one object per
 line). A failure raises a :class:`KestrelError` with the CLI's message, of the class that says
 what failed: :class:`DataError` (a table, column, image, label or weights file),
@@ -24,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Any, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 from . import _native, tracking
 from ._native import (
@@ -37,6 +38,20 @@ from ._native import (
     ServiceError,
     __version__,
 )
+
+if TYPE_CHECKING:  # the flags' types for IDEs and type checkers (scripts/gen-flags.py)
+    from typing_extensions import Unpack
+
+    from ._flags import (
+        EvaluateFlags,
+        ExportFlags,
+        FitFlags,
+        PredictFlags,
+        PrepareFlags,
+        PublishFlags,
+        StatusFlags,
+        TuneFlags,
+    )
 
 __all__ = [
     "KestrelError",
@@ -104,14 +119,14 @@ def parse_json_output(text: str) -> Summary:
         return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def prepare(data: Union[str, List[str]], **kwargs: Any) -> Summary:
+def prepare(data: Union[str, List[str]], **kwargs: Unpack[PrepareFlags]) -> Summary:
     """``trainer prepare``: the table's sample cache, and the frozen backbone's features once per
     sample. ``data``: a table (Delta, Parquet, CSV manifest, image folder; a path or an
     ``s3://``/``abfss://``/``gs://`` URL), or several. Returns the caches' summary."""
     return _summary("prepare", data=data, **kwargs)
 
 
-def fit(data: Union[str, List[str]], *, out: str, **kwargs: Any) -> Summary:
+def fit(data: Union[str, List[str]], *, out: str, **kwargs: Unpack[FitFlags]) -> Summary:
     """``trainer fit``: trains a head (or fine-tunes) on ``data`` into the run directory ``out``
     (``epochs=``, ``lr=``, ``workers=``, ``backbone=``, ``no_mlflow=True``...). Tracked in the
     notebook's MLflow under its active run (:mod:`kestrel.tracking`). Returns the run's
@@ -119,7 +134,7 @@ def fit(data: Union[str, List[str]], *, out: str, **kwargs: Any) -> Summary:
     return _tracked("fit", data, out, kwargs)
 
 
-def tune(data: Union[str, List[str]], *, out: str, **kwargs: Any) -> Summary:
+def tune(data: Union[str, List[str]], *, out: str, **kwargs: Unpack[TuneFlags]) -> Summary:
     """``trainer tune``: TPE search over trials (``trials=``, ``parallel=``, ``space=``...),
     tracked as :func:`fit` is."""
     return _tracked("tune", data, out, kwargs)
@@ -132,31 +147,31 @@ def _tracked(command: str, data: Union[str, List[str]], out: str, kwargs: Dict[s
     return summary
 
 
-def evaluate(run_dir: Optional[str] = None, **kwargs: Any) -> Summary:
+def evaluate(run_dir: Optional[str] = None, **kwargs: Unpack[EvaluateFlags]) -> Summary:
     """``trainer evaluate``: a run (``run_dir``) or an exported artifact (``model=``) on its test
     split or on ``data=``."""
     return _summary("evaluate", run=run_dir, **kwargs)
 
 
-def export(run_dir: str, *, out: Optional[str] = None, **kwargs: Any) -> Summary:
+def export(run_dir: str, *, out: Optional[str] = None, **kwargs: Unpack[ExportFlags]) -> Summary:
     """``trainer export``: the run as a self-describing artifact (ONNX f32/int8, manifest,
     safetensors) in ``out`` (``quantize=``, ``register=``...)."""
     return _summary("export", run=run_dir, out=out, **kwargs)
 
 
-def predict(model: str, data: str, *, out: str, **kwargs: Any) -> Summary:
+def predict(model: str, data: str, *, out: str, **kwargs: Unpack[PredictFlags]) -> Summary:
     """``trainer predict``: the artifact ``model`` over every row of ``data``, written to ``out``
     (Parquet)."""
     return _summary("predict", model=model, data=data, out=out, **kwargs)
 
 
-def publish(artifact: str, *, broker: str, **kwargs: Any) -> Summary:
+def publish(artifact: str, *, broker: str, **kwargs: Unpack[PublishFlags]) -> Summary:
     """``trainer publish``: offers the signed artifact to the fleet on ``broker``
     (``key=``, ``target=``...)."""
     return _summary("publish", artifact=artifact, broker=broker, **kwargs)
 
 
-def status(*, broker: str, **kwargs: Any) -> Summary:
+def status(*, broker: str, **kwargs: Unpack[StatusFlags]) -> Summary:
     """``trainer status``: the devices' reported state (one dict per device)."""
     result = _summary("status", broker=broker, **kwargs)
     return [result] if isinstance(result, dict) and result else result

@@ -28,6 +28,9 @@ def init_logging(verbosity: int) -> None:
 def pretrained_path(name: str) -> Optional[str]:
     """Where this process keeps the pretrained backbone `name`'s weights, or None."""
 
+def flag_specs(command: str) -> List[Tuple[str, str, str]]:
+    """The visible flags of ``trainer COMMAND``: (keyword, Python type, help)."""
+
 def run(argv: List[str]) -> str:
     """Runs the `trainer` command line `argv` (no program name) here; returns what it printed."""
 

@@ -430,6 +430,15 @@ fn init_logging(py: Python<'_>, verbosity: i8) -> PyResult<()> {
     logs::forward(py)
 }
 
+/// The visible flags of `trainer COMMAND` as `(keyword, Python type, help)`, in `--help` order
+/// (what `scripts/gen-flags.py` writes the type hints from).
+#[pyfunction]
+fn flag_specs(command: &str) -> PyResult<Vec<(String, String, String)>> {
+    let specs = cli::spec::flags_of(command)
+        .ok_or_else(|| py_err(format!("trainer has no command `{command}`")))?;
+    Ok(specs.into_iter().map(|f| (f.name, f.python, f.help)).collect())
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KestrelError", m.py().get_type::<KestrelError>())?;
@@ -443,6 +452,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(run_rank, m)?)?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
+    m.add_function(wrap_pyfunction!(flag_specs, m)?)?;
     m.add_class::<Lead>()?;
     m.add_class::<Extractor>()?;
     m.add_class::<Predictor>()?;

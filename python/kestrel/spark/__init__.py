@@ -31,7 +31,7 @@ import os
 import secrets
 import tempfile
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from kestrel import DataError, KestrelError, ServiceError, _native, flags, parse_json_output, tracking
 from kestrel.spark._cluster import (
@@ -48,6 +48,11 @@ from kestrel.spark._cluster import (
     typed,
     typed_errors,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from kestrel._flags import FitFlags, TuneFlags
 
 __all__ = ["features", "predict", "fit", "tune", "stage", "slots", "artifact_files", "write_files", "locate", "check_shared", "STAGED"]
 
@@ -460,7 +465,7 @@ def fit(
     staging: Optional[str] = None,
     timeout_s: float = 600.0,
     use_gpu: bool = False,
-    **kwargs: Any,
+    **kwargs: Unpack[FitFlags],
 ):
     """``trainer fit`` with ``num_workers`` ranks, one per task of a barrier stage: the same
     training as ``trainer fit --workers N`` (same shards, same collectives, same results). The
@@ -484,7 +489,7 @@ def tune(
     staging: Optional[str] = None,
     timeout_s: float = 600.0,
     use_gpu: bool = False,
-    **kwargs: Any,
+    **kwargs: Unpack[TuneFlags],
 ):
     """``trainer tune`` with its trials spread over ``num_workers`` tasks of a barrier stage (what
     Hyperopt's ``SparkTrials`` does for the seed): each task runs its share of every round of

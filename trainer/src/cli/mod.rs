@@ -29,6 +29,7 @@ mod predict;
 mod prepare;
 mod preprocess;
 mod sign;
+pub mod spec;
 mod tune;
 
 #[derive(Parser)]
