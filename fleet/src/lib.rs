@@ -79,16 +79,7 @@ impl FleetError {
     }
 }
 
-/// A progress bar on stderr (hidden when stderr is not a terminal).
+/// A progress bar (stderr, or the host's sink: [`kestrel_shared::progress`]).
 pub fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
-    let pb = indicatif::ProgressBar::new(len);
-    pb.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{msg:>12} [{bar:30}] {pos}/{len} {per_sec} eta {eta}",
-        )
-        .expect("template")
-        .progress_chars("=> "),
-    );
-    pb.set_message(what.to_string());
-    pb
+    kestrel_shared::progress::bar(len, what)
 }

@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Union
 
-from . import _native, tracking
+from . import _native, _progress, tracking
 from ._native import (
     ConfigError,
     DataError,
@@ -72,6 +72,7 @@ __all__ = [
     "run",
     "flags",
     "init_logging",
+    "set_progress",
 ]
 
 Summary = Union[Dict[str, Any], List[Dict[str, Any]]]
@@ -192,6 +193,13 @@ def init_logging(verbosity: int = 0) -> None:
         logger.propagate = False
     logger.setLevel(logging.DEBUG if verbosity > 0 else logging.INFO if verbosity == 0 else logging.ERROR)
     _native.init_logging(verbosity)
+
+
+def set_progress(hook: Optional[Callable[[int, str], None]]) -> None:
+    """Sends the progress bars' lines to ``hook(bar, line)`` (``bar`` a number per bar, ``line``
+    its text as the CLI draws it, empty once cleared) instead of the default: a display updated in
+    place in a notebook cell, one rewritten line on a terminal's stderr. ``None`` restores it."""
+    _progress.set_hook(hook)
 
 
 init_logging(0)

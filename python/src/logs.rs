@@ -3,9 +3,10 @@
 //! first, counted) and the thread that holds the GIL forwards the queue to `logging` — while it
 //! waits on a command ([`crate::interruptible`], every 100 ms) and when the command returns. No
 //! Rust thread ever waits for the GIL to log. [`init`] may be called again: it swaps the level
-//! filter of the installed subscriber.
+//! filter of the installed subscriber. Progress bars take the same way: the latest line of each
+//! bar waits here, and `kestrel._progress.show` draws it (a notebook cell's display).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -28,6 +29,18 @@ struct Record {
 static QUEUE: Mutex<VecDeque<Record>> = Mutex::new(VecDeque::new());
 static DROPPED: AtomicU64 = AtomicU64::new(0);
 static FILTER: OnceLock<reload::Handle<EnvFilter, Registry>> = OnceLock::new();
+/// The latest line of each progress bar redrawn since the last [`forward`].
+static BARS: Mutex<BTreeMap<u64, String>> = Mutex::new(BTreeMap::new());
+
+/// The bars' sink: keeps each bar's latest line for [`forward`].
+struct Bars;
+
+impl kestrel_shared::progress::Sink for Bars {
+    fn show(&self, bar: u64, line: &str) {
+        let mut bars = BARS.lock().unwrap_or_else(|p| p.into_inner());
+        bars.insert(bar, line.to_string());
+    }
+}
 
 /// Logs at `verbosity` (0 information from Kestrel and warnings from libraries, 1 debug, -1
 /// errors only); `RUST_LOG`, when set, wins. Installs the subscriber the first time, swaps its
@@ -42,6 +55,7 @@ pub fn init(verbosity: i8) {
         let _ = h.reload(filter);
         return;
     }
+    kestrel_shared::progress::set_sink(Box::new(Bars));
     let (layer, handle) = reload::Layer::new(filter);
     let subscriber = Registry::default().with(layer).with(Queue);
     if tracing::subscriber::set_global_default(subscriber).is_ok() {
@@ -49,8 +63,16 @@ pub fn init(verbosity: i8) {
     }
 }
 
-/// Hands the queued records to Python's `logging` (logger `kestrel.<crate>.<module>`).
+/// Hands the queued records to Python's `logging` (logger `kestrel.<crate>.<module>`), and the
+/// bars' latest lines to `kestrel._progress.show(bar, line)`.
 pub fn forward(py: Python<'_>) -> PyResult<()> {
+    let bars = std::mem::take(&mut *BARS.lock().unwrap_or_else(|p| p.into_inner()));
+    if !bars.is_empty() {
+        let show = py.import("kestrel._progress")?.getattr("show")?;
+        for (bar, line) in bars {
+            show.call1((bar, line))?;
+        }
+    }
     let records: Vec<Record> = {
         let mut q = QUEUE.lock().unwrap_or_else(|p| p.into_inner());
         q.drain(..).collect()

@@ -70,6 +70,13 @@ def test_log_records_reach_logging_while_the_command_runs(lfw_dir, tmp_path):
 
     h = Live()
     logging.getLogger("kestrel").addHandler(h)
+    bars = []
+
+    def progress(bar, line):
+        m = run / "metrics.jsonl"
+        bars.append((bar, line, len(m.read_text().splitlines()) if m.is_file() else 0))
+
+    kestrel.set_progress(progress)
     try:
         kestrel.init_logging(-1)
         kestrel.fit(str(lfw_dir), out=str(tmp_path / "quiet"), epochs=2, optimizer="sgd", no_mlflow=True,
@@ -80,7 +87,14 @@ def test_log_records_reach_logging_while_the_command_runs(lfw_dir, tmp_path):
                     engine="tract", cache=str(tmp_path / "cache"))
     finally:
         logging.getLogger("kestrel").removeHandler(h)
+        kestrel.set_progress(None)
         kestrel.init_logging(0)
+    # The CLI's bars, as it draws them, while the run goes on: each epoch's batches.
+    drawn = [(b, m) for b, line, done in bars if (m := re.match(r"\s*epoch (\d+) [^[]*\[[=> ]+\] (\d+)/(\d+)", line))]
+    print(f"{len({b for b, _ in drawn})} of 200 epoch bars drawn (4 redraws a second)")
+    assert len({b for b, _ in drawn}) >= 5, sorted({line.split("[")[0] for _, line, _ in bars})
+    assert all(m.group(3) == drawn[0][1].group(3) for _, m in drawn), drawn[:5]
+    assert min(done for _, line, done in bars if line.strip().startswith("epoch")) < 200
     epochs = [s for s in seen if re.match(r"epoch +\d+/200:", s[2])]
     assert len(epochs) == 200, seen
     assert all(name.startswith("kestrel.") and level == logging.INFO for name, level, _, _ in epochs)

@@ -16,6 +16,8 @@ pub mod manifest;
 #[cfg(feature = "mqtt")]
 pub mod mqtt;
 pub mod preprocess;
+#[cfg(feature = "progress")]
+pub mod progress;
 pub mod protocol;
 pub mod quality;
 pub mod resize;

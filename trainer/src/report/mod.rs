@@ -9,7 +9,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -479,15 +479,10 @@ fn sync_parent(path: &Path) {
     let _ = path;
 }
 
+/// A progress bar (stderr, or the host's sink: [`kestrel_shared::progress`]).
+pub fn progress(len: u64, what: &str) -> ProgressBar {
+    kestrel_shared::progress::bar(len, what)
+}
+
 #[cfg(test)]
 mod tests;
-pub fn progress(len: u64, what: &str) -> ProgressBar {
-    let pb = ProgressBar::new(len);
-    pb.set_style(
-        ProgressStyle::with_template("{msg:>12} [{bar:30}] {pos}/{len} {per_sec} eta {eta}")
-            .expect("template")
-            .progress_chars("=> "),
-    );
-    pb.set_message(what.to_string());
-    pb
-}
