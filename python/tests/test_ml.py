@@ -124,3 +124,21 @@ def test_executors_find_onnx_runtime_in_their_own_wheel(spark, lfw):
     tract = {r.path: np.asarray(r.features) for r in ks.features(some, engine="tract", threads=1).collect()}
     assert len(ort) == 6 and ort.keys() == tract.keys()
     assert max(float(np.abs(ort[p] - tract[p]).max()) for p in ort) <= 1e-4
+
+
+def test_each_rank_takes_the_gpu_spark_assigned_to_its_task():
+    """`use_gpu=True`: the rank's `--compute-device` is the first GPU address in its task's
+    resources (Spark's `TaskContext.resources()`), not its rank; none assigned is a ConfigError.
+    (No GPU here: what runs on it is in docs/gpu.md.)"""
+    from types import SimpleNamespace
+
+    from kestrel.spark._cluster import gpu_of_task
+
+    def task(**resources):
+        return SimpleNamespace(resources=lambda: {k: SimpleNamespace(addresses=v) for k, v in resources.items()})
+
+    assert gpu_of_task(task(gpu=["3", "5"])) == "cuda:3"
+    with pytest.raises(ConfigError, match="spark.task.resource.gpu.amount"):
+        gpu_of_task(task())
+    with pytest.raises(ConfigError, match="assigned this task no GPU"):
+        gpu_of_task(task(gpu=[]))
