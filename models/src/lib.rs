@@ -9,6 +9,7 @@ pub mod arch;
 pub mod onnx;
 pub mod onnx_backbone;
 pub mod onnx_weights;
+pub mod parts;
 pub mod quant;
 pub mod weights;
 pub use kestrel_runtime::{artifact, dequant, engine, tensor};

@@ -43,6 +43,108 @@ pub struct Manifest {
     /// before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reference: Option<crate::quality::QualityReference>,
+    /// `model.onnx` as parts named by content (see [`Composition`]); absent in artifacts exported
+    /// before parts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub composition: Option<Composition>,
+}
+
+/// How `model.onnx` is made of parts: its bytes are the parts' bytes one after another (a
+/// protobuf message that appears again is merged, so each part adds its graph nodes and
+/// initializers). The frame (opset, metadata, the graph's inputs and outputs: small, and
+/// particular to a version) comes first; then the frozen backbone, each trained block, the head.
+/// A part is named by the sha256 of its bytes, which depend only on what it computes and on its
+/// quantization: versions that share a backbone share that part, and a device that holds it
+/// fetches only the rest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Composition {
+    /// The file the parts make (`model.onnx`).
+    pub file: String,
+    pub parts: Vec<PartEntry>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PartEntry {
+    /// `frame`, `backbone`, `block:<name>`, `head`.
+    pub role: String,
+    pub sha256: String,
+    pub size: u64,
+    /// The tensors that join it to the parts before it: what it reads that they compute (or the
+    /// graph's input).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reads: Vec<String>,
+    /// The sha256 of the part it was cut to follow (a block or head reads that part's tensors:
+    /// it was trained on them); none for the frame and the first computing part.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<String>,
+}
+
+/// Why parts do not make a manifest's model.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum CompositionError {
+    #[error("part {index} ({role}, sha256 {sha256}) of the model: {reason}")]
+    Part {
+        index: usize,
+        role: String,
+        sha256: String,
+        reason: String,
+    },
+    #[error("the parts make {size} bytes with sha256 {sha256}, and the manifest's {file} is {expect_size} bytes with sha256 {expect_sha256}")]
+    Whole {
+        file: String,
+        size: u64,
+        sha256: String,
+        expect_size: u64,
+        expect_sha256: String,
+    },
+}
+
+impl Composition {
+    /// The model's bytes from its parts' (`bytes[i]` for part `i`), checked: each part against
+    /// its hash and size, each against the part it was cut to follow (a head trained on another
+    /// backbone is refused, naming it), and the whole against the manifest's entry for the file.
+    pub fn compose(&self, files: &[FileEntry], bytes: &[&[u8]]) -> Result<Vec<u8>, CompositionError> {
+        let mut out = Vec::with_capacity(self.parts.iter().map(|p| p.size as usize).sum());
+        for (index, part) in self.parts.iter().enumerate() {
+            let fail = |reason: String| CompositionError::Part {
+                index,
+                role: part.role.clone(),
+                sha256: part.sha256.clone(),
+                reason,
+            };
+            let b = bytes.get(index).ok_or_else(|| fail("missing".into()))?;
+            if b.len() as u64 != part.size || crate::protocol::sha256_hex(b) != part.sha256 {
+                return Err(fail(format!(
+                    "its {} bytes are not the part (sha256 {})",
+                    b.len(),
+                    crate::protocol::sha256_hex(b)
+                )));
+            }
+            let before = index.checked_sub(1).map(|i| self.parts[i].sha256.as_str());
+            if let Some(a) = &part.after
+                && Some(a.as_str()) != before
+            {
+                return Err(fail(format!(
+                    "it was cut to follow part {a} (it reads {}), and here follows {}: a part of another model",
+                    part.reads.join(", "),
+                    before.unwrap_or("nothing")
+                )));
+            }
+            out.extend_from_slice(b);
+        }
+        let whole = files.iter().find(|f| f.path == self.file);
+        let sha256 = crate::protocol::sha256_hex(&out);
+        match whole {
+            Some(f) if f.sha256 == sha256 && f.size == out.len() as u64 => Ok(out),
+            _ => Err(CompositionError::Whole {
+                file: self.file.clone(),
+                size: out.len() as u64,
+                sha256,
+                expect_size: whole.map_or(0, |f| f.size),
+                expect_sha256: whole.map_or_else(|| "(not listed)".into(), |f| f.sha256.clone()),
+            }),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

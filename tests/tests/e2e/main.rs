@@ -35,6 +35,7 @@ mod mpi;
 mod mqtt;
 mod object_store;
 mod own_backbone;
+mod parts;
 mod prune;
 mod quality;
 mod rollout;

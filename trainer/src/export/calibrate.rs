@@ -2,7 +2,7 @@
 //! measures every Conv/Gemm input (activation ranges for static int8, per-channel means for bias
 //! correction).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use kestrel_models::Tensor;
 use kestrel_models::engine::{Engine, TractEngine};
@@ -82,13 +82,23 @@ pub(super) fn quantize(
     };
     let (mut qf, mut qh) = (folded.clone(), head.clone());
     let qcal = calibrate(&run.pp, &qf, &qh, &quant, &samples, threads)?;
-    bias_correct(
-        run.net(),
-        (folded, head),
-        (&mut qf, &mut qh),
-        &qcal.means,
-        &quant,
-    );
+    // `--shared-backbone` (int8 weights): the frozen blocks keep their weights' plain rounding. A
+    // correction from this run's samples makes the frozen backbone's part differ from run to run,
+    // and devices that hold it fetch it again for every new head (model.onnx in parts:
+    // `kestrel_models::parts`). Static int8's activation ranges come from the run anyway.
+    let net = run.net();
+    let shared = o.shared_backbone && matches!(quant, Quant::Weights { .. });
+    let frozen: BTreeSet<&str> = net.blocks[..run.pp.boundary.min(net.blocks.len())]
+        .iter()
+        .filter(|_| shared)
+        .flat_map(|b| b.convs.iter().map(|c| c.name.as_str()))
+        .collect();
+    let means = qcal
+        .means
+        .into_iter()
+        .filter(|(k, _)| !frozen.contains(k.as_str()))
+        .collect();
+    bias_correct(net, (folded, head), (&mut qf, &mut qh), &means, &quant);
     Ok(Quantized {
         quant,
         folded: qf,

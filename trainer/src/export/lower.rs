@@ -3,6 +3,7 @@
 
 use kestrel_models::onnx::{self, LowerOpts};
 use kestrel_models::onnx_backbone::OnnxBackbone;
+use kestrel_models::parts::{self, ModelProto, Part};
 use kestrel_models::quant::Quant;
 
 use super::calibrate::Quantized;
@@ -17,8 +18,10 @@ pub(super) struct Lowered {
     /// The artifact's name.
     pub name: String,
     pub opts: LowerOpts,
-    /// `model.onnx`.
+    /// `model.onnx`: the parts' bytes one after another.
     pub onnx: Vec<u8>,
+    /// The frame, the frozen backbone, each trained block, the head.
+    pub parts: Vec<Part>,
     /// Per-sample input shape (without the batch dimension).
     pub input_shape: Vec<usize>,
     /// Per-sample output shape (without the batch dimension).
@@ -77,11 +80,51 @@ pub(super) fn lower(
             .map(|(k, v)| (k.to_string(), v))
             .collect(),
     );
+    let cuts = cuts(run, &model);
+    let cuts: Vec<(&str, &str)> = cuts.iter().map(|(r, t)| (r.as_str(), t.as_str())).collect();
+    let parts = parts::split(&model, &cuts, "head")
+        .map_err(|e| ExportError::Unsupported(format!("cutting model.onnx into parts: {e}")))?;
     Ok(Lowered {
         name,
-        onnx: onnx::to_bytes(&model),
+        onnx: parts::concat(&parts),
+        parts,
         input_shape: opts.input_shape(net),
         output_shape: opts.output_shape(net),
         opts,
     })
+}
+
+/// Where `model.onnx` is cut into parts, `(role of the part that ends there, tensor)`: after the
+/// frozen backbone (at the input of the first trained block), after each trained block, and at
+/// the pooled features the head reads; the head is what is left.
+fn cuts(run: &Trained, model: &ModelProto) -> Vec<(String, String)> {
+    let net = run.net();
+    let mut out = Vec::new();
+    if run.pp.backbone.graph.is_none() {
+        let trained = &net.blocks[run.pp.boundary.min(net.blocks.len())..];
+        let mut role = "backbone".to_string();
+        for block in trained {
+            if let Some(t) = block.convs.first().and_then(|c| conv_input(model, &c.name)) {
+                out.push((std::mem::replace(&mut role, format!("block:{}", block.name)), t));
+            }
+        }
+        out.push((role, FEATURES_OUTPUT.to_string()));
+    } else {
+        out.push(("backbone".to_string(), FEATURES_OUTPUT.to_string()));
+    }
+    out
+}
+
+/// The tensor conv `name` of the lowered graph reads, before any quantization of it (the block's
+/// input as the block before it gives it); none for the graph's own input.
+fn conv_input(model: &ModelProto, name: &str) -> Option<String> {
+    let g = model.graph.as_ref()?;
+    let conv = g.node.iter().find(|n| n.name == format!("{name}/Conv"))?;
+    let mut t = conv.input.first()?.clone();
+    while let Some(n) = g.node.iter().find(|n| n.output.contains(&t))
+        && matches!(n.op_type.as_str(), "QuantizeLinear" | "DequantizeLinear")
+    {
+        t = n.input.first()?.clone();
+    }
+    (t != onnx::INPUT_NAME).then_some(t)
 }

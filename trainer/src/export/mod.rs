@@ -55,6 +55,8 @@ pub struct ExportOpts {
     pub calibration: usize,
     /// Static int8: the stem and this many leading blocks keep float activations.
     pub float_blocks: usize,
+    /// int8-weights: the frozen blocks without bias correction (the same part in every run).
+    pub shared_backbone: bool,
     pub f16: bool,
     /// Largest accepted accuracy drop of a quantized form, in percentage points.
     pub max_accuracy_drop: f64,

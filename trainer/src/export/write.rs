@@ -10,7 +10,8 @@ use kestrel_models::quant::{Quant, quantize_per_channel};
 use kestrel_models::weights::FoldedConv;
 use kestrel_models::{Network, Tensor};
 use kestrel_shared::manifest::{
-    FORMAT_VERSION, FileEntry, Golden, MANIFEST_FILE, Manifest, Quantization, TensorSpec, rfc3339,
+    Composition, FORMAT_VERSION, FileEntry, Golden, MANIFEST_FILE, Manifest, PartEntry, Quantization,
+    TensorSpec, rfc3339,
 };
 use safetensors::{Dtype, tensor::TensorView};
 use serde_json::json;
@@ -203,6 +204,30 @@ fn manifest(
         ),
         registry: o.registry.clone(),
         reference,
+        composition: Some(composition(lowered)),
+    }
+}
+
+/// `model.onnx` as its parts, each following the one before it (but the backbone, which follows
+/// only the version's frame).
+fn composition(lowered: &Lowered) -> Composition {
+    let mut parts: Vec<PartEntry> = Vec::new();
+    for p in &lowered.parts {
+        let after = match p.role.as_str() {
+            "frame" | "backbone" => None,
+            _ => parts.last().map(|b| b.sha256.clone()),
+        };
+        parts.push(PartEntry {
+            role: p.role.clone(),
+            sha256: sha256_hex(&p.bytes),
+            size: p.bytes.len() as u64,
+            reads: p.reads.clone(),
+            after,
+        });
+    }
+    Composition {
+        file: "model.onnx".into(),
+        parts,
     }
 }
 
