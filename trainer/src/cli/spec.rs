@@ -3,7 +3,6 @@
 //! checks that file against this).
 
 use std::any::TypeId;
-use std::path::PathBuf;
 
 use clap::{ArgAction, CommandFactory};
 
@@ -95,10 +94,8 @@ fn python_type(a: &clap::Arg) -> &'static str {
         "float"
     } else if is(TypeId::of::<bool>()) {
         "bool"
-    } else if is(TypeId::of::<PathBuf>()) || is(TypeId::of::<String>()) {
-        "str"
     } else {
-        // Parsed from text by the command (durations, URLs, enums of its own): given as text.
+        // Paths, names, and what the command parses from text itself (URLs, durations, lists).
         "str"
     }
 }
