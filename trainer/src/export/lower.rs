@@ -104,8 +104,11 @@ fn cuts(run: &Trained, model: &ModelProto) -> Vec<(String, String)> {
         let trained = &net.blocks[run.pp.boundary.min(net.blocks.len())..];
         let mut role = "backbone".to_string();
         for block in trained {
-            if let Some(t) = block.convs.first().and_then(|c| conv_input(model, &c.name)) {
-                out.push((std::mem::replace(&mut role, format!("block:{}", block.name)), t));
+            let next = format!("block:{}", block.name);
+            match block.convs.first().and_then(|c| conv_input(model, &c.name)) {
+                Some(t) => out.push((std::mem::replace(&mut role, next), t)),
+                // It reads the graph's input: nothing frozen comes before it.
+                None => role = next,
             }
         }
         out.push((role, FEATURES_OUTPUT.to_string()));

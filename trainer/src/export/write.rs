@@ -208,15 +208,15 @@ fn manifest(
     }
 }
 
-/// `model.onnx` as its parts, each following the one before it (but the backbone, which follows
-/// only the version's frame).
+/// `model.onnx` as its parts, each following the one before it (but the first after the frame,
+/// which belongs to no version).
 fn composition(lowered: &Lowered) -> Composition {
     let mut parts: Vec<PartEntry> = Vec::new();
     for p in &lowered.parts {
-        let after = match p.role.as_str() {
-            "frame" | "backbone" => None,
-            _ => parts.last().map(|b| b.sha256.clone()),
-        };
+        let after = parts
+            .last()
+            .filter(|b| b.role != "frame")
+            .map(|b| b.sha256.clone());
         parts.push(PartEntry {
             role: p.role.clone(),
             sha256: sha256_hex(&p.bytes),
