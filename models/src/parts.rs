@@ -36,7 +36,11 @@ pub enum PartsError {
 
 /// Cuts `model` at `boundaries` (`(role, tensor)`, in graph order): part `i` holds the nodes that
 /// compute `tensor i` and no earlier boundary; the nodes left over form the last part, `last`.
-pub fn split(model: &ModelProto, boundaries: &[(&str, &str)], last: &str) -> Result<Vec<Part>, PartsError> {
+pub fn split(
+    model: &ModelProto,
+    boundaries: &[(&str, &str)],
+    last: &str,
+) -> Result<Vec<Part>, PartsError> {
     let graph = model.graph.as_ref().ok_or(PartsError::NoGraph)?;
     let producer: HashMap<&str, usize> = graph
         .node
@@ -55,7 +59,12 @@ pub fn split(model: &ModelProto, boundaries: &[(&str, &str)], last: &str) -> Res
                 continue;
             }
             owner[i] = Some(p);
-            stack.extend(graph.node[i].input.iter().filter_map(|t| producer.get(t.as_str())));
+            stack.extend(
+                graph.node[i]
+                    .input
+                    .iter()
+                    .filter_map(|t| producer.get(t.as_str())),
+            );
         }
     }
     let parts = boundaries.len() + 1;
@@ -74,7 +83,10 @@ pub fn split(model: &ModelProto, boundaries: &[(&str, &str)], last: &str) -> Res
     }
     let mut inits: Vec<Vec<TensorProto>> = vec![Vec::new(); parts];
     for t in &graph.initializer {
-        let p = first_reader.get(t.name.as_str()).copied().unwrap_or(parts - 1);
+        let p = first_reader
+            .get(t.name.as_str())
+            .copied()
+            .unwrap_or(parts - 1);
         inits[p].push(t.clone());
     }
     let mut frame = model.clone();
@@ -130,7 +142,7 @@ pub fn concat(parts: &[Part]) -> Vec<u8> {
 mod tests {
     use super::*;
     use crate::arch::{Arch, Network};
-    use crate::onnx::{self, LowerOpts, Linear};
+    use crate::onnx::{self, Linear, LowerOpts};
     use crate::tensor::Tensor;
     use crate::weights::FoldedConv;
 
@@ -139,7 +151,10 @@ mod tests {
         let convs: Vec<FoldedConv> = net
             .convs()
             .map(|c| FoldedConv {
-                weight: Tensor::new(c.weight_shape(), vec![0.01; c.weight_shape().iter().product()]),
+                weight: Tensor::new(
+                    c.weight_shape(),
+                    vec![0.01; c.weight_shape().iter().product()],
+                ),
                 bias: vec![0.0; c.cout],
             })
             .collect();
@@ -158,19 +173,32 @@ mod tests {
     fn the_parts_concatenated_parse_as_the_model() {
         let m = model(0.5);
         let parts = split(&m, &[("backbone", "features")], "head").unwrap();
-        assert_eq!(parts.iter().map(|p| p.role.as_str()).collect::<Vec<_>>(), ["frame", "backbone", "head"]);
+        assert_eq!(
+            parts.iter().map(|p| p.role.as_str()).collect::<Vec<_>>(),
+            ["frame", "backbone", "head"]
+        );
         let back = ModelProto::decode(concat(&parts).as_slice()).unwrap();
         let (g, h) = (m.graph.as_ref().unwrap(), back.graph.as_ref().unwrap());
         assert_eq!(h.node.len(), g.node.len());
         assert_eq!(h.initializer.len(), g.initializer.len());
-        assert_eq!((&h.input, &h.output, &h.name), (&g.input, &g.output, &g.name));
+        assert_eq!(
+            (&h.input, &h.output, &h.name),
+            (&g.input, &g.output, &g.name)
+        );
         assert_eq!(back.metadata_props, m.metadata_props);
         assert_eq!(back.opset_import, m.opset_import);
         // The head reads the pooled features, and only its own initializers besides.
         let head = &parts[2];
-        let hg = ModelProto::decode(head.bytes.as_slice()).unwrap().graph.unwrap();
+        let hg = ModelProto::decode(head.bytes.as_slice())
+            .unwrap()
+            .graph
+            .unwrap();
         assert!(hg.node.iter().any(|n| n.op_type == "Gemm"));
-        assert!(hg.initializer.iter().all(|t| t.name.starts_with("classifier")));
+        assert!(
+            hg.initializer
+                .iter()
+                .all(|t| t.name.starts_with("classifier"))
+        );
         assert_eq!(head.reads.len(), 1, "{:?}", head.reads);
     }
 
@@ -178,7 +206,10 @@ mod tests {
     fn another_head_changes_only_the_head_part() {
         let a = split(&model(0.5), &[("backbone", "features")], "head").unwrap();
         let b = split(&model(0.25), &[("backbone", "features")], "head").unwrap();
-        assert_eq!(a[1].bytes, b[1].bytes, "the backbone part is the same bytes");
+        assert_eq!(
+            a[1].bytes, b[1].bytes,
+            "the backbone part is the same bytes"
+        );
         assert_ne!(a[2].bytes, b[2].bytes);
         assert_eq!(
             split(&model(0.5), &[("backbone", "nowhere")], "head").unwrap_err(),

@@ -436,7 +436,10 @@ fn init_logging(py: Python<'_>, verbosity: i8) -> PyResult<()> {
 fn flag_specs(command: &str) -> PyResult<Vec<(String, String, String)>> {
     let specs = cli::spec::flags_of(command)
         .ok_or_else(|| py_err(format!("trainer has no command `{command}`")))?;
-    Ok(specs.into_iter().map(|f| (f.name, f.python, f.help)).collect())
+    Ok(specs
+        .into_iter()
+        .map(|f| (f.name, f.python, f.help))
+        .collect())
 }
 
 #[pymodule]

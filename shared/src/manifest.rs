@@ -89,7 +89,9 @@ pub enum CompositionError {
         sha256: String,
         reason: String,
     },
-    #[error("the parts make {size} bytes with sha256 {sha256}, and the manifest's {file} is {expect_size} bytes with sha256 {expect_sha256}")]
+    #[error(
+        "the parts make {size} bytes with sha256 {sha256}, and the manifest's {file} is {expect_size} bytes with sha256 {expect_sha256}"
+    )]
     Whole {
         file: String,
         size: u64,
@@ -103,7 +105,11 @@ impl Composition {
     /// The model's bytes from its parts' (`bytes[i]` for part `i`), checked: each part against
     /// its hash and size, each against the part it was cut to follow (a head trained on another
     /// backbone is refused, naming it), and the whole against the manifest's entry for the file.
-    pub fn compose(&self, files: &[FileEntry], bytes: &[&[u8]]) -> Result<Vec<u8>, CompositionError> {
+    pub fn compose(
+        &self,
+        files: &[FileEntry],
+        bytes: &[&[u8]],
+    ) -> Result<Vec<u8>, CompositionError> {
         let mut out = Vec::with_capacity(self.parts.iter().map(|p| p.size as usize).sum());
         for (index, part) in self.parts.iter().enumerate() {
             let fail = |reason: String| CompositionError::Part {

@@ -15,7 +15,12 @@ fn fit(dir: &Path, cache: &Path, seed: u64, extra: &[&str]) {
         args.push(a.into());
     }
     args.push(seed.to_string());
-    args.extend(["--cache".into(), cache.display().to_string(), "--out".into(), dir.display().to_string()]);
+    args.extend([
+        "--cache".into(),
+        cache.display().to_string(),
+        "--out".into(),
+        dir.display().to_string(),
+    ]);
     args.extend(extra.iter().map(|a| a.to_string()));
     run_ok("trainer", &args);
 }
@@ -57,12 +62,23 @@ fn export(run: &Path, out: &Path, version: u64, extra: &[&str]) -> (Manifest, Ve
 }
 
 fn roles(m: &Manifest) -> Vec<String> {
-    m.composition.as_ref().unwrap().parts.iter().map(|p| p.role.clone()).collect()
+    m.composition
+        .as_ref()
+        .unwrap()
+        .parts
+        .iter()
+        .map(|p| p.role.clone())
+        .collect()
 }
 
 fn sha(m: &Manifest, role: &str) -> String {
     let c = m.composition.as_ref().unwrap();
-    c.parts.iter().find(|p| p.role == role).unwrap().sha256.clone()
+    c.parts
+        .iter()
+        .find(|p| p.role == role)
+        .unwrap()
+        .sha256
+        .clone()
 }
 
 #[test]
@@ -74,15 +90,31 @@ fn a_new_head_changes_only_the_head_part() {
     }
     let run = |s: u64| tmp.path().join(format!("run{s}"));
     let art = |what: &str, s: u64| tmp.path().join(format!("{what}-{s}"));
-    for (form, extra) in [("f32", vec![]), ("int8w", vec!["--quantize", "int8-weights", "--shared-backbone"])] {
+    for (form, extra) in [
+        ("f32", vec![]),
+        (
+            "int8w",
+            vec!["--quantize", "int8-weights", "--shared-backbone"],
+        ),
+    ] {
         let (a, _) = export(&run(1), &art(form, 1), 1, &extra);
         let (b, b_parts) = export(&run(2), &art(form, 2), 2, &extra);
         assert_eq!(roles(&a), ["frame", "backbone", "head"]);
-        assert_eq!(sha(&a, "backbone"), sha(&b, "backbone"), "{form}: one backbone part");
+        assert_eq!(
+            sha(&a, "backbone"),
+            sha(&b, "backbone"),
+            "{form}: one backbone part"
+        );
         assert_ne!(sha(&a, "head"), sha(&b, "head"), "{form}: a new head");
         let moved: usize = b_parts[0].len() + b_parts[2].len();
-        eprintln!("{form}: v2 moves {moved} bytes of {} (frame + head)", b_parts.iter().map(Vec::len).sum::<usize>());
-        assert!(moved < 50_000, "{form}: {moved} bytes to move for a new head");
+        eprintln!(
+            "{form}: v2 moves {moved} bytes of {} (frame + head)",
+            b_parts.iter().map(Vec::len).sum::<usize>()
+        );
+        assert!(
+            moved < 50_000,
+            "{form}: {moved} bytes to move for a new head"
+        );
     }
     // int8 weights without --shared-backbone: the frozen layers' bias correction comes from each
     // run's samples, so each run has its own backbone part.
@@ -107,7 +139,11 @@ fn a_fine_tuned_run_has_a_part_per_trained_block_and_refuses_strangers() {
     assert!(r[2].starts_with("block:"), "{r:?}");
     assert_eq!(sha(&a, "backbone"), sha(&b, "backbone"));
     assert_ne!(sha(&a, &r[2]), sha(&b, &r[2]), "the trained block moves");
-    assert_ne!(sha(&a, "backbone"), sha(&h, "backbone"), "a head-only run's backbone holds every block");
+    assert_ne!(
+        sha(&a, "backbone"),
+        sha(&h, "backbone"),
+        "a head-only run's backbone holds every block"
+    );
 
     let c = b.composition.clone().unwrap();
     let slices = |p: &[Vec<u8>]| p.iter().map(|b| b.to_vec()).collect::<Vec<_>>();

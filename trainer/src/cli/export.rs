@@ -145,7 +145,14 @@ pub fn run(a: Args, job: &Job) -> Result<ExitCode> {
         let parts: Vec<String> = c
             .parts
             .iter()
-            .map(|p| format!("{} {} ({:.1} KB)", p.role, &p.sha256[..12], p.size as f64 / 1e3))
+            .map(|p| {
+                format!(
+                    "{} {} ({:.1} KB)",
+                    p.role,
+                    &p.sha256[..12],
+                    p.size as f64 / 1e3
+                )
+            })
             .collect();
         outln!("parts: {}", parts.join(", "));
     }

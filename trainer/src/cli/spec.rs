@@ -118,7 +118,11 @@ mod tests {
         assert_eq!(ty("lr"), "float");
         assert_eq!(ty("no_mlflow"), "bool");
         assert_eq!(ty("label_column"), "str");
-        assert!(ty("data").starts_with("Union[str, Sequence[str]]"), "{}", ty("data"));
+        assert!(
+            ty("data").starts_with("Union[str, Sequence[str]]"),
+            "{}",
+            ty("data")
+        );
         assert!(fit.iter().all(|f| f.name != "help"));
         assert!(flags_of("no-such-command").is_none());
     }

@@ -10,8 +10,8 @@ use kestrel_models::quant::{Quant, quantize_per_channel};
 use kestrel_models::weights::FoldedConv;
 use kestrel_models::{Network, Tensor};
 use kestrel_shared::manifest::{
-    Composition, FORMAT_VERSION, FileEntry, Golden, MANIFEST_FILE, Manifest, PartEntry, Quantization,
-    TensorSpec, rfc3339,
+    Composition, FORMAT_VERSION, FileEntry, Golden, MANIFEST_FILE, Manifest, PartEntry,
+    Quantization, TensorSpec, rfc3339,
 };
 use safetensors::{Dtype, tensor::TensorView};
 use serde_json::json;

@@ -204,7 +204,11 @@ pub fn fit(
     let pp = prepare(&p, job)?;
     let feature_seconds = started.elapsed().as_secs_f64();
     if job.procs().is_some() && job.world() > 1 {
-        let over = if crate::distributed::launched_by_mpi() { "MPI" } else { "TCP" };
+        let over = if crate::distributed::launched_by_mpi() {
+            "MPI"
+        } else {
+            "TCP"
+        };
         job.log(format!("{} ranks ({over})", job.world()));
     }
     if job.is_lead() {
