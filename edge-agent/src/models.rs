@@ -47,19 +47,25 @@ impl ModelCache {
         }
     }
 
-    /// Verifies `dir`'s device files and returns its health-checked model.
-    pub fn load(&self, dir: &std::path::Path) -> Result<Arc<LoadedModel>, String> {
+    /// Verifies `dir`'s device files (its model composed from the part store `parts` when it has
+    /// no model.onnx of its own) and returns its health-checked model.
+    pub fn load(
+        &self,
+        dir: &std::path::Path,
+        parts: &std::path::Path,
+    ) -> Result<Arc<LoadedModel>, String> {
         let mpath = dir.join(MANIFEST_FILE);
         let text = std::fs::read(&mpath).map_err(|e| format!("{}: {e}", mpath.display()))?;
         let key = sha256_hex(&text);
         let mut models = self.models.lock().expect("lock");
         if let Some(m) = models.get(&key) {
-            artifact::verify_device_files(dir, &m.manifest, self.max_bytes)
+            artifact::device_model(dir, &m.manifest, self.max_bytes, Some(parts))
                 .map_err(|e| kestrel_shared::chain(&e))?;
             return Ok(m.clone());
         }
-        let mut m = LoadedModel::load(dir, self.max_bytes, self.engine, self.threads)
-            .map_err(|e| kestrel_shared::chain(&e))?;
+        let load =
+            LoadedModel::load_parts(dir, Some(parts), self.max_bytes, self.engine, self.threads);
+        let mut m = load.map_err(|e| kestrel_shared::chain(&e))?;
         m.limits = self.limits;
         let m = Arc::new(m);
         models.insert(key, m.clone());

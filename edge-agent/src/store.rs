@@ -2,6 +2,12 @@
 //! `versions/<v>`, and `active` / `previous` are symlinks swapped atomically (new link under a
 //! temporary name, rename over the old one, fsync the directory). Only the active and previous
 //! versions are kept. A crash at any point leaves `active` naming a complete model.
+//!
+//! Artifacts delivered in pieces ([`kestrel_shared::protocol::Piece`]) keep every piece once in
+//! the part store, `parts/<sha256>`, shared by both lanes' stores and every version: a version
+//! directory then holds the signed manifest and links to its golden samples, and its model is
+//! composed from the parts at load ([`kestrel_runtime::artifact::device_model`]). A part stays
+//! while a kept version, a staged one or a download's offer lists it ([`Store::prune_parts`]).
 
 use std::fs;
 use std::io;
@@ -10,12 +16,14 @@ use std::path::{Path, PathBuf};
 use kestrel_runtime::artifact;
 use kestrel_shared::fsutil::{remove_temp_files, write_atomic};
 use kestrel_shared::manifest::{MANIFEST_FILE, Manifest};
-use kestrel_shared::protocol::{ArtifactOffer, device_files, sha256_hex};
+use kestrel_shared::protocol::{ArtifactOffer, device_files, pieces, sha256_hex};
 use kestrel_shared::signing::SIGNATURE_FILE;
 
 #[derive(Debug, Clone)]
 pub struct Store {
     root: PathBuf,
+    /// The part store (shared with the other lane's store).
+    parts: PathBuf,
 }
 
 /// [`write_atomic`], creating the parent directory first (a download's directories are made
@@ -32,10 +40,12 @@ fn sync_dir(dir: &Path) -> io::Result<()> {
 impl Store {
     /// Opens (creating) the store and removes the temporary files of writes a crash cut short
     /// (the journal's, the keys', the chunks'), so that a crash loop leaves nothing growing.
-    pub fn open(root: &Path) -> io::Result<Self> {
+    pub fn open(root: &Path, parts: &Path) -> io::Result<Self> {
         for d in ["downloads", "staging", "versions"] {
             fs::create_dir_all(root.join(d))?;
         }
+        fs::create_dir_all(parts)?;
+        remove_temp_files(parts)?;
         remove_temp_files(root)?;
         for e in fs::read_dir(root.join("downloads"))? {
             let dir = e?.path();
@@ -47,7 +57,83 @@ impl Store {
         }
         Ok(Self {
             root: root.to_path_buf(),
+            parts: parts.to_path_buf(),
         })
+    }
+
+    /// The part store: content-addressed pieces, `<sha256>` each.
+    pub fn parts_dir(&self) -> &Path {
+        &self.parts
+    }
+
+    fn part_path(&self, sha256: &str) -> PathBuf {
+        self.parts.join(sha256)
+    }
+
+    /// Which of the pieces `sha256s` the part store holds, each read and checked against its
+    /// hash first: one that does not match is deleted (it is fetched again, never trusted).
+    pub fn held_parts(&self, sha256s: &[String]) -> Vec<String> {
+        let mut held = Vec::new();
+        for sha in sha256s {
+            if held.contains(sha) || !kestrel_shared::protocol::is_sha256(sha) {
+                continue;
+            }
+            let path = self.part_path(sha);
+            match fs::read(&path) {
+                Ok(bytes) if sha256_hex(&bytes) == *sha => held.push(sha.clone()),
+                Ok(_) => {
+                    tracing::warn!("{}: does not match its sha256: deleted", path.display());
+                    let _ = fs::remove_file(&path);
+                }
+                Err(_) => {}
+            }
+        }
+        held
+    }
+
+    /// Removes every part that no version, staging slot or download of `stores` lists.
+    pub fn prune_parts(stores: &[&Store]) -> io::Result<()> {
+        let Some(first) = stores.first() else {
+            return Ok(());
+        };
+        let mut keep = std::collections::HashSet::new();
+        for s in stores {
+            keep.extend(s.listed_parts()?);
+        }
+        for e in fs::read_dir(&first.parts)? {
+            let e = e?;
+            let name = e.file_name();
+            let Some(name) = name
+                .to_str()
+                .filter(|n| kestrel_shared::protocol::is_sha256(n))
+            else {
+                continue; // a write in progress (its temporary file), or not the store's
+            };
+            if !keep.contains(name) {
+                fs::remove_file(e.path())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The pieces this store's versions, staging slots and downloads list.
+    fn listed_parts(&self) -> io::Result<Vec<String>> {
+        let mut out = Vec::new();
+        for d in ["versions", "staging"] {
+            for e in fs::read_dir(self.root.join(d))? {
+                let text = fs::read(e?.path().join(MANIFEST_FILE)).unwrap_or_default();
+                if let Ok(m) = serde_json::from_slice::<Manifest>(&text) {
+                    out.extend(pieces(&m).into_iter().map(|(sha, _)| sha));
+                }
+            }
+        }
+        for e in fs::read_dir(self.root.join("downloads"))? {
+            let text = fs::read(e?.path().join("offer.json")).unwrap_or_default();
+            if let Ok(o) = serde_json::from_slice::<ArtifactOffer>(&text) {
+                out.extend(o.pieces.into_iter().map(|p| p.sha256));
+            }
+        }
+        Ok(out)
     }
 
     /// The store's directory.
@@ -169,8 +255,12 @@ impl Store {
     }
 
     /// Splits the downloaded chunks into the device files under `staging/<v>` with the signed
-    /// manifest and its signature; returns that directory.
+    /// manifest and its signature; returns that directory. An offer in pieces puts each piece
+    /// in the part store ([`Self::assemble_pieces`]).
     pub fn assemble(&self, o: &ArtifactOffer, m: &Manifest) -> Result<PathBuf, String> {
+        if !o.pieces.is_empty() {
+            return self.assemble_pieces(o, m);
+        }
         let mut bundle = Vec::with_capacity(o.total_bytes as usize);
         for i in 0..o.chunks.len() {
             let p = self.chunk_path(o.version, i as u32);
@@ -204,9 +294,69 @@ impl Store {
             write_atomic(&path, bytes).map_err(|e| format!("{}: {e}", path.display()))?;
             at = end;
         }
+        Self::write_signed(&dir, o)?;
+        Ok(dir)
+    }
+
+    /// The offer's signed manifest and signature into `dir`.
+    fn write_signed(dir: &Path, o: &ArtifactOffer) -> Result<(), String> {
+        fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         write_atomic(&dir.join(MANIFEST_FILE), o.manifest.as_bytes()).map_err(|e| e.to_string())?;
         let sig = serde_json::to_vec(&o.signature).map_err(|e| e.to_string())?;
-        write_atomic(&dir.join(SIGNATURE_FILE), &sig).map_err(|e| e.to_string())?;
+        write_atomic(&dir.join(SIGNATURE_FILE), &sig).map_err(|e| e.to_string())
+    }
+
+    /// [`Self::assemble`] of an offer in pieces: every downloaded piece, checked against its
+    /// sha256, into the part store (the others are there: the device held them); then
+    /// `staging/<v>` gets the device files that are whole pieces (linked to the part store) but
+    /// not the composed model, which is made from its parts at load.
+    fn assemble_pieces(&self, o: &ArtifactOffer, m: &Manifest) -> Result<PathBuf, String> {
+        for (p, range) in o.pieces.iter().zip(o.piece_ranges()) {
+            let path = self.part_path(&p.sha256);
+            if range.is_empty()
+                || !range
+                    .clone()
+                    .all(|i| self.chunk_path(o.version, i).exists())
+            {
+                if path.exists() {
+                    continue; // held
+                }
+                return Err(format!("piece {}: neither downloaded nor held", p.sha256));
+            }
+            let mut bytes = Vec::with_capacity(p.size as usize);
+            for (i, want) in range.zip(&p.chunks) {
+                let c = self.chunk_path(o.version, i);
+                let chunk = fs::read(&c).map_err(|e| format!("{}: {e}", c.display()))?;
+                if sha256_hex(&chunk) != *want {
+                    return Err(format!("chunk {i}: sha256 mismatch on disk"));
+                }
+                bytes.extend_from_slice(&chunk);
+            }
+            if sha256_hex(&bytes) != p.sha256 {
+                return Err(format!(
+                    "piece {}: its chunks make another sha256",
+                    p.sha256
+                ));
+            }
+            write_atomic(&path, &bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+        }
+        let dir = self.staging_dir(o.version);
+        let _ = fs::remove_dir_all(&dir);
+        for f in device_files(m) {
+            if m.composition.as_ref().is_some_and(|c| c.file == f.path) {
+                continue;
+            }
+            let rel = artifact::safe_relative(&f.path).map_err(|e| kestrel_shared::chain(&e))?;
+            let path = dir.join(rel);
+            if let Some(parent) = path.parent() {
+                fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+            }
+            let from = self.part_path(&f.sha256);
+            fs::hard_link(&from, &path)
+                .or_else(|_| fs::copy(&from, &path).map(drop))
+                .map_err(|e| format!("{} from {}: {e}", path.display(), from.display()))?;
+        }
+        Self::write_signed(&dir, o)?;
         Ok(dir)
     }
 
@@ -235,7 +385,7 @@ mod tests {
     #[test]
     fn activation_swaps_links_and_keeps_two_versions() {
         let tmp = tempfile::tempdir().unwrap();
-        let s = Store::open(tmp.path()).unwrap();
+        let s = Store::open(tmp.path(), &tmp.path().join("parts")).unwrap();
         assert_eq!(s.active(), None);
         put(&s, 1);
         s.activate(1).unwrap();
@@ -263,7 +413,7 @@ mod tests {
     #[test]
     fn discard_never_touches_active_and_crash_leftovers_are_replaced() {
         let tmp = tempfile::tempdir().unwrap();
-        let s = Store::open(tmp.path()).unwrap();
+        let s = Store::open(tmp.path(), &tmp.path().join("parts")).unwrap();
         put(&s, 1);
         s.activate(1).unwrap();
         s.discard(1).unwrap();
@@ -285,7 +435,7 @@ mod tests {
         // journaled chunks and offer, so staging must not drop them (a random-kill chaos run
         // found the agent refusing its own update after a kill at that moment).
         let tmp = tempfile::tempdir().unwrap();
-        let s = Store::open(tmp.path()).unwrap();
+        let s = Store::open(tmp.path(), &tmp.path().join("parts")).unwrap();
         s.write_offer(1, b"{}").unwrap();
         s.write_chunk(1, 0, b"chunk").unwrap();
         put(&s, 1);

@@ -36,6 +36,9 @@ pub struct Offer {
     pub total_bytes: u64,
     /// Explicitly allowed to go below the active version.
     pub rollback: bool,
+    /// Chunks the device already holds (pieces of the offer in its part store): not fetched.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub held: Vec<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -308,14 +311,23 @@ impl Updater {
             out.extend(self.reject(o.version, reason));
             return out;
         }
+        let version = o.version;
+        let have: BTreeSet<u32> = o.held.iter().copied().filter(|&i| i < o.chunks).collect();
+        let missing: Vec<u32> = (0..o.chunks).filter(|i| !have.contains(i)).collect();
+        if missing.is_empty() {
+            out.push(Action::Report(Report::Downloading { version }));
+            out.push(Action::Verify { version });
+            self.phase = Phase::Verifying { version };
+            return out;
+        }
         out.push(Action::Fetch {
-            version: o.version,
-            chunks: (0..o.chunks).collect(),
+            version,
+            chunks: missing,
         });
-        out.push(Action::Report(Report::Downloading { version: o.version }));
+        out.push(Action::Report(Report::Downloading { version }));
         self.phase = Phase::Downloading {
             offer: o,
-            have: BTreeSet::new(),
+            have,
             corrupt: 0,
         };
         out

@@ -16,7 +16,12 @@ pub struct Published {
     pub version: u64,
     pub target: String,
     pub chunks: usize,
+    /// The whole artifact's device files: what a device without any of its parts fetches (and
+    /// what an agent from before parts fetches).
     pub bytes: u64,
+    /// What a device at the replaced version fetches: the pieces of this version it does not
+    /// hold (a new head on the same backbone: the head and the golden samples).
+    pub bytes_update: u64,
     /// The target's desired version before this publish, if any.
     pub replaced: Option<u64>,
     pub seconds: f64,
@@ -34,6 +39,22 @@ pub fn current_desired(conn: &mut Conn, target: &Target) -> Result<Option<Desire
         }
         _ => None,
     })
+}
+
+/// The retained offer of `name` v`version`, if any.
+pub fn retained_offer(
+    conn: &mut Conn,
+    name: &str,
+    version: u64,
+) -> Result<Option<ArtifactOffer>, FleetError> {
+    let topic = conn.topics.artifact_manifest(name, version);
+    match conn
+        .retained(&topic, Duration::from_millis(300))?
+        .get(&topic)
+    {
+        Some(p) if !p.is_empty() => Ok(Some(parse(&topic, p)?)),
+        _ => Ok(None),
+    }
 }
 
 /// How [`publish`] states the desired state.
@@ -75,19 +96,18 @@ pub fn publish(
             c.version, c.name
         )));
     }
-    let offer_topic = conn.topics.artifact_manifest(&name, version);
-    if let Some(p) = conn
-        .retained(&offer_topic, Duration::from_millis(300))?
-        .get(&offer_topic)
-        && !p.is_empty()
-    {
-        let old: ArtifactOffer = parse(&offer_topic, p)?;
+    if let Some(old) = retained_offer(&mut conn, &name, version)? {
         if old.manifest != bundle.offer.manifest {
             return Err(FleetError::Refused(format!(
                 "{name} v{version} is already published with other content; versions are immutable (export with a new --model-version)"
             )));
         }
     }
+    let held = match &current {
+        Some(c) => retained_offer(&mut conn, &c.name, c.version)?,
+        None => None,
+    };
+    let bytes_update = bundle.bytes_beside(held.as_ref());
     let msgs = bundle.messages(&conn.topics);
     let pb = crate::progress(msgs.len() as u64 + 1, "publish");
     conn.publish_all(msgs, Some(&pb))?;
@@ -113,6 +133,7 @@ pub fn publish(
         target: target.to_string(),
         chunks: bundle.chunks.len(),
         bytes: bundle.offer.total_bytes,
+        bytes_update,
         replaced: current.map(|c| c.version),
         seconds: start.elapsed().as_secs_f64(),
     })

@@ -4,7 +4,9 @@
 
 use std::path::{Component, Path};
 
-use kestrel_shared::manifest::{FileEntry, MANIFEST_FILE, MAX_MANIFEST_BYTES, Manifest};
+use kestrel_shared::manifest::{
+    Composition, FileEntry, MANIFEST_FILE, MAX_MANIFEST_BYTES, Manifest,
+};
 use kestrel_shared::protocol::sha256_hex;
 pub use kestrel_shared::protocol::{Class, Prediction, device_files};
 use kestrel_shared::{ImageLimits, PreprocessError};
@@ -50,6 +52,8 @@ pub enum ArtifactError {
     FileTooLarge { path: String, limit: u64 },
     #[error("health check failed: {0}")]
     Health(String),
+    #[error(transparent)]
+    Composition(#[from] kestrel_shared::manifest::CompositionError),
     #[error(transparent)]
     Signature(#[from] kestrel_shared::signing::SignError),
     #[error(transparent)]
@@ -134,8 +138,56 @@ pub fn verify_files(dir: &Path, m: &Manifest, max_bytes: u64) -> Result<(), Arti
 /// Checks the files a device receives and runs ([`device_files`]: the model and the golden
 /// samples), and their total against `max_bytes`.
 pub fn verify_device_files(dir: &Path, m: &Manifest, max_bytes: u64) -> Result<(), ArtifactError> {
+    device_model(dir, m, max_bytes, None).map(drop)
+}
+
+/// [`verify_device_files`], returning the model's bytes: `dir/model.onnx`, or, when `dir` has
+/// none and `parts` is a directory of content-addressed pieces (a device's part store: each
+/// file named by its sha256), the manifest's [`Composition`] of them, every part checked
+/// against its hash and the part it follows, and the whole against the manifest.
+///
+/// [`Composition`]: kestrel_shared::manifest::Composition
+pub fn device_model(
+    dir: &Path,
+    m: &Manifest,
+    max_bytes: u64,
+    parts: Option<&Path>,
+) -> Result<Vec<u8>, ArtifactError> {
     check_names(m)?;
-    verify_entries(dir, &device_files(m), max_bytes)
+    let files = device_files(m);
+    check_total(&files, max_bytes)?;
+    let mut model = None;
+    for f in files {
+        let path = dir.join(safe_relative(&f.path)?);
+        let composed = m.composition.as_ref().filter(|c| c.file == f.path);
+        let bytes = match (composed, parts) {
+            (Some(c), Some(parts)) if f.path == "model.onnx" && !path.exists() => {
+                compose(c, m, parts)?
+            }
+            _ => verify_entry(&path, f)?,
+        };
+        if f.path == "model.onnx" {
+            model = Some(bytes);
+        }
+    }
+    model.ok_or_else(|| ArtifactError::Manifest {
+        path: MANIFEST_FILE.into(),
+        source: "no model.onnx listed".into(),
+    })
+}
+
+/// The composed file from the part store `parts`.
+fn compose(c: &Composition, m: &Manifest, parts: &Path) -> Result<Vec<u8>, ArtifactError> {
+    let mut bytes = Vec::with_capacity(c.parts.len());
+    for p in &c.parts {
+        if !kestrel_shared::protocol::is_sha256(&p.sha256) {
+            return Err(ArtifactError::UnsafePath(p.sha256.clone()));
+        }
+        let path = parts.join(&p.sha256);
+        bytes.push(read_capped(&path, p.size)?);
+    }
+    let slices: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+    Ok(c.compose(&m.files, &slices)?)
 }
 
 /// Every file name the manifest mentions (files and golden samples) must be a plain relative path.
@@ -152,6 +204,21 @@ pub fn check_names(m: &Manifest) -> Result<(), ArtifactError> {
 }
 
 fn verify_entries(dir: &Path, files: &[&FileEntry], max_bytes: u64) -> Result<(), ArtifactError> {
+    check_total(files, max_bytes)?;
+    if !files.iter().any(|f| f.path == "model.onnx") {
+        return Err(ArtifactError::Manifest {
+            path: MANIFEST_FILE.into(),
+            source: "no model.onnx listed".into(),
+        });
+    }
+    for f in files {
+        verify_entry(&dir.join(safe_relative(&f.path)?), f)?;
+    }
+    Ok(())
+}
+
+/// Safe names, and their sizes' total within `max_bytes`.
+fn check_total(files: &[&FileEntry], max_bytes: u64) -> Result<(), ArtifactError> {
     for f in files {
         safe_relative(&f.path)?;
     }
@@ -164,41 +231,37 @@ fn verify_entries(dir: &Path, files: &[&FileEntry], max_bytes: u64) -> Result<()
             limit: max_bytes,
         });
     }
-    if !files.iter().any(|f| f.path == "model.onnx") {
-        return Err(ArtifactError::Manifest {
-            path: MANIFEST_FILE.into(),
-            source: "no model.onnx listed".into(),
+    Ok(())
+}
+
+/// `path`'s bytes, checked against the manifest's entry `f` (the size first: a file larger than
+/// the manifest says is never read).
+fn verify_entry(path: &Path, f: &FileEntry) -> Result<Vec<u8>, ArtifactError> {
+    let len = std::fs::metadata(path).map_err(|e| io(path, e))?.len();
+    if len != f.size {
+        return Err(ArtifactError::Size {
+            file: f.path.clone(),
+            expected: f.size,
+            found: len,
         });
     }
-    for f in files {
-        let path = dir.join(safe_relative(&f.path)?);
-        // The size first: a file larger than the manifest says is never read.
-        let len = std::fs::metadata(&path).map_err(|e| io(&path, e))?.len();
-        if len != f.size {
-            return Err(ArtifactError::Size {
-                file: f.path.clone(),
-                expected: f.size,
-                found: len,
-            });
-        }
-        let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
-        if bytes.len() as u64 != f.size {
-            return Err(ArtifactError::Size {
-                file: f.path.clone(),
-                expected: f.size,
-                found: bytes.len() as u64,
-            });
-        }
-        let found = sha256_hex(&bytes);
-        if found != f.sha256 {
-            return Err(ArtifactError::Hash {
-                file: f.path.clone(),
-                expected: f.sha256.clone(),
-                found,
-            });
-        }
+    let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
+    if bytes.len() as u64 != f.size {
+        return Err(ArtifactError::Size {
+            file: f.path.clone(),
+            expected: f.size,
+            found: bytes.len() as u64,
+        });
     }
-    Ok(())
+    let found = sha256_hex(&bytes);
+    if found != f.sha256 {
+        return Err(ArtifactError::Hash {
+            file: f.path.clone(),
+            expected: f.sha256.clone(),
+            found,
+        });
+    }
+    Ok(bytes)
 }
 
 /// A verified, health-checked model ready to serve.
@@ -226,10 +289,20 @@ impl LoadedModel {
         kind: EngineKind,
         threads: usize,
     ) -> Result<Self, ArtifactError> {
+        Self::load_parts(dir, None, max_bytes, kind, threads)
+    }
+
+    /// [`Self::load`], composing the model from the part store `parts` when `dir` has no
+    /// model.onnx of its own ([`device_model`]).
+    pub fn load_parts(
+        dir: &Path,
+        parts: Option<&Path>,
+        max_bytes: u64,
+        kind: EngineKind,
+        threads: usize,
+    ) -> Result<Self, ArtifactError> {
         let manifest = read_manifest(dir)?;
-        verify_device_files(dir, &manifest, max_bytes)?;
-        let onnx = dir.join("model.onnx");
-        let bytes = std::fs::read(&onnx).map_err(|e| io(&onnx, e))?;
+        let bytes = device_model(dir, &manifest, max_bytes, parts)?;
         let bytes = engine_bytes(bytes, &manifest)?;
         let shape: Vec<usize> = manifest.input.shape[1..]
             .iter()

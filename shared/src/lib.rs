@@ -28,4 +28,5 @@ pub mod topics;
 
 pub use error::{Chain, chain};
 pub use preprocess::{ImageLimits, PreprocessError, PreprocessSpec, Preprocessed};
+pub use protocol::human_bytes;
 pub use time::{issued_now, now_rfc3339, now_unix};

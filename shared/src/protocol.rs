@@ -8,6 +8,7 @@
 //! |---|---|---|---|
 //! | `P/artifacts/<name>/<version>/manifest` | [`ArtifactOffer`] JSON | yes | trainer publish |
 //! | `P/artifacts/<name>/<version>/chunks/<i>` | raw bytes of chunk `i` | yes | trainer publish |
+//! | `P/parts/<sha256>/chunks/<i>` | raw bytes of chunk `i` of a [`Piece`] | yes | trainer publish |
 //! | `P/devices/<id>/desired` | [`SignedDesired`] JSON | yes | trainer publish / rollout |
 //! | `P/groups/<group>/desired` | [`SignedDesired`] JSON | yes | trainer publish / rollout |
 //! | `P/keys` | [`SignedKeyList`] JSON | yes | trainer keys publish (root key) |
@@ -109,6 +110,47 @@ pub struct ArtifactOffer {
     /// sha256 (hex) of every chunk.
     pub chunks: Vec<String>,
     pub total_bytes: u64,
+    /// The same bundle as content-addressed pieces ([`pieces`]), each cut into `chunk_bytes`
+    /// chunks of its own on `P/parts/<sha256>/chunks/<i>`: a device fetches only the pieces it
+    /// does not hold. Empty in offers from before parts; an agent from before parts ignores it
+    /// and fetches the whole bundle's chunks above, which are published too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pieces: Vec<Piece>,
+}
+
+/// A content-addressed piece of a bundle: a part of the composed model ([`Composition`]), or a
+/// whole device file. Its name is its sha256, so versions that share it share its topics, and a
+/// device that holds it does not fetch it again.
+///
+/// [`Composition`]: crate::manifest::Composition
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Piece {
+    pub sha256: String,
+    pub size: u64,
+    /// sha256 (hex) of every chunk of the piece.
+    pub chunks: Vec<String>,
+}
+
+/// The pieces of a manifest's bundle, in bundle order, as (sha256, size): each device file,
+/// with the composed file (`model.onnx`) as its parts. Together they are the bundle.
+pub fn pieces(m: &Manifest) -> Vec<(String, u64)> {
+    let mut out = Vec::new();
+    for f in device_files(m) {
+        match &m.composition {
+            Some(c) if c.file == f.path => {
+                out.extend(c.parts.iter().map(|p| (p.sha256.clone(), p.size)));
+            }
+            _ => out.push((f.sha256.clone(), f.size)),
+        }
+    }
+    out
+}
+
+/// A sha256 as a topic level: 64 lowercase hex digits.
+pub fn is_sha256(s: &str) -> bool {
+    s.len() == 64
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 /// The files a device needs: the model and the golden samples of its health check, in manifest
@@ -118,6 +160,16 @@ pub fn device_files(m: &Manifest) -> Vec<&FileEntry> {
         .iter()
         .filter(|f| f.path == "model.onnx" || m.golden.iter().any(|g| g.file == f.path))
         .collect()
+}
+
+/// A byte count as people read it: `512 B`, `11.0 KB`, `13.5 MB` (powers of 1000).
+pub fn human_bytes(n: u64) -> String {
+    match n {
+        0..1_000 => format!("{n} B"),
+        1_000..1_000_000 => format!("{:.1} KB", n as f64 / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.1} MB", n as f64 / 1e6),
+        _ => format!("{:.2} GB", n as f64 / 1e9),
+    }
 }
 
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -133,6 +185,23 @@ impl ArtifactOffer {
         bundle: &[u8],
         chunk_bytes: usize,
     ) -> Self {
+        let mut at = 0usize;
+        let mut cut = Vec::new();
+        for (sha256, size) in pieces(manifest) {
+            let Some(bytes) = bundle.get(at..at + size as usize) else {
+                cut.clear(); // the manifest does not describe this bundle: no pieces
+                break;
+            };
+            at += bytes.len();
+            cut.push(Piece {
+                sha256,
+                size,
+                chunks: bytes.chunks(chunk_bytes).map(sha256_hex).collect(),
+            });
+        }
+        if at != bundle.len() {
+            cut.clear();
+        }
         Self {
             name: manifest.name.clone(),
             version: manifest.version,
@@ -141,6 +210,31 @@ impl ArtifactOffer {
             chunk_bytes: chunk_bytes as u64,
             chunks: bundle.chunks(chunk_bytes).map(sha256_hex).collect(),
             total_bytes: bundle.len() as u64,
+            pieces: cut,
+        }
+    }
+
+    /// The bundle chunk indexes of the pieces, one range per piece: a device's download counts
+    /// the pieces' chunks one after another.
+    pub fn piece_ranges(&self) -> Vec<std::ops::Range<u32>> {
+        let mut at = 0u32;
+        self.pieces
+            .iter()
+            .map(|p| {
+                let r = at..at + p.chunks.len() as u32;
+                at = r.end;
+                r
+            })
+            .collect()
+    }
+
+    /// The chunks a device downloads: the pieces' (when the offer has them), else the bundle's.
+    pub fn download_chunks(&self) -> Vec<&str> {
+        if self.pieces.is_empty() {
+            self.chunks.iter().map(String::as_str).collect()
+        } else {
+            let all = self.pieces.iter().flat_map(|p| &p.chunks);
+            all.map(String::as_str).collect()
         }
     }
 
@@ -174,7 +268,40 @@ impl ArtifactOffer {
                 self.chunks.len()
             )));
         }
+        self.check_pieces(&m).map_err(bad)?;
         Ok(m)
+    }
+
+    /// The offer's pieces, if any, are the signed manifest's ([`pieces`]), each in as many
+    /// chunks as its size needs.
+    fn check_pieces(&self, m: &Manifest) -> Result<(), String> {
+        if self.pieces.is_empty() {
+            return Ok(());
+        }
+        let want = pieces(m);
+        if want.len() != self.pieces.len() {
+            return Err(format!(
+                "offer has {} pieces, the manifest's device files are {}",
+                self.pieces.len(),
+                want.len()
+            ));
+        }
+        for (i, (p, (sha256, size))) in self.pieces.iter().zip(&want).enumerate() {
+            let chunks = size.div_ceil(self.chunk_bytes.max(1));
+            if !is_sha256(&p.sha256) || p.sha256 != *sha256 || p.size != *size {
+                return Err(format!(
+                    "piece {i} is {} ({} bytes), the manifest's is {sha256} ({size} bytes)",
+                    p.sha256, p.size
+                ));
+            }
+            if p.chunks.len() as u64 != chunks {
+                return Err(format!(
+                    "piece {i} ({sha256}) has {} chunks, {size} bytes need {chunks}",
+                    p.chunks.len()
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -408,6 +535,11 @@ pub struct DeviceCounters {
     pub updates_rolled_back: u64,
     /// Chunk deliveries that failed their sha256 (dropped and asked for again).
     pub chunks_corrupt: u64,
+    /// Artifact bytes downloaded (chunks that matched their sha256 and were kept).
+    pub bytes_fetched: u64,
+    /// Artifact bytes not downloaded because the device held them: pieces of an offer already in
+    /// its part store (checked against their sha256 first).
+    pub bytes_reused: u64,
 }
 
 /// A device's retained status.

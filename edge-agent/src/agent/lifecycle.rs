@@ -426,8 +426,10 @@ impl Agent {
         models: Arc<ModelCache>,
         feed: Option<Feed>,
     ) -> Result<(Self, rumqttc::EventLoop, InputsRx)> {
-        let open =
-            |dir: PathBuf| Store::open(&dir).with_context(|| format!("store {}", dir.display()));
+        let parts = cfg.store.join("parts");
+        let open = |dir: PathBuf| {
+            Store::open(&dir, &parts).with_context(|| format!("store {}", dir.display()))
+        };
         let store = open(cfg.store.clone())?;
         let shadow_store = open(cfg.store.join("shadow"))?;
         let core = Core::new(

@@ -176,6 +176,23 @@ impl Agent {
                 if let Err(e) = self.lane_store(lane).discard(version) {
                     tracing::warn!("{}: discarding v{version}: {e}", self.cfg.device_id);
                 }
+                self.prune_parts();
+            }
+            Effect::CheckParts {
+                lane,
+                version,
+                pieces,
+            } => {
+                // Hashing megabytes: off the event loop, like verification.
+                let (store, tx) = (self.lane_store(lane).clone(), self.inputs.clone());
+                tokio::task::spawn_blocking(move || {
+                    let held = store.held_parts(&pieces);
+                    let _ = tx.send(Input::PartsHeld {
+                        lane,
+                        version,
+                        held,
+                    });
+                });
             }
             Effect::RunShadow(run) => {
                 *self.shadow.write().expect("lock") = run.map(|(model, every)| {
@@ -230,6 +247,7 @@ impl Agent {
         self.store
             .activate(version)
             .with_context(|| format!("activating v{version}"))?;
+        self.prune_parts();
         match model {
             Some(m) => *self.model.write().expect("lock") = Some(m),
             None => then.extend(self.load_active(version)),
@@ -252,6 +270,14 @@ impl Agent {
         };
         let request = job.request;
         Some(Input::NotQueued { request, busy })
+    }
+
+    /// Removes the parts no version, staging slot or download of either lane lists.
+    fn prune_parts(&self) {
+        if let Err(e) = Store::prune_parts(&[&self.store, &self.shadow_store]) {
+            let parts = self.store.parts_dir().display();
+            tracing::warn!("{}: pruning {parts}: {e}", self.cfg.device_id);
+        }
     }
 
     fn lane_store(&self, lane: Lane) -> &Store {
@@ -321,7 +347,10 @@ impl Agent {
             let result = match offer {
                 Some((o, m)) if o.version == version => store.assemble(&o, &m).and_then(|dir| {
                     artifact::verify_signature(&dir, &keys)
-                        .and_then(|_| artifact::verify_device_files(&dir, &m, max))
+                        .and_then(|_| {
+                            artifact::device_model(&dir, &m, max, Some(store.parts_dir()))
+                        })
+                        .map(drop)
                         .map_err(|e| kestrel_shared::chain(&e))
                 }),
                 _ => Err("the offer of this version is gone".into()),
@@ -337,10 +366,11 @@ impl Agent {
     /// Health check: loads the lane's `versions/<v>` (verifies files, runs the golden samples)
     /// on a blocking thread.
     fn spawn_load(&self, lane: Lane, version: u64) {
-        let dir = self.lane_store(lane).version_dir(version);
+        let store = self.lane_store(lane);
+        let (dir, parts) = (store.version_dir(version), store.parts_dir().to_path_buf());
         let (models, tx) = (self.models.clone(), self.inputs.clone());
         tokio::task::spawn_blocking(move || {
-            let result = models.load(&dir);
+            let result = models.load(&dir, &parts);
             let _ = tx.send(Input::Loaded {
                 lane,
                 version,
@@ -352,7 +382,7 @@ impl Agent {
     /// Loads the active model for serving (at start-up, or to finish an activation after a
     /// restart), so no request is answered "no active model" while one is installed.
     fn load_active(&mut self, version: u64) -> Option<Input<LoadedModel>> {
-        match self.models.load(&self.store.version_dir(version)) {
+        match (self.models).load(&self.store.version_dir(version), self.store.parts_dir()) {
             Ok(m) => {
                 *self.model.write().expect("lock") = Some(m);
                 None

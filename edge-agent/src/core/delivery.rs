@@ -24,6 +24,9 @@ pub(super) struct Delivery<M> {
     last_progress: std::time::Instant,
     /// The health-checked model, until it is activated (or runs beside).
     pub(super) candidate: Option<(u64, Arc<M>)>,
+    /// An offer in pieces waiting to learn which of them the part store holds: its version and
+    /// whether it may go below the active one.
+    checking: Option<(u64, bool)>,
 }
 
 impl<M> Delivery<M> {
@@ -39,6 +42,7 @@ impl<M> Delivery<M> {
             offer,
             last_progress: now.mono,
             candidate: None,
+            checking: None,
         }
     }
 
@@ -55,13 +59,27 @@ impl<M> Delivery<M> {
         }
     }
 
-    /// The chunk topics of the download in progress, if any.
-    pub(super) fn chunk_filter(&self, topics: &Topics) -> Option<String> {
+    /// The chunk topics of the download in progress: its bundle's, or those of the pieces it
+    /// still lacks.
+    pub(super) fn chunk_filters(&self, topics: &Topics) -> Vec<String> {
         match (&self.updater.phase, &self.offer) {
-            (Phase::Downloading { offer, .. }, Some((o, _))) if o.version == offer.version => {
-                Some(topics.chunks_filter(&o.name, o.version))
+            (Phase::Downloading { offer, .. }, Some((o, _)))
+                if o.version == offer.version && o.pieces.is_empty() =>
+            {
+                vec![topics.chunks_filter(&o.name, o.version)]
             }
-            _ => None,
+            (Phase::Downloading { offer, have, .. }, Some((o, _)))
+                if o.version == offer.version =>
+            {
+                let lacking = o.pieces.iter().zip(o.piece_ranges());
+                let mut f: Vec<String> = lacking
+                    .filter(|(_, r)| r.clone().any(|i| !have.contains(&i)))
+                    .map(|(p, _)| topics.part_chunks_filter(&p.sha256))
+                    .collect();
+                f.dedup();
+                f
+            }
+            _ => vec![],
         }
     }
 
@@ -137,7 +155,10 @@ impl<M: Model> Core<M> {
             return;
         };
         let d = self.delivery(lane);
-        if (name, version) != (want.as_str(), want_version) || payload.is_empty() {
+        if (name, version) != (want.as_str(), want_version)
+            || payload.is_empty()
+            || d.checking.is_some_and(|(v, _)| v == version)
+        {
             return;
         }
         if d.has(version) {
@@ -167,20 +188,75 @@ impl<M: Model> Core<M> {
             version,
             payload: payload.to_vec(),
         });
+        if !o.pieces.is_empty() {
+            // Which pieces the device holds decides what it fetches: asked first.
+            let pieces = o.pieces.iter().map(|p| p.sha256.clone()).collect();
+            let d = self.delivery_mut(lane);
+            d.offer = Some((o, m));
+            d.checking = Some((version, rollback));
+            self.out.push(Effect::CheckParts {
+                lane,
+                version,
+                pieces,
+            });
+            return;
+        }
         let offer = Offer {
             version,
             chunks: o.chunks.len() as u32,
             total_bytes: o.total_bytes,
             rollback,
+            held: vec![],
         };
         self.delivery_mut(lane).offer = Some((o, m));
+        self.start(lane, offer);
+    }
+
+    /// The pieces of the offer being checked that the part store holds: the download starts
+    /// without them.
+    pub(super) fn parts_held(&mut self, lane: Lane, version: u64, held: &[String]) {
+        let d = self.delivery_mut(lane);
+        let Some((_, rollback)) = d.checking.filter(|(v, _)| *v == version) else {
+            return; // superseded
+        };
+        d.checking = None;
+        let Some((o, _)) = d.offer.as_ref().filter(|(o, _)| o.version == version) else {
+            return;
+        };
+        let (mut have, mut reused) = (Vec::new(), 0);
+        for (i, (p, range)) in o.pieces.iter().zip(o.piece_ranges()).enumerate() {
+            if held.contains(&p.sha256) {
+                have.extend(range);
+                // A piece listed twice is held (and counted) once.
+                if !o.pieces[..i].iter().any(|q| q.sha256 == p.sha256) {
+                    reused += p.size;
+                }
+            }
+        }
+        let offer = Offer {
+            version,
+            chunks: o.download_chunks().len() as u32,
+            total_bytes: o.total_bytes,
+            rollback,
+            held: have,
+        };
+        if self.start(lane, offer) {
+            self.requests.counters.bytes_reused += reused;
+        }
+    }
+
+    /// Feeds an accepted offer to the lane's updater; whether its download started.
+    fn start(&mut self, lane: Lane, offer: Offer) -> bool {
+        let version = offer.version;
         self.step(lane, Event::Offered(offer));
         let d = self.delivery_mut(lane);
         if d.updater.phase.target() != Some(version) {
             // Refused (too large, a downgrade): nothing of it stays on disk.
             d.offer = None;
             self.out.push(Effect::RemoveDownload { lane, version });
+            return false;
         }
+        true
     }
 
     /// An offer of the active version: the model installed, or a conflict (another model at the
@@ -236,15 +312,11 @@ impl<M: Model> Core<M> {
     ) {
         let d = self.delivery(lane);
         let Some((o, _)) = &d.offer else { return };
-        let Phase::Downloading {
-            offer,
-            have,
-            corrupt,
-        } = &d.updater.phase
-        else {
+        let Phase::Downloading { offer, have, .. } = &d.updater.phase else {
             return;
         };
         if (name, version) != (o.name.as_str(), o.version)
+            || !o.pieces.is_empty()
             || offer.version != version
             || index >= offer.chunks
             || have.contains(&index)
@@ -252,7 +324,47 @@ impl<M: Model> Core<M> {
         {
             return;
         }
-        if sha256_hex(&payload) == o.chunks[index as usize] {
+        let want = o.chunks[index as usize].clone();
+        self.take_chunk(lane, topic, index, payload, &want);
+    }
+
+    /// Chunk `index` of the piece `sha256`: taken by the lane's download in progress for every
+    /// place the piece has in its offer that still lacks it.
+    pub(super) fn on_part_chunk(
+        &mut self,
+        lane: Lane,
+        topic: &str,
+        (sha256, index): (&str, u32),
+        payload: &[u8],
+    ) {
+        let d = self.delivery(lane);
+        let Some((o, _)) = &d.offer else { return };
+        let Phase::Downloading { offer, have, .. } = &d.updater.phase else {
+            return;
+        };
+        if offer.version != o.version || payload.is_empty() {
+            return;
+        }
+        let places: Vec<(u32, String)> = (o.pieces.iter().zip(o.piece_ranges()))
+            .filter(|(p, _)| p.sha256 == sha256 && (index as usize) < p.chunks.len())
+            .map(|(p, r)| (r.start + index, p.chunks[index as usize].clone()))
+            .filter(|(i, _)| !have.contains(i))
+            .collect();
+        for (i, want) in places {
+            self.take_chunk(lane, topic, i, payload.to_vec(), &want);
+        }
+    }
+
+    /// A delivered chunk of the lane's download: written when it matches `want` (its sha256),
+    /// else dropped, counted and asked for again.
+    fn take_chunk(&mut self, lane: Lane, topic: &str, index: u32, payload: Vec<u8>, want: &str) {
+        let d = self.delivery(lane);
+        let Phase::Downloading { offer, corrupt, .. } = &d.updater.phase else {
+            return;
+        };
+        let version = offer.version;
+        if sha256_hex(&payload) == want {
+            self.requests.counters.bytes_fetched += payload.len() as u64;
             self.out.push(Effect::WriteChunk {
                 lane,
                 version,
@@ -354,7 +466,9 @@ impl<M: Model> Core<M> {
                     return Some(Event::Refused { version, reason });
                 };
                 d.last_progress = now;
-                if chunks.len() == o.chunks.len() {
+                if !o.pieces.is_empty() {
+                    out.extend(piece_fetches(&topics, o, &chunks));
+                } else if chunks.len() == o.chunks.len() {
                     // Afresh: a broker resends retained messages on a new subscription, not
                     // always on one it has (rumqttd does not).
                     let f = topics.chunks_filter(&o.name, version);
@@ -369,8 +483,14 @@ impl<M: Model> Core<M> {
             }
             Action::Verify { version } => {
                 if let Some((o, _)) = &d.offer {
-                    let f = topics.chunks_filter(&o.name, version);
-                    out.push(Effect::Unsubscribe(f));
+                    if o.pieces.is_empty() {
+                        out.push(Effect::Unsubscribe(topics.chunks_filter(&o.name, version)));
+                    }
+                    let parts = o
+                        .pieces
+                        .iter()
+                        .map(|p| topics.part_chunks_filter(&p.sha256));
+                    out.extend(parts.map(Effect::Unsubscribe));
                 }
                 let offer = d.offer.clone();
                 out.push(Effect::Verify {
@@ -428,4 +548,30 @@ impl<M: Model> Core<M> {
         self.event(kind, version, reason);
         self.publish_status();
     }
+}
+
+/// The subscriptions that (re)deliver `chunks` (download indexes) of an offer in pieces: a
+/// piece's whole filter when all of it is wanted, else each wanted chunk's own topic.
+fn piece_fetches<M>(topics: &Topics, o: &ArtifactOffer, chunks: &[u32]) -> Vec<Effect<M>> {
+    let mut out = Vec::new();
+    let mut subscribed = Vec::new();
+    for (p, range) in o.pieces.iter().zip(o.piece_ranges()) {
+        let want: Vec<u32> = (chunks.iter())
+            .filter(|i| range.contains(i))
+            .map(|i| i - range.start)
+            .collect();
+        if want.is_empty() {
+            continue;
+        }
+        if want.len() == p.chunks.len() {
+            if !subscribed.contains(&&p.sha256) {
+                subscribed.push(&p.sha256);
+                out.push(Effect::Resubscribe(topics.part_chunks_filter(&p.sha256)));
+            }
+        } else {
+            let t = want.into_iter().map(|j| topics.part_chunk(&p.sha256, j));
+            out.extend(t.map(Effect::Resubscribe));
+        }
+    }
+    out
 }

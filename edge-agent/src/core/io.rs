@@ -24,6 +24,12 @@ pub enum Input<M> {
         index: u32,
         ok: bool,
     },
+    /// The pieces of an offer the part store holds ([`Effect::CheckParts`]).
+    PartsHeld {
+        lane: Lane,
+        version: u64,
+        held: Vec<String>,
+    },
     /// The assembled files' signature and hashes checked ([`Effect::Verify`]).
     Verified {
         lane: Lane,
@@ -119,6 +125,13 @@ pub enum Effect<M> {
     SaveKeys(Vec<u8>),
     /// Save the capture counters and the last hour's capture times (their JSON).
     SaveCaptureState(Vec<u8>),
+    /// Which of an offer's pieces the part store holds, each checked against its sha256 (one
+    /// that does not match is deleted); answer [`Input::PartsHeld`].
+    CheckParts {
+        lane: Lane,
+        version: u64,
+        pieces: Vec<String>,
+    },
     /// Keep a checked offer beside its download (a restart reads it back).
     WriteOffer {
         lane: Lane,

@@ -196,6 +196,11 @@ impl<M: Model> Core<M> {
                 index,
                 ok,
             } => self.chunk_written(lane, version, index, ok),
+            Input::PartsHeld {
+                lane,
+                version,
+                held,
+            } => self.parts_held(lane, version, &held),
             Input::Verified {
                 lane,
                 version,
@@ -440,7 +445,7 @@ impl<M: Model> Core<M> {
         if let Some(p) = &self.pursued {
             filters.push(self.topics.artifact_manifest(&p.name, p.version));
         }
-        filters.extend(self.install.chunk_filter(&self.topics));
+        filters.extend(self.install.chunk_filters(&self.topics));
         filters.extend(self.shadow.filters(&self.topics));
         self.out.extend(filters.into_iter().map(Effect::Subscribe));
     }
@@ -461,6 +466,11 @@ impl<M: Model> Core<M> {
             }) => {
                 let lane = self.lane_of(name, version);
                 self.on_chunk(lane, topic, (name, version, index), payload)
+            }
+            Some(Route::PartChunk { sha256, index }) => {
+                for lane in [Lane::Install, Lane::Shadow] {
+                    self.on_part_chunk(lane, topic, (sha256, index), &payload);
+                }
             }
             Some(Route::Desired(target)) => self.on_desired(topic, &target, &payload),
             Some(Route::Keys) => self.on_keys(topic, &payload),

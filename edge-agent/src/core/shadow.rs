@@ -92,7 +92,7 @@ impl<M> Shadow<M> {
             return vec![];
         };
         let mut f = vec![topics.artifact_manifest(&w.name, w.version)];
-        f.extend(self.delivery.chunk_filter(topics));
+        f.extend(self.delivery.chunk_filters(topics));
         f
     }
 

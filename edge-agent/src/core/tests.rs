@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
-use kestrel_shared::manifest::Manifest;
+use kestrel_shared::manifest::{Composition, Manifest, PartEntry};
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{
     ArtifactOffer, Class, Desired, DeviceEvent, InferReply, ModelRef, SignedDesired, Target,
@@ -84,6 +84,8 @@ struct Rig {
     /// What a health check loads, when not the manifest offered (a model of another name).
     loads: Option<Manifest>,
     manifests: Vec<Manifest>,
+    /// The part store as the fake shell keeps it: the pieces of every verified offer.
+    parts: Vec<String>,
 }
 
 impl Rig {
@@ -111,6 +113,7 @@ impl Rig {
             outcome: Outcome::Pass,
             loads: None,
             manifests: vec![],
+            parts: vec![],
         }
     }
 
@@ -129,9 +132,30 @@ impl Rig {
         }
     }
 
-    fn answer(&self, e: &Effect<Fake>) -> Option<Input<Fake>> {
+    fn answer(&mut self, e: &Effect<Fake>) -> Option<Input<Fake>> {
         let o = self.outcome;
+        if let Effect::Verify {
+            offer: Some((offer, _)),
+            ..
+        } = e
+            && o == Outcome::Pass
+        {
+            self.parts
+                .extend(offer.pieces.iter().map(|p| p.sha256.clone()));
+        }
         Some(match e {
+            Effect::CheckParts {
+                lane,
+                version,
+                pieces,
+            } => Input::PartsHeld {
+                lane: *lane,
+                version: *version,
+                held: (pieces.iter())
+                    .filter(|p| self.parts.contains(p))
+                    .cloned()
+                    .collect(),
+            },
             Effect::WriteChunk {
                 lane,
                 version,
@@ -215,7 +239,8 @@ impl Rig {
         let sig = sign(key, PayloadType::Manifest, text.as_bytes());
         let bundle: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
         let chunk = (bytes as usize).div_ceil(3).max(1);
-        let offer = ArtifactOffer::new(&m, text, sig, &bundle, chunk);
+        let mut offer = ArtifactOffer::new(&m, text, sig, &bundle, chunk);
+        offer.pieces.clear(); // whole-bundle delivery (pieces: `publish_parts`)
         self.manifests.push(m);
         let payload = serde_json::to_vec(&offer).unwrap();
         self.send(self.topics.artifact_manifest(name, version), payload);
@@ -225,6 +250,47 @@ impl Rig {
                 c[0] ^= 0xff;
             }
             self.send(self.topics.chunk(name, version, i as u32), c);
+        }
+    }
+
+    /// Publishes `name` v`version` made of `parts` (model.onnx is their concatenation) in pieces
+    /// of at most `chunk` bytes: the offer, then every piece's chunks on its own topics.
+    /// `tamper`: the last piece's first chunk changed after hashing.
+    fn publish_parts(&mut self, (name, version): (&str, u64), parts: &[&[u8]], tamper: bool) {
+        let chunk = 1000;
+        let bundle = parts.concat();
+        let mut m = manifest(name, version, bundle.len() as u64);
+        m.files[0].sha256 = sha256_hex(&bundle);
+        m.composition = Some(Composition {
+            file: "model.onnx".into(),
+            parts: (parts.iter())
+                .map(|p| PartEntry {
+                    role: "part".into(),
+                    sha256: sha256_hex(p),
+                    size: p.len() as u64,
+                    reads: vec![],
+                    after: None,
+                })
+                .collect(),
+        });
+        let text = serde_json::to_string(&m).unwrap();
+        let sig = sign(&key(), PayloadType::Manifest, text.as_bytes());
+        let offer = ArtifactOffer::new(&m, text, sig, &bundle, chunk);
+        assert_eq!(offer.pieces.len(), parts.len());
+        self.manifests.push(m);
+        self.send(
+            self.topics.artifact_manifest(name, version),
+            serde_json::to_vec(&offer).unwrap(),
+        );
+        for (k, p) in parts.iter().enumerate() {
+            for (i, c) in p.chunks(chunk).enumerate() {
+                let topic = self.topics.part_chunk(&sha256_hex(p), i as u32);
+                let mut c = c.to_vec();
+                if tamper && k + 1 == parts.len() && i == 0 {
+                    c[0] ^= 0xff;
+                }
+                self.send(topic, c);
+            }
         }
     }
 
@@ -886,4 +952,55 @@ fn the_disk_budget_gives_up_the_oldest_unacknowledged_capture_first() {
     assert_eq!((st.unacked_dropped, st.awaiting_ack), (2, 0));
     r.delivered(&c, true);
     assert_eq!(r.tick_after(10).0, vec![c], "the next resend may go");
+}
+
+#[test]
+fn an_offer_in_pieces_fetches_only_the_pieces_the_store_lacks() {
+    let mut r = Rig::new(config());
+    r.input(Input::Connected);
+    let backbone: Vec<u8> = (0..5000).map(|i| (i * 7) as u8).collect();
+    let (head1, head2) = (vec![1u8; 300], vec![2u8; 300]);
+    r.desired("faces", 1, None);
+    r.publish_parts(("faces", 1), &[&backbone, &head1], false);
+    assert_eq!(r.core.updater().active, Some(1));
+    assert_eq!(r.count(|e| matches!(e, Effect::WriteChunk { .. })), 6);
+    let c = r.status().counters;
+    assert_eq!((c.bytes_fetched, c.bytes_reused), (5300, 0));
+
+    // v2: the same backbone, a new head. Only the head's topic is asked for; the backbone's
+    // chunks, delivered anyway (retained), are not taken.
+    r.log.clear();
+    r.desired("faces", 2, None);
+    r.publish_parts(("faces", 2), &[&backbone, &head2], false);
+    assert_eq!(r.core.updater().active, Some(2));
+    let asked: Vec<&str> = (r.log.iter())
+        .filter_map(|e| match e {
+            Effect::Resubscribe(t) => Some(t.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(asked, [r.topics.part_chunks_filter(&sha256_hex(&head2))]);
+    assert_eq!(r.count(|e| matches!(e, Effect::WriteChunk { .. })), 1);
+    let c = r.status().counters;
+    assert_eq!((c.bytes_fetched, c.bytes_reused), (5600, 5000));
+
+    // v3: its head's chunk tampered with on its topic: dropped, counted, asked for again;
+    // the genuine chunk then completes it.
+    r.log.clear();
+    let head3 = vec![3u8; 300];
+    r.desired("faces", 3, None);
+    r.publish_parts(("faces", 3), &[&backbone, &head3], true);
+    assert_eq!(r.core.updater().active, Some(2), "v3's head is not in");
+    assert_eq!(r.status().counters.chunks_corrupt, 1);
+    // Asked for when offered, and again after the corrupt delivery (a one-chunk piece: its
+    // topic filter).
+    let filter = r.topics.part_chunks_filter(&sha256_hex(&head3));
+    assert_eq!(
+        r.count(|e| matches!(e, Effect::Resubscribe(t) if *t == filter)),
+        2
+    );
+    let topic = r.topics.part_chunk(&sha256_hex(&head3), 0);
+    r.send(topic, head3.clone());
+    assert_eq!(r.core.updater().active, Some(3));
+    assert_eq!(r.status().counters.bytes_fetched, 5900);
 }

@@ -8,6 +8,7 @@ fn offer(version: u64, chunks: u32) -> Offer {
         chunks,
         total_bytes: chunks as u64 * 1000,
         rollback: false,
+        held: vec![],
     }
 }
 
@@ -380,4 +381,46 @@ fn a_shadow_takes_every_step_but_runs_beside() {
         serde_json::from_str::<Updater>(old).unwrap().role,
         Role::Install
     );
+}
+
+#[test]
+fn held_chunks_are_not_fetched_and_a_fully_held_offer_goes_to_verification() {
+    let mut u = Updater::new(MB);
+    let a = u.handle(Event::Offered(Offer {
+        held: vec![0, 2],
+        ..offer(1, 4)
+    }));
+    assert_eq!(
+        a[0],
+        Action::Fetch {
+            version: 1,
+            chunks: vec![1, 3]
+        }
+    );
+    assert!(
+        u.handle(Event::ChunkStored {
+            version: 1,
+            index: 1
+        })
+        .is_empty()
+    );
+    let a = u.handle(Event::ChunkStored {
+        version: 1,
+        index: 3,
+    });
+    assert_eq!(a, vec![Action::Verify { version: 1 }]);
+    // Every piece held: nothing to fetch.
+    let mut u = Updater::new(MB);
+    let a = u.handle(Event::Offered(Offer {
+        held: vec![0, 1],
+        ..offer(2, 2)
+    }));
+    assert_eq!(
+        a,
+        vec![
+            Action::Report(Report::Downloading { version: 2 }),
+            Action::Verify { version: 2 }
+        ]
+    );
+    assert_eq!(u.phase, Phase::Verifying { version: 2 });
 }

@@ -285,6 +285,24 @@ fn device_counters(out: &mut Exposition, devices: &[&DeviceRow]) {
     );
     out.per_device(
         (
+            "kestrel_device_artifact_bytes_fetched_total",
+            "counter",
+            "Artifact bytes the device downloaded.",
+        ),
+        devices,
+        |d| reported(d).then_some(d.counters.bytes_fetched as f64),
+    );
+    out.per_device(
+        (
+            "kestrel_device_artifact_bytes_reused_total",
+            "counter",
+            "Artifact bytes the device did not download because it held those parts.",
+        ),
+        devices,
+        |d| reported(d).then_some(d.counters.bytes_reused as f64),
+    );
+    out.per_device(
+        (
             "kestrel_device_captures_sent_total",
             "counter",
             "Captured inputs the broker acknowledged.",

@@ -63,16 +63,20 @@ pub fn run(args: Args) -> Result<ExitCode> {
 }
 
 fn line(p: &Published) -> String {
+    let update = match p.replaced {
+        Some(v) => format!(
+            "; a device at v{v} fetches {} of them, in parts",
+            kestrel_shared::human_bytes(p.bytes_update)
+        ),
+        None => String::new(),
+    };
     format!(
-        "published {} v{} to {} ({} chunks, {:.1} MB{}) in {:.1} s",
+        "published {} v{} to {} ({} chunks, {} per device{update}) in {:.1} s",
         p.name,
         p.version,
         p.target,
         p.chunks,
-        p.bytes as f64 / 1e6,
-        p.replaced
-            .map(|v| format!(", was v{v}"))
-            .unwrap_or_default(),
+        kestrel_shared::human_bytes(p.bytes),
         p.seconds
     )
 }
