@@ -34,9 +34,14 @@ pub struct Cli {
 
 #[derive(clap::Args)]
 pub struct ModelArgs {
-    /// Artifact directory (manifest.json, model.onnx, golden/).
+    /// Artifact directory (manifest.json, model.onnx, golden/), or a version in an agent's
+    /// store (`STORE/active`), whose model is composed from the store's parts.
     #[arg(long)]
     pub model: PathBuf,
+    /// The part store a version without a model.onnx of its own is composed from [default:
+    /// MODEL/../../parts, an agent store's, when it exists].
+    #[arg(long, value_name = "DIR")]
+    pub parts: Option<PathBuf>,
     /// Largest artifact accepted, in bytes (sum of the manifest's files).
     #[arg(long, default_value_t = 64 << 20)]
     pub max_bytes: u64,
@@ -64,7 +69,16 @@ impl ModelArgs {
                 .collect::<Result<Vec<_>>>()?;
             kestrel_runtime::artifact::verify_signature(&self.model, &keys).with_context(ctx)?;
         }
-        LoadedModel::load(&self.model, self.max_bytes, engine, threads).with_context(ctx)
+        let parts = (self.parts.clone())
+            .or_else(|| Some(self.model.join("../../parts")).filter(|p| p.is_dir()));
+        LoadedModel::load_parts(
+            &self.model,
+            parts.as_deref(),
+            self.max_bytes,
+            engine,
+            threads,
+        )
+        .with_context(ctx)
     }
 }
 

@@ -77,16 +77,12 @@ impl Bundle {
         new.iter().map(|p| p.size).sum()
     }
 
-    /// The retained messages of the artifact: every chunk, then the offer.
+    /// The retained messages of the artifact: every piece's chunks (each piece once), the whole
+    /// bundle's chunks (for agents from before pieces), then the offer.
     pub fn messages(&self, topics: &Topics) -> Vec<(String, Vec<u8>, bool)> {
         let (name, v) = (&self.offer.name, self.offer.version);
-        let mut out: Vec<_> = self
-            .chunks
-            .iter()
-            .enumerate()
-            .map(|(i, c)| (topics.chunk(name, v, i as u32), c.clone(), true))
-            .collect();
         let chunk_bytes = self.offer.chunk_bytes.max(1) as usize;
+        let mut out = Vec::new();
         let mut seen = std::collections::HashSet::new();
         for (p, bytes) in self.offer.pieces.iter().zip(&self.pieces) {
             if seen.insert(&p.sha256) {
@@ -96,11 +92,21 @@ impl Bundle {
                 out.extend(m);
             }
         }
+        let whole = self.chunks.iter().enumerate();
+        out.extend(whole.map(|(i, c)| (topics.chunk(name, v, i as u32), c.clone(), true)));
         out.push((
             topics.artifact_manifest(name, v),
             serde_json::to_vec(&self.offer).expect("serializable"),
             true,
         ));
         out
+    }
+
+    /// The bundle as a publisher from before pieces offers it: whole-bundle chunks only (what
+    /// every agent fetches then).
+    pub fn without_pieces(mut self) -> Self {
+        self.offer.pieces.clear();
+        self.pieces.clear();
+        self
     }
 }

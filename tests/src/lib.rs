@@ -6,6 +6,7 @@
 pub mod browser;
 pub mod fleet;
 pub mod once;
+pub mod proxy;
 pub mod tls;
 
 use std::ffi::OsStr;

@@ -36,6 +36,7 @@ mod mqtt;
 mod object_store;
 mod own_backbone;
 mod parts;
+mod parts_fleet;
 mod prune;
 mod quality;
 mod rollout;

@@ -3,10 +3,31 @@
 //! part (f32, and int8 weights with `--shared-backbone`); a fine-tuned run adds a part per trained
 //! block; parts that do not belong together are refused, naming the part.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use kestrel_shared::manifest::{Composition, CompositionError, Manifest};
 use kestrel_tests::{dataset, run_ok, stdout};
+
+/// LFW runs built once per test run (one feature cache): `h1`, `h2` train a head on the frozen
+/// backbone (seeds 1, 2); `ft1`, `ft2` fine-tune the last block too (1 epoch; seeds 1, 2).
+pub(super) fn runs() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        kestrel_tests::once::fixture("parts-runs", |dir| {
+            let cache = dir.join("cache");
+            let ft = ["--fine-tune", "1", "--epochs", "1"];
+            for (name, seed, extra) in [
+                ("h1", 1, &[][..]),
+                ("h2", 2, &[]),
+                ("ft1", 1, &ft),
+                ("ft2", 2, &ft),
+            ] {
+                fit(&dir.join(name), &cache, seed, extra);
+            }
+        })
+    })
+}
 
 /// `trainer fit` on LFW with `seed` (and `extra` flags) into `dir`.
 fn fit(dir: &Path, cache: &Path, seed: u64, extra: &[&str]) {
@@ -27,7 +48,12 @@ fn fit(dir: &Path, cache: &Path, seed: u64, extra: &[&str]) {
 
 /// `trainer export` of `run` into `out`; the manifest, checked: model.onnx is its parts'
 /// bytes one after another.
-fn export(run: &Path, out: &Path, version: u64, extra: &[&str]) -> (Manifest, Vec<Vec<u8>>) {
+pub(super) fn export(
+    run: &Path,
+    out: &Path,
+    version: u64,
+    extra: &[&str],
+) -> (Manifest, Vec<Vec<u8>>) {
     let v = version.to_string();
     let mut args = vec![
         "export",
@@ -71,7 +97,7 @@ fn roles(m: &Manifest) -> Vec<String> {
         .collect()
 }
 
-fn sha(m: &Manifest, role: &str) -> String {
+pub(super) fn sha(m: &Manifest, role: &str) -> String {
     let c = m.composition.as_ref().unwrap();
     c.parts
         .iter()
@@ -84,11 +110,7 @@ fn sha(m: &Manifest, role: &str) -> String {
 #[test]
 fn a_new_head_changes_only_the_head_part() {
     let tmp = tempfile::tempdir().unwrap();
-    let cache = tmp.path().join("cache");
-    for seed in [1, 2] {
-        fit(&tmp.path().join(format!("run{seed}")), &cache, seed, &[]);
-    }
-    let run = |s: u64| tmp.path().join(format!("run{s}"));
+    let run = |s: u64| runs().join(format!("h{s}"));
     let art = |what: &str, s: u64| tmp.path().join(format!("{what}-{s}"));
     for (form, extra) in [
         ("f32", vec![]),
@@ -126,14 +148,9 @@ fn a_new_head_changes_only_the_head_part() {
 #[test]
 fn a_fine_tuned_run_has_a_part_per_trained_block_and_refuses_strangers() {
     let tmp = tempfile::tempdir().unwrap();
-    let cache = tmp.path().join("cache");
-    let ft = ["--fine-tune", "1", "--epochs", "1"];
-    fit(&tmp.path().join("ft1"), &cache, 1, &ft);
-    fit(&tmp.path().join("ft2"), &cache, 2, &ft);
-    fit(&tmp.path().join("head"), &cache, 1, &[]);
-    let (a, _) = export(&tmp.path().join("ft1"), &tmp.path().join("a1"), 1, &[]);
-    let (b, b_parts) = export(&tmp.path().join("ft2"), &tmp.path().join("a2"), 2, &[]);
-    let (h, h_parts) = export(&tmp.path().join("head"), &tmp.path().join("h"), 3, &[]);
+    let (a, _) = export(&runs().join("ft1"), &tmp.path().join("a1"), 1, &[]);
+    let (b, b_parts) = export(&runs().join("ft2"), &tmp.path().join("a2"), 2, &[]);
+    let (h, h_parts) = export(&runs().join("h1"), &tmp.path().join("h"), 3, &[]);
     let r = roles(&a);
     assert_eq!(r.len(), 4, "{r:?}");
     assert!(r[2].starts_with("block:"), "{r:?}");

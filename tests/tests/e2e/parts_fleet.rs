@@ -1,0 +1,386 @@
+//! Updates in parts through the binaries, on both brokers (issue #57): `trainer publish` of v1
+//! (every part), a new head (v2), a fine-tuned model (v3: its frozen range and trained block are
+//! new; v4: only the block and the head change), to simulated devices connected through a
+//! relay that counts what the broker sends them. Each device fetches only what it lacks (its
+//! own counters and the broker's bytes say so), keeps one copy of the backbone, and answers as
+//! the artifact does; a device joining later fetches every part; a tampered part, a head cut for
+//! another backbone and a genuine part from another model's manifest are refused.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use kestrel_fleet::{Bundle, Conn};
+use kestrel_shared::manifest::Manifest;
+use kestrel_shared::protocol::{ArtifactOffer, Desired, Status, Target, pieces};
+use kestrel_shared::signing::{PayloadType, sign};
+use kestrel_tests::fleet::{
+    Broker, BrokerKind, agent_config, fixture, publish_ok, publish_raw, start_agent_with,
+    wait_fleet, wait_status,
+};
+use kestrel_tests::proxy::Relay;
+use kestrel_tests::{Scratch, fetched, read_json, run, s, stderr, stdout};
+use serde_json::Value;
+
+use super::parts::{export, runs, sha};
+
+/// LFW v1..v4 of `lfw`, int8 weights on the shared backbone: v1, v2 new heads (runs h1, h2);
+/// v3, v4 the last block fine-tuned too (ft1, ft2).
+fn artifacts() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        kestrel_tests::once::fixture("parts-artifacts", |dir| {
+            let form = ["--quantize", "int8-weights", "--shared-backbone"];
+            let args = [&form[..], &["--model-name", "lfw"]].concat();
+            for (v, run) in [(1, "h1"), (2, "h2"), (3, "ft1"), (4, "ft2")] {
+                export(&runs().join(run), &dir.join(format!("v{v}")), v, &args);
+            }
+        })
+    })
+}
+
+fn art(v: u64) -> PathBuf {
+    artifacts().join(format!("v{v}"))
+}
+
+fn manifest(v: u64) -> Manifest {
+    serde_json::from_value(read_json(&art(v).join("manifest.json"))).unwrap()
+}
+
+/// Bytes of `v`'s distinct pieces that none of `held` has: what a device holding those fetches.
+fn new_bytes(v: u64, held: &[u64]) -> u64 {
+    let has: Vec<String> = (held.iter())
+        .flat_map(|h| pieces(&manifest(*h)))
+        .map(|(sha, _)| sha)
+        .collect();
+    let mut new: Vec<(String, u64)> = pieces(&manifest(v))
+        .into_iter()
+        .filter(|(sha, _)| !has.contains(sha))
+        .collect();
+    new.sort();
+    new.dedup();
+    new.iter().map(|(_, size)| size).sum()
+}
+
+/// Every piece's bytes by sha256, from the artifacts' model.onnx (cut as their manifests say)
+/// and golden files.
+fn piece_bytes() -> HashMap<String, Vec<u8>> {
+    let mut out = HashMap::new();
+    for v in 1..=4 {
+        let m = manifest(v);
+        let model = std::fs::read(art(v).join("model.onnx")).unwrap();
+        let mut at = 0;
+        for p in &m.composition.as_ref().unwrap().parts {
+            out.insert(p.sha256.clone(), model[at..at + p.size as usize].to_vec());
+            at += p.size as usize;
+        }
+        for f in &m.files {
+            out.entry(f.sha256.clone())
+                .or_insert_with(|| std::fs::read(art(v).join(&f.path)).unwrap());
+        }
+    }
+    out
+}
+
+/// A validly signed manifest, `version`, that is `base`'s with the head part of `head_from`:
+/// its messages, pieces and offer as a publisher would make them.
+fn forged(version: u64, base: u64, head_from: u64) -> Vec<(String, Vec<u8>, bool)> {
+    let mut m = manifest(base);
+    m.version = version;
+    let head = manifest(head_from)
+        .composition
+        .unwrap()
+        .parts
+        .pop()
+        .unwrap();
+    let c = m.composition.as_mut().unwrap();
+    assert_eq!(
+        (c.parts.last().unwrap().role.as_str(), head.role.as_str()),
+        ("head", "head")
+    );
+    *c.parts.last_mut().unwrap() = head;
+    let size = c.parts.iter().map(|p| p.size).sum();
+    m.files
+        .iter_mut()
+        .find(|f| f.path == "model.onnx")
+        .unwrap()
+        .size = size;
+    let text = serde_json::to_string(&m).unwrap();
+    let signature = sign(&fixture().signing(), PayloadType::Manifest, text.as_bytes());
+    let all = piece_bytes();
+    let cut: Vec<Vec<u8>> = pieces(&m).iter().map(|(sha, _)| all[sha].clone()).collect();
+    let bundle = cut.concat();
+    let offer = ArtifactOffer::new(&m, text, signature, &bundle, 128 << 10);
+    assert_eq!(offer.pieces.len(), cut.len());
+    let b = Bundle {
+        manifest: m,
+        offer,
+        chunks: vec![],
+        pieces: cut,
+    };
+    b.messages(&kestrel_shared::protocol::Topics::default())
+}
+
+fn to_all(version: u64) -> Desired {
+    let mut d = kestrel_tests::fleet::desired("x", version, false);
+    d.target = Target::Group("all".into());
+    d
+}
+
+const DEVICES: [&str; 2] = ["hd-000", "hd-001"];
+
+fn status(b: &Broker, device: &str) -> Status {
+    wait_status(&b.config(), device, 30, "a status", |_| true)
+}
+
+/// Waits until every device in `devices` runs `version`; their statuses.
+fn active(b: &Broker, devices: &[&str], version: u64) -> Vec<Status> {
+    let what = format!("v{version} active");
+    (devices.iter())
+        .map(|d| {
+            wait_status(&b.config(), d, 240, &what, |s| {
+                s.active == Some(version) && s.state == "idle"
+            })
+        })
+        .collect()
+}
+
+/// An update to `version` (`publish` does it): per device, the bytes it counted fetched and
+/// reused, and the bytes the broker sent it (the relay's count over the devices).
+fn update(
+    b: &Broker,
+    relay: &Relay,
+    version: u64,
+    publish: impl FnOnce(),
+) -> (Vec<(u64, u64)>, u64) {
+    let before: Vec<Status> = DEVICES.iter().map(|d| status(b, d)).collect();
+    let sent = relay.delivered();
+    publish();
+    let after = active(b, &DEVICES, version);
+    let per_device = (after.iter().zip(&before))
+        .map(|(a, b)| {
+            let (a, b) = (&a.counters, &b.counters);
+            (
+                a.bytes_fetched - b.bytes_fetched,
+                a.bytes_reused - b.bytes_reused,
+            )
+        })
+        .collect();
+    (
+        per_device,
+        (relay.delivered() - sent) / DEVICES.len() as u64,
+    )
+}
+
+/// `fetched` is `need` (a chunk delivered twice, a retained one with a live one, counts twice).
+fn assert_fetched(what: &str, fetched: u64, need: u64) {
+    assert!(
+        (need..=need + need / 2).contains(&fetched),
+        "{what}: fetched {fetched} bytes, needs {need}"
+    );
+}
+
+/// Distinct files' bytes under `dir` (hard links once) of at least `min` bytes.
+fn big_files(dir: &Path, min: u64) -> Vec<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let mut seen = std::collections::BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let m = std::fs::symlink_metadata(e.path()).unwrap();
+            if m.is_dir() {
+                stack.push(e.path());
+            } else if m.is_file() && m.len() >= min {
+                seen.insert(m.ino(), m.len());
+            }
+        }
+    }
+    seen.into_values().collect()
+}
+
+fn updates_move_only_the_parts_a_device_lacks(kind: BrokerKind) {
+    let f = fixture();
+    let w = Scratch::new();
+    let b = Broker::start(kind, &w.join("broker"));
+    let relay = Relay::start(b.port);
+    let conf = agent_config(&w.join("sim"), "hd", &relay.url(), &f.keys, "");
+    let agent = start_agent_with(&conf, &[], &["--simulate", "2"]);
+    wait_fleet(&b.config(), 2);
+
+    // v1: every part.
+    let (d, _) = update(&b, &relay, 1, || {
+        publish_ok(&b, &art(1), &f.key(), "group/all");
+    });
+    for (fetched, reused) in d {
+        assert_fetched("v1", fetched, new_bytes(1, &[]));
+        assert_eq!(reused, 0);
+    }
+
+    // v2: a new head on the same backbone.
+    let backbone = manifest(1).composition.unwrap().parts[1].size;
+    assert_eq!(sha(&manifest(1), "backbone"), sha(&manifest(2), "backbone"));
+    let mut published = Value::Null;
+    let (d, broker_bytes) = update(&b, &relay, 2, || {
+        published = publish_ok(&b, &art(2), &f.key(), "group/all");
+    });
+    let need = new_bytes(2, &[1]);
+    assert_eq!(
+        published["bytes_update"].as_u64(),
+        Some(need),
+        "{published}"
+    );
+    let whole = published["bytes"].as_u64().unwrap();
+    eprintln!(
+        "{kind:?}: v2 (new head): {need} bytes of pieces to fetch of {whole}; the broker sent \
+         {broker_bytes} bytes per device; devices counted {d:?}"
+    );
+    for (fetched, reused) in &d {
+        assert_fetched("v2", *fetched, need);
+        assert_eq!(*reused, new_bytes(2, &[]) - need, "v2 reused");
+    }
+    assert!(need < 50_000 && whole > 70 * need, "{need} of {whole}");
+    assert!(
+        broker_bytes < 2 * need + 40_000,
+        "the broker sent {broker_bytes} per device"
+    );
+    for dev in DEVICES {
+        let store = w.join("sim").join("store").join(dev);
+        let big = big_files(&store, backbone / 2);
+        assert_eq!(
+            big,
+            [backbone],
+            "{dev}: one copy of the backbone in its store"
+        );
+    }
+    answers_as(&b, "hd-001", &art(2));
+
+    // v3: the first fine-tuned model, its block's first chunk tampered with in the broker:
+    // dropped, counted, never a failure; the genuine chunk completes it.
+    let m3 = manifest(3);
+    let block = m3.composition.as_ref().unwrap().parts[2].clone();
+    assert!(block.role.starts_with("block:"), "{:?}", block.role);
+    let topics = kestrel_shared::protocol::Topics::default();
+    let genuine_topic = topics.part_chunk(&block.sha256, 0);
+    let v3 = Bundle::from_dir(&art(3), &f.signing(), 128 << 10).unwrap();
+    let mut msgs = v3.messages(&topics);
+    let genuine = msgs
+        .iter()
+        .find(|(t, ..)| *t == genuine_topic)
+        .cloned()
+        .unwrap();
+    for (t, payload, _) in msgs.iter_mut() {
+        if *t == genuine_topic {
+            *payload = b"tampered".to_vec();
+        }
+    }
+    let (d, _) = update(&b, &relay, 3, || {
+        publish_raw(&b, msgs, to_all(3));
+        for dev in DEVICES {
+            let st = wait_status(&b.config(), dev, 120, "tampered part dropped", |s| {
+                s.target == Some(3) && s.counters.chunks_corrupt >= 1
+            });
+            assert_eq!((st.active, st.state.as_str()), (Some(2), "downloading"));
+            assert_ne!(st.failed_version, Some(3));
+        }
+        let mut c = Conn::connect(&b.config(), "publisher").unwrap();
+        c.publish_all(vec![genuine], None).unwrap();
+        c.disconnect();
+    });
+    for (fetched, _) in d {
+        assert_fetched("v3", fetched, new_bytes(3, &[1, 2]));
+    }
+
+    // v4: the same fine-tuned range; only the block, the head (and frame, golden samples) move.
+    assert_eq!(sha(&m3, "backbone"), sha(&manifest(4), "backbone"));
+    let (d, broker_bytes) = update(&b, &relay, 4, || {
+        publish_ok(&b, &art(4), &f.key(), "group/all");
+    });
+    // A device keeps the active and previous versions' parts: v3's and v2's.
+    let need = new_bytes(4, &[2, 3]);
+    eprintln!("{kind:?}: v4 (fine-tuned block): {need} bytes to fetch, broker sent {broker_bytes}");
+    for (fetched, _) in d {
+        assert_fetched("v4", fetched, need);
+    }
+    assert!(need < new_bytes(4, &[]) / 2, "{need}");
+
+    // A device joining later fetches every part of v4.
+    let late = agent_config(&w.join("late"), "late", &relay.url(), &f.keys, "");
+    let _late = start_agent_with(&late, &[], &[]);
+    let st = active(&b, &["late"], 4).pop().unwrap();
+    assert_fetched("late", st.counters.bytes_fetched, new_bytes(4, &[]));
+    assert_eq!(st.counters.bytes_reused, 0);
+
+    // Signed by a trusted key, yet not a model: a head cut to follow another part (v5: v4's
+    // parts with v2's head), and v1's genuine head in v2's manifest (v6).
+    let target = |v| kestrel_tests::fleet::desired("late", v, false);
+    publish_raw(&b, forged(5, 4, 2), target(5));
+    refused(&b, 5, "part 3 (head");
+    refused(&b, 5, "cut to follow part");
+    publish_raw(&b, forged(6, 2, 1), target(6));
+    refused(&b, 6, "the parts make");
+    drop(agent);
+}
+
+/// `late` rejected `version` with `text` in its error; v4 serves on.
+fn refused(b: &Broker, version: u64, text: &str) {
+    let st = wait_status(&b.config(), "late", 120, text, |s| {
+        s.failed_version == Some(version)
+    });
+    let e = st.last_error.clone().unwrap_or_default();
+    assert!(e.contains("verification failed") && e.contains(text), "{e}");
+    assert_eq!(st.active, Some(4));
+}
+
+/// `device` answers over MQTT as the artifact `art` does on the same images.
+fn answers_as(b: &Broker, device: &str, art: &Path) {
+    let root = fetched("datasets/lfw/imagefolder");
+    let images: Vec<String> = ["face", "nonface"]
+        .iter()
+        .flat_map(|c| {
+            let mut files: Vec<PathBuf> = (std::fs::read_dir(root.join(c)).unwrap())
+                .map(|e| e.unwrap().path())
+                .collect();
+            files.sort();
+            files.into_iter().take(3).map(|p| s(&p))
+        })
+        .collect();
+    let refs: Vec<&str> = images.iter().map(String::as_str).collect();
+    let url = b.url();
+    let mut args = vec!["infer", "--broker", &url, "--device", device, "--json"];
+    args.extend(&refs);
+    let o = run("trainer", &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let remote: Vec<Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &Value| v.get("image").is_some())
+        .collect();
+    let mut args = vec!["predict", "--model", art.to_str().unwrap(), "--json"];
+    args.extend(&refs);
+    let o = run("edge-agent", &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let local: Vec<Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!((remote.len(), local.len()), (images.len(), images.len()));
+    for l in &local {
+        let r = (remote.iter())
+            .find(|r| r["image"] == l["image"])
+            .unwrap_or_else(|| panic!("no reply for {}", l["image"]));
+        let (rt, lt) = (&r["prediction"]["top"][0], &l["top"][0]);
+        assert_eq!(rt["class"], lt["class"], "{}", l["image"]);
+        let d = rt["score"].as_f64().unwrap() - lt["score"].as_f64().unwrap();
+        assert!(d.abs() < 1e-4, "{}: {rt} vs {lt}", l["image"]);
+    }
+}
+
+#[test]
+fn updates_move_only_the_parts_a_device_lacks_on_mosquitto() {
+    updates_move_only_the_parts_a_device_lacks(BrokerKind::Mosquitto);
+}
+
+#[test]
+fn updates_move_only_the_parts_a_device_lacks_on_rumqttd() {
+    updates_move_only_the_parts_a_device_lacks(BrokerKind::Rumqttd);
+}
