@@ -40,6 +40,8 @@ pub struct Removed {
     pub name: String,
     pub version: u64,
     pub chunks: usize,
+    /// Its pieces no version kept on the broker lists, cleared with it.
+    pub parts: usize,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -154,17 +156,44 @@ fn read(
     Ok((offers, needs(&desired, &rollouts, log)))
 }
 
-/// Clears a version's offer, then its chunks.
-fn clear(conn: &mut Conn, offer: &ArtifactOffer) -> Result<Removed, FleetError> {
+/// The pieces the offers of `versions` list: shared by the versions, cleared with the last.
+fn pieces_of<'a>(
+    offers: &'a BTreeMap<Version, ArtifactOffer>,
+    versions: impl Iterator<Item = &'a Version>,
+) -> std::collections::HashSet<&'a str> {
+    let listed = versions
+        .filter_map(|v| offers.get(v))
+        .flat_map(|o| &o.pieces);
+    listed.map(|p| p.sha256.as_str()).collect()
+}
+
+/// Clears a version's offer, then its chunks, then those of its pieces that no offer in `used`
+/// lists.
+fn clear(
+    conn: &mut Conn,
+    offer: &ArtifactOffer,
+    used: &std::collections::HashSet<&str>,
+) -> Result<Removed, FleetError> {
     let (name, version) = (&offer.name, offer.version);
     let t = conn.topics.clone();
     conn.publish_all(
         vec![(t.artifact_manifest(name, version), vec![], true)],
         None,
     )?;
-    let chunks: Vec<_> = (0..offer.chunks.len() as u32)
+    let mut chunks: Vec<_> = (0..offer.chunks.len() as u32)
         .map(|i| (t.chunk(name, version, i), vec![], true))
         .collect();
+    let mut parts = std::collections::HashSet::new();
+    for p in offer
+        .pieces
+        .iter()
+        .filter(|p| !used.contains(p.sha256.as_str()))
+    {
+        if parts.insert(p.sha256.as_str()) {
+            let n = p.chunks.len() as u32;
+            chunks.extend((0..n).map(|i| (t.part_chunk(&p.sha256, i), vec![], true)));
+        }
+    }
     let pb = crate::progress(chunks.len() as u64, "clear");
     conn.publish_all(chunks, Some(&pb))?;
     pb.finish_and_clear();
@@ -172,6 +201,7 @@ fn clear(conn: &mut Conn, offer: &ArtifactOffer) -> Result<Removed, FleetError> 
         name: name.clone(),
         version,
         chunks: offer.chunks.len(),
+        parts: parts.len(),
     })
 }
 
@@ -194,9 +224,10 @@ pub fn prune(
     let (offers, needs) = read(&mut conn, log)?;
     let published = offers.keys().cloned().collect();
     let (to_clear, to_keep) = plan(&published, &needs, keep);
+    let used = pieces_of(&offers, to_keep.iter());
     let mut removed = Vec::new();
     for v in &to_clear {
-        removed.push(clear(&mut conn, &offers[v])?);
+        removed.push(clear(&mut conn, &offers[v], &used)?);
     }
     conn.disconnect();
     Ok(Pruned {
@@ -227,7 +258,8 @@ pub fn unpublish(
             cfg.url
         )));
     };
-    let removed = clear(&mut conn, offer)?;
+    let used = pieces_of(&offers, offers.keys().filter(|k| **k != v));
+    let removed = clear(&mut conn, offer, &used)?;
     conn.disconnect();
     Ok(removed)
 }

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use ed25519_dalek::{SigningKey, VerifyingKey};
+use kestrel_shared::human_bytes;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{
     DEFAULT_VALIDITY_S, Desired, ModelRef, SignedDesired, Status, Target, check_name, sha256_hex,
@@ -390,6 +391,7 @@ fn begin(
     let mut c = Controller::new(name, model, version, plan, &fleet)
         .map_err(|e| FleetError::Refused(e.to_string()))?;
     c.manifest_sha256 = Some(sha256_hex(bundle.offer.manifest.as_bytes()));
+    c.artifact_bytes = bundle.offer.total_bytes;
     log(format!(
         "rollout {name}: {model} v{version} to {} devices in {} phases",
         fleet.len(),
@@ -538,6 +540,15 @@ pub fn table(c: &Controller) -> String {
             n[2],
             n[3],
             n[4]
+        ));
+    }
+    if c.artifact_bytes > 0 {
+        let n = c.devices.len().max(1) as u64;
+        out.push_str(&format!(
+            "fetched {} in all, {} per device (the whole artifact: {} per device)\n",
+            human_bytes(c.bytes_fetched()),
+            human_bytes(c.bytes_fetched() / n),
+            human_bytes(c.artifact_bytes)
         ));
     }
     for g in &c.gates {

@@ -234,6 +234,13 @@ pub struct Device {
     /// When its agent started, by its latest status (a quality counter may restart then).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started: Option<u64>,
+    /// The artifact bytes it fetched during the rollout (its `bytes_fetched` counter since the
+    /// rollout began, or since its agent restarted), by its latest status.
+    #[serde(default)]
+    pub bytes_fetched: u64,
+    /// Its `bytes_fetched` counter when the rollout began (0 after its agent restarted).
+    #[serde(default)]
+    pub fetched_base: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -275,6 +282,9 @@ pub struct Controller {
     /// another manifest at this version runs another model, and does not count as active.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub manifest_sha256: Option<String>,
+    /// The artifact's device files: what a device holding none of its parts fetches.
+    #[serde(default)]
+    pub artifact_bytes: u64,
     pub plan: Plan,
     pub devices: BTreeMap<String, Device>,
     pub phase: usize,
@@ -296,6 +306,11 @@ pub struct Controller {
 }
 
 impl Controller {
+    /// The bytes the devices fetched during the rollout, in all.
+    pub fn bytes_fetched(&self) -> u64 {
+        self.devices.values().map(|d| d.bytes_fetched).sum()
+    }
+
     /// Assigns the fleet to phases. `fleet`: each device's current status.
     pub fn new(
         name: &str,
@@ -367,6 +382,8 @@ impl Controller {
                         previous,
                         quality: None,
                         started: Some(s.started),
+                        bytes_fetched: 0,
+                        fetched_base: s.counters.bytes_fetched,
                     },
                 );
                 assigned += 1;
@@ -389,6 +406,7 @@ impl Controller {
             model: model.to_string(),
             version,
             manifest_sha256: None,
+            artifact_bytes: 0,
             plan,
             devices,
             phase: 0,
@@ -488,7 +506,11 @@ impl Controller {
         let Some(d) = self.devices.get_mut(&s.device) else {
             return vec![];
         };
+        if d.started != Some(s.started) {
+            d.fetched_base = 0; // a new agent process counts from 0
+        }
         d.started = Some(s.started);
+        d.bytes_fetched = s.counters.bytes_fetched.saturating_sub(d.fetched_base);
         let new = if self.plan.phases[d.phase].mode == Mode::Shadow {
             shadow_state(&d.state, s, (&model, version))
         } else {

@@ -82,6 +82,23 @@ fn hundred_simulated_devices_three_phases(kind: BrokerKind) {
         per_phase[d["phase"].as_u64().unwrap() as usize] += 1;
     }
     assert_eq!(per_phase, [5, 45, 50]);
+    // Bytes moved, per device: every distinct piece of v1 (the devices held none).
+    let m: kestrel_shared::manifest::Manifest =
+        serde_json::from_value(kestrel_tests::read_json(&f.v1.join("manifest.json"))).unwrap();
+    let mut pieces = kestrel_shared::protocol::pieces(&m);
+    pieces.sort();
+    pieces.dedup();
+    let need: u64 = pieces.iter().map(|(_, size)| size).sum();
+    assert_eq!(
+        c["artifact_bytes"].as_u64(),
+        Some(need),
+        "{}",
+        c["artifact_bytes"]
+    );
+    for d in c["devices"].as_object().unwrap().values() {
+        let got = d["bytes_fetched"].as_u64().unwrap();
+        assert!((need..=need + need / 2).contains(&got), "{d}: needs {need}");
+    }
     eprintln!("100-device rollout took {secs:.1} s");
     assert!(fleet.is_running());
 }

@@ -13,6 +13,9 @@ let firstRender = true;
 
 const $ = (id) => document.getElementById(id);
 const fmt = (x, d) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
+// A byte count as people read it (powers of 1000, as the CLI prints them).
+const bytes = (n) => n < 1e3 ? `${n} B` : n < 1e6 ? `${(n / 1e3).toFixed(1)} KB`
+  : n < 1e9 ? `${(n / 1e6).toFixed(1)} MB` : `${(n / 1e9).toFixed(2)} GB`;
 const version = (d) => (d.model && d.active != null ? `${d.model} v${d.active}` : "none");
 
 // Every value from the broker reaches the page as text: elements are built with the DOM and
@@ -92,6 +95,8 @@ function deviceRow(d) {
     h("th", { scope: "row" }, d.id), h("td", {}, (d.groups || []).join(", ")), h("td", {}, online),
     h("td", { data: { col: "state" } }, state, d.shadow ? [h("br"), span("muted", `shadow ${d.shadow}`)] : null),
     h("td", { data: { col: "active" } }, active), h("td", {}, d.previous != null ? `v${d.previous}` : "–"),
+    h("td", { class: "num", data: { col: "fetched" } }, d.state == null ? "–"
+      : [bytes(d.counters.bytes_fetched), " ", span("muted", `(${bytes(d.counters.bytes_reused)} reused)`)]),
     h("td", { class: "num" }, fmt(d.p50_ms, 1)), h("td", {}, conf), h("td", {}, drift),
     h("td", { data: { col: "error" } }, d.last_error ? span("bad", `⚠ ${d.last_error}`) : null));
 }

@@ -43,7 +43,13 @@ pub fn prune(args: PruneArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     for r in &p.removed {
-        outln!("removed {} v{} ({} chunks)", r.name, r.version, r.chunks);
+        outln!(
+            "removed {} v{} ({} chunks, {} parts no kept version lists)",
+            r.name,
+            r.version,
+            r.chunks,
+            r.parts
+        );
     }
     for k in &p.kept {
         let why = if k.needed_by.is_empty() {
@@ -62,7 +68,13 @@ pub fn unpublish(args: UnpublishArgs) -> Result<ExitCode> {
     if args.json {
         outln!("{}", serde_json::to_string(&r)?);
     } else {
-        outln!("removed {} v{} ({} chunks)", r.name, r.version, r.chunks);
+        outln!(
+            "removed {} v{} ({} chunks, {} parts no kept version lists)",
+            r.name,
+            r.version,
+            r.chunks,
+            r.parts
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -33,6 +33,10 @@ pub struct Args {
     /// Chunk size of the delivery, in bytes.
     #[arg(long, default_value_t = DEFAULT_CHUNK_BYTES)]
     chunk_bytes: usize,
+    /// Offer only the whole bundle, as publishers before parts did: every device fetches all of
+    /// it, whatever parts it holds (for comparison; agents from before parts fetch this anyway).
+    #[arg(long)]
+    whole: bool,
     /// Print the result as one JSON object.
     #[arg(long)]
     json: bool,
@@ -41,8 +45,11 @@ pub struct Args {
 pub fn run(args: Args) -> Result<ExitCode> {
     let sk = secret_key(&args.key)?;
     let dir = args.artifact.dir()?;
-    let bundle = Bundle::from_dir(&dir, &sk, args.chunk_bytes)
+    let mut bundle = Bundle::from_dir(&dir, &sk, args.chunk_bytes)
         .with_context(|| format!("artifact {}", dir.display()))?;
+    if args.whole {
+        bundle = bundle.without_pieces();
+    }
     let p = kestrel_fleet::publish(
         &args.broker.config(),
         &bundle,
