@@ -37,6 +37,21 @@ fn sync_dir(dir: &Path) -> io::Result<()> {
     fs::File::open(dir)?.sync_all()
 }
 
+/// Renames every file under `from` to the same place under `to` (replacing what is there).
+fn move_files(from: &Path, to: &Path) -> io::Result<()> {
+    for e in fs::read_dir(from)? {
+        let e = e?;
+        let target = to.join(e.file_name());
+        if e.file_type()?.is_dir() {
+            fs::create_dir_all(&target)?;
+            move_files(&e.path(), &target)?;
+        } else {
+            fs::rename(e.path(), &target)?;
+        }
+    }
+    sync_dir(to)
+}
+
 impl Store {
     /// Opens (creating) the store and removes the temporary files of writes a crash cut short
     /// (the journal's, the keys', the chunks'), so that a crash loop leaves nothing growing.
@@ -204,7 +219,9 @@ impl Store {
             fs::remove_dir_all(&dst)?;
         }
         if dst.exists() {
-            // Kept as active or previous: the verified copy is the same files.
+            // Kept as active or previous (installed again after it was damaged): each verified
+            // file replaces its copy atomically, so the directory is whole at every moment.
+            move_files(&self.staging_dir(version), &dst)?;
             fs::remove_dir_all(self.staging_dir(version))?;
         } else {
             fs::rename(self.staging_dir(version), &dst)?;

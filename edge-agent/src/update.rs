@@ -83,6 +83,12 @@ pub enum Event {
     Activated {
         version: u64,
     },
+    /// The active version does not load (its files or parts damaged in the store): it is no
+    /// longer active, and its offer may install it again.
+    Damaged {
+        version: u64,
+        reason: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -288,6 +294,13 @@ impl Updater {
             Event::Activated { version } if self.phase == (Phase::Activating { version }) => {
                 self.activated(version)
             }
+            Event::Damaged { version, reason }
+                if self.active == Some(version) && self.phase == Phase::Idle =>
+            {
+                self.active = None;
+                self.last_error = Some(reason);
+                vec![]
+            }
             // Stale or out-of-order results (e.g. for a superseded version) change nothing.
             _ => vec![],
         }
@@ -407,8 +420,9 @@ impl Updater {
     }
 
     fn activated(&mut self, version: u64) -> Vec<Action> {
-        if self.active != Some(version) {
-            self.previous = self.active;
+        // (None after a damaged active version: its previous stays.)
+        if let Some(a) = self.active.filter(|a| *a != version) {
+            self.previous = Some(a);
         }
         self.active = Some(version);
         self.phase = Phase::Idle;

@@ -29,7 +29,7 @@ use crate::config::Config;
 use crate::desired::DesiredStates;
 use crate::outbox::Message;
 use crate::trust::Trust;
-use crate::update::{Phase, Updater};
+use crate::update::{Event, Phase, Updater};
 
 mod acks;
 mod delivery;
@@ -147,6 +147,10 @@ pub struct Core<M> {
     /// `last_error` until a write in or below that directory succeeds.
     store_error: Option<(PathBuf, String)>,
     status_dirty: bool,
+    /// The offer to ask for again on the next connection (the topic), after the active model
+    /// was found damaged: a broker resends a retained message on a new subscription, but not
+    /// always (rumqttd) to a session it resumes with the subscription in it.
+    refetch_offer: Option<String>,
     /// Statuses built so far (the next status's `seq`).
     status_seq: u64,
     /// The effects of the input being handled, and the lanes whose journal changed.
@@ -174,6 +178,7 @@ impl<M: Model> Core<M> {
             active_manifest: saved.active_manifest,
             store_error: None,
             status_dirty: true,
+            refetch_offer: None,
             status_seq: 0,
             out: Vec::new(),
             journal_dirty: [false; 2],
@@ -226,10 +231,7 @@ impl<M: Model> Core<M> {
                 self.step(Lane::Install, crate::update::Event::Activated { version })
             }
             Input::ActiveLoadFailed { version, reason } => {
-                tracing::error!("{}: active v{version} does not load: {reason}", self.id());
-                self.install.updater.last_error =
-                    Some(format!("active v{version} does not load: {reason}"));
-                self.status_dirty = true;
+                self.active_load_failed(version, &reason)
             }
             Input::Answered { reply, observed } => self.answered(reply, observed),
             Input::NotQueued { request, busy } => self.not_queued(request, busy),
@@ -421,6 +423,9 @@ impl<M: Model> Core<M> {
     /// After a (re)connect: every subscription, online, the status.
     fn connected(&mut self) {
         self.subscribe_all();
+        if let Some(topic) = self.refetch_offer.take() {
+            self.out.push(Effect::Resubscribe(topic));
+        }
         let topic = self.topics.online(&self.cfg.device_id);
         self.publish(How::Latest, topic, "1".into());
         self.publish_status();
@@ -484,6 +489,31 @@ impl<M: Model> Core<M> {
             }) if device == self.cfg.device_id => self.on_capture_ack(topic, &payload),
             _ => {}
         }
+    }
+
+    /// The active model does not load (a file or part damaged in the store): reported, and when
+    /// it is the pursued version, installed again from its offer: the pieces that still match
+    /// their hashes are kept, the others fetched again.
+    fn active_load_failed(&mut self, version: u64, reason: &str) {
+        tracing::error!("{}: active v{version} does not load: {reason}", self.id());
+        let error = format!("active v{version} does not load: {reason}");
+        let pursued = self.pursued.as_ref().filter(|p| p.version == version);
+        let Some(topic) = pursued.map(|p| self.topics.artifact_manifest(&p.name, version)) else {
+            self.install.updater.last_error = Some(error);
+            self.status_dirty = true;
+            return;
+        };
+        self.step(
+            Lane::Install,
+            Event::Damaged {
+                version,
+                reason: error,
+            },
+        );
+        // The retained offer again, now and (in case this runs before the connection is up)
+        // once connected: it starts the installation.
+        self.out.push(Effect::Resubscribe(topic.clone()));
+        self.refetch_offer = Some(topic);
     }
 
     /// Which lane an artifact's topics belong to: the shadow's when it is the wanted shadow.

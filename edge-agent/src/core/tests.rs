@@ -984,6 +984,26 @@ fn an_offer_in_pieces_fetches_only_the_pieces_the_store_lacks() {
     let c = r.status().counters;
     assert_eq!((c.bytes_fetched, c.bytes_reused), (5600, 5000));
 
+    // v2's head found damaged in the store at load: v2 is installed again from its offer,
+    // fetching only that piece.
+    r.parts.retain(|p| *p != sha256_hex(&head2));
+    r.log.clear();
+    r.input(Input::ActiveLoadFailed {
+        version: 2,
+        reason: "part 2 (head): its 300 bytes are not the part".into(),
+    });
+    let offer_topic = r.topics.artifact_manifest("faces", 2);
+    assert_eq!(
+        r.count(|e| matches!(e, Effect::Resubscribe(t) if *t == offer_topic)),
+        1
+    );
+    assert_eq!(r.core.updater().active, None);
+    r.publish_parts(("faces", 2), &[&backbone, &head2], false);
+    assert_eq!(r.core.updater().active, Some(2));
+    assert_eq!(r.core.updater().previous, Some(1));
+    let c = r.status().counters;
+    assert_eq!((c.bytes_fetched, c.bytes_reused), (5900, 10000));
+
     // v3: its head's chunk tampered with on its topic: dropped, counted, asked for again;
     // the genuine chunk then completes it.
     r.log.clear();
@@ -1002,5 +1022,5 @@ fn an_offer_in_pieces_fetches_only_the_pieces_the_store_lacks() {
     let topic = r.topics.part_chunk(&sha256_hex(&head3), 0);
     r.send(topic, head3.clone());
     assert_eq!(r.core.updater().active, Some(3));
-    assert_eq!(r.status().counters.bytes_fetched, 5900);
+    assert_eq!(r.status().counters.bytes_fetched, 6200);
 }

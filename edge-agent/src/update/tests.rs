@@ -424,3 +424,30 @@ fn held_chunks_are_not_fetched_and_a_fully_held_offer_goes_to_verification() {
     );
     assert_eq!(u.phase, Phase::Verifying { version: 2 });
 }
+
+#[test]
+fn a_damaged_active_version_is_installed_again_and_keeps_its_previous() {
+    let mut u = Updater::new(MB);
+    install(&mut u, 1, 1);
+    install(&mut u, 2, 1);
+    assert_eq!((u.active, u.previous), (Some(2), Some(1)));
+    let a = u.handle(Event::Damaged {
+        version: 2,
+        reason: "part 2 (head): its 10 bytes are not the part".into(),
+    });
+    assert!(a.is_empty());
+    assert_eq!((u.active, u.previous), (None, Some(1)));
+    assert!(u.last_error.as_deref().unwrap().contains("head"));
+    let steps = install(&mut u, 2, 1);
+    assert!(matches!(steps[0][0], Action::Fetch { version: 2, .. }));
+    assert_eq!((u.active, u.previous), (Some(2), Some(1)));
+    // Only the active version, idle, can be damaged.
+    assert!(
+        u.handle(Event::Damaged {
+            version: 1,
+            reason: String::new()
+        })
+        .is_empty()
+    );
+    assert_eq!(u.active, Some(2));
+}

@@ -318,6 +318,28 @@ fn updates_move_only_the_parts_a_device_lacks(kind: BrokerKind) {
     refused(&b, 5, "cut to follow part");
     publish_raw(&b, forged(6, 2, 1), target(6));
     refused(&b, 6, "the parts make");
+
+    // A part damaged in a device's store while its agent was down: the active model does not
+    // load at start, so v4 is installed again, fetching that part only; the other device
+    // fetches nothing.
+    // (A new agent process: its statuses have a new `started`, its counters start from 0.)
+    let before: Vec<u64> = DEVICES.iter().map(|d| status(&b, d).started).collect();
+    agent.kill();
+    let head = manifest(4).composition.unwrap().parts.pop().unwrap();
+    let part = w.join("sim/store/hd-000/parts").join(&head.sha256);
+    let mut bytes = std::fs::read(&part).unwrap();
+    bytes[10] ^= 0xff;
+    std::fs::write(&part, bytes).unwrap();
+    let agent = start_agent_with(&conf, &[], &["--simulate", "2"]);
+    let st = wait_status(&b.config(), "hd-000", 120, "v4 installed again", |s| {
+        s.started != before[0] && s.active == Some(4) && s.state == "idle"
+    });
+    assert_fetched("the damaged part", st.counters.bytes_fetched, head.size);
+    let other = wait_status(&b.config(), "hd-001", 60, "v4", |s| {
+        s.started != before[1] && s.active == Some(4)
+    });
+    assert_eq!(other.counters.bytes_fetched, 0);
+    answers_as(&b, "hd-000", &art(4));
     drop(agent);
 }
 
