@@ -324,6 +324,11 @@ print(f"100 devices, 3 phases, {mb:.1f} MB to each: {float(sys.argv[2]) - float(
 PY
 
 echo
+echo "# Updates in parts (issue 57): a new LFW head (int8 weights, shared backbone) to 1, 100, 1,000 simulated devices"
+echo "# holding v1, in parts vs the whole artifact (publish --whole), on Mosquitto and the embedded broker"
+python3 "$here/bench_parts.py"
+
+echo
 "$here/bench-console.sh"
 "$here/bench-distributed.sh"
 "$here/bench-seeds.sh"

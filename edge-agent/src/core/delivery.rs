@@ -208,7 +208,9 @@ impl<M: Model> Core<M> {
             rollback,
             held: vec![],
         };
-        self.delivery_mut(lane).offer = Some((o, m));
+        let d = self.delivery_mut(lane);
+        d.offer = Some((o, m));
+        d.checking = None; // superseded
         self.start(lane, offer);
     }
 

@@ -253,6 +253,7 @@ fn updates_move_only_the_parts_a_device_lacks(kind: BrokerKind) {
         );
     }
     answers_as(&b, "hd-001", &art(2));
+    composed_like_the_export(&w.join("sim/store/hd-000"), &art(2));
 
     // v3: the first fine-tuned model, its block's first chunk tampered with in the broker:
     // dropped, counted, never a failure; the genuine chunk completes it.
@@ -351,6 +352,99 @@ fn refused(b: &Broker, version: u64, text: &str) {
     let e = st.last_error.clone().unwrap_or_default();
     assert!(e.contains("verification failed") && e.contains(text), "{e}");
     assert_eq!(st.active, Some(4));
+}
+
+/// The model a device composes from its part store is the exported model.onnx byte for byte, and
+/// gives its logits on the golden samples: ONNX Runtime (Python's) on both files, the manifest's
+/// golden logits within the health check's tolerance; tract (`edge-agent predict`) on the
+/// store's active version and on the artifact.
+fn composed_like_the_export(store: &Path, art: &Path) {
+    let active = store.join("active");
+    let m: Manifest = serde_json::from_value(read_json(&active.join("manifest.json"))).unwrap();
+    assert!(
+        !active.join("model.onnx").exists(),
+        "composed at load, not stored whole"
+    );
+    let parts = m.composition.as_ref().unwrap().parts.iter();
+    let composed: Vec<u8> = parts
+        .flat_map(|p| std::fs::read(store.join("parts").join(&p.sha256)).unwrap())
+        .collect();
+    assert!(
+        composed == std::fs::read(art.join("model.onnx")).unwrap(),
+        "composed == model.onnx"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let (onnx, spec, tensors) = (
+        tmp.path().join("c.onnx"),
+        tmp.path().join("spec.json"),
+        tmp.path(),
+    );
+    std::fs::write(&onnx, &composed).unwrap();
+    std::fs::write(&spec, serde_json::to_vec(&m.preprocess).unwrap()).unwrap();
+    let golden: Vec<String> = m.golden.iter().map(|g| s(&active.join(&g.file))).collect();
+    let mut args = vec!["preprocess", "--spec", spec.to_str().unwrap(), "--out"];
+    args.push(tensors.to_str().unwrap());
+    args.extend(golden.iter().map(String::as_str));
+    let o = run("edge-agent", &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let expect: Vec<Vec<f32>> = (m.golden.iter())
+        .map(|g| g.runtime_logits.get("ort").unwrap_or(&g.logits).clone())
+        .collect();
+    let names: Vec<String> = (m.golden.iter())
+        .map(|g| {
+            format!(
+                "{}.f32",
+                Path::new(&g.file).file_name().unwrap().to_str().unwrap()
+            )
+        })
+        .collect();
+    let o = kestrel_tests::python(
+        r#"
+import json, sys, numpy as np, onnxruntime as ort
+composed, exported, tensors, names, expect, size = sys.argv[1:7]
+names, expect, size = json.loads(names), json.loads(expect), json.loads(size)
+a = ort.InferenceSession(composed, providers=["CPUExecutionProvider"])
+b = ort.InferenceSession(exported, providers=["CPUExecutionProvider"])
+worst = 0.0
+for name, want in zip(names, expect):
+    x = np.fromfile(f"{tensors}/{name}", dtype="<f4").reshape(1, 3, *size)
+    feed = {a.get_inputs()[0].name: x}
+    la, lb = a.run(None, feed)[0][0], b.run(None, feed)[0][0]
+    assert (la == lb).all(), (name, la, lb)
+    worst = max(worst, float(np.abs(la - np.array(want)).max()))
+print(json.dumps({"samples": len(names), "max_diff": worst}))
+"#,
+        &[
+            s(&onnx),
+            s(&art.join("model.onnx")),
+            s(tensors),
+            serde_json::to_string(&names).unwrap(),
+            serde_json::to_string(&expect).unwrap(),
+            serde_json::to_string(&m.preprocess.input_size).unwrap(),
+        ],
+    );
+    let r: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(r["samples"].as_u64(), Some(m.golden.len() as u64), "{r}");
+    assert!(
+        r["max_diff"].as_f64().unwrap() <= 1e-3,
+        "ORT vs the golden logits: {r}"
+    );
+    let predict = |model: &Path| {
+        let mut args = vec!["predict", "--model", model.to_str().unwrap(), "--json"];
+        args.extend(golden.iter().map(String::as_str));
+        let o = run("edge-agent", &args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: Vec<Value> = stdout(&o)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        v.into_iter().map(|p| p["top"].clone()).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        predict(&active),
+        predict(art),
+        "tract: the store's model and the artifact"
+    );
 }
 
 /// `device` answers over MQTT as the artifact `art` does on the same images.
