@@ -1,7 +1,7 @@
 //! Updates in parts through the binaries, on both brokers (issue #57): `trainer publish` of v1
-//! (every part), a new head (v2), a fine-tuned model (v3: its frozen range and trained block are
-//! new; v4: only the block and the head change), to simulated devices connected through a
-//! relay that counts what the broker sends them. Each device fetches only what it lacks (its
+//! (every part), `trainer rollout` of a new head (v2), a fine-tuned model (v3: its frozen range
+//! and trained block are new; v4: only the block and the head change), to simulated devices
+//! connected through a relay that counts what the broker sends them. Each device fetches only what it lacks (its
 //! own counters and the broker's bytes say so), keeps one copy of the backbone, and answers as
 //! the artifact does; a device joining later fetches every part; a tampered part, a head cut for
 //! another backbone and a genuine part from another model's manifest are refused.
@@ -12,11 +12,11 @@ use std::sync::OnceLock;
 
 use kestrel_fleet::{Bundle, Conn};
 use kestrel_shared::manifest::Manifest;
-use kestrel_shared::protocol::{ArtifactOffer, Desired, Status, Target, pieces};
+use kestrel_shared::protocol::{ArtifactOffer, Status, pieces};
 use kestrel_shared::signing::{PayloadType, sign};
 use kestrel_tests::fleet::{
-    Broker, BrokerKind, agent_config, fixture, publish_ok, publish_raw, start_agent_with,
-    wait_fleet, wait_status,
+    Broker, BrokerKind, agent_config, desired, fixture, publish_ok, publish_raw, rollout_command,
+    start_agent_with, wait_fleet, wait_status,
 };
 use kestrel_tests::proxy::Relay;
 use kestrel_tests::{Scratch, fetched, read_json, run, s, stderr, stdout};
@@ -121,10 +121,14 @@ fn forged(version: u64, base: u64, head_from: u64) -> Vec<(String, Vec<u8>, bool
     b.messages(&kestrel_shared::protocol::Topics::default())
 }
 
-fn to_all(version: u64) -> Desired {
-    let mut d = kestrel_tests::fleet::desired("x", version, false);
-    d.target = Target::Group("all".into());
-    d
+/// `trainer publish` of `version` to each device; the last one's JSON.
+fn publish_each(b: &Broker, devices: &[&str], version: u64) -> Value {
+    let key = fixture().key();
+    let mut out = Value::Null;
+    for d in devices {
+        out = publish_ok(b, &art(version), &key, &format!("device/{d}"));
+    }
+    out
 }
 
 const DEVICES: [&str; 2] = ["hd-000", "hd-001"];
@@ -209,34 +213,38 @@ fn updates_move_only_the_parts_a_device_lacks(kind: BrokerKind) {
 
     // v1: every part.
     let (d, _) = update(&b, &relay, 1, || {
-        publish_ok(&b, &art(1), &f.key(), "group/all");
+        publish_each(&b, &DEVICES, 1);
     });
     for (fetched, reused) in d {
         assert_fetched("v1", fetched, new_bytes(1, &[]));
         assert_eq!(reused, 0);
     }
 
-    // v2: a new head on the same backbone.
+    // v2: a new head on the same backbone, rolled out.
     let backbone = manifest(1).composition.unwrap().parts[1].size;
     assert_eq!(sha(&manifest(1), "backbone"), sha(&manifest(2), "backbone"));
-    let mut published = Value::Null;
+    let plan = w.join("plan.toml");
+    std::fs::write(&plan, "[[phases]]\nname = \"all\"\npercent = 100\n").unwrap();
+    let mut rollout = Value::Null;
     let (d, broker_bytes) = update(&b, &relay, 2, || {
-        published = publish_ok(&b, &art(2), &f.key(), "group/all");
+        let o = rollout_command(&b, &art(2), &s(&plan))
+            .arg("--json")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        rollout = serde_json::from_str(stdout(&o).trim()).unwrap();
     });
     let need = new_bytes(2, &[1]);
-    assert_eq!(
-        published["bytes_update"].as_u64(),
-        Some(need),
-        "{published}"
-    );
-    let whole = published["bytes"].as_u64().unwrap();
+    let whole = rollout["artifact_bytes"].as_u64().unwrap();
     eprintln!(
         "{kind:?}: v2 (new head): {need} bytes of pieces to fetch of {whole}; the broker sent \
          {broker_bytes} bytes per device; devices counted {d:?}"
     );
-    for (fetched, reused) in &d {
+    for ((fetched, reused), dev) in d.iter().zip(DEVICES) {
         assert_fetched("v2", *fetched, need);
         assert_eq!(*reused, new_bytes(2, &[]) - need, "v2 reused");
+        let in_rollout = rollout["devices"][dev]["bytes_fetched"].as_u64();
+        assert_eq!(in_rollout, Some(*fetched), "{dev} in the rollout's state");
     }
     assert!(need < 50_000 && whole > 70 * need, "{need} of {whole}");
     assert!(
@@ -275,7 +283,8 @@ fn updates_move_only_the_parts_a_device_lacks(kind: BrokerKind) {
         }
     }
     let (d, _) = update(&b, &relay, 3, || {
-        publish_raw(&b, msgs, to_all(3));
+        publish_raw(&b, msgs, desired(DEVICES[0], 3, false));
+        publish_raw(&b, vec![], desired(DEVICES[1], 3, false));
         for dev in DEVICES {
             let st = wait_status(&b.config(), dev, 120, "tampered part dropped", |s| {
                 s.target == Some(3) && s.counters.chunks_corrupt >= 1
@@ -293,10 +302,17 @@ fn updates_move_only_the_parts_a_device_lacks(kind: BrokerKind) {
 
     // v4: the same fine-tuned range; only the block, the head (and frame, golden samples) move.
     assert_eq!(sha(&m3, "backbone"), sha(&manifest(4), "backbone"));
+    let mut published = Value::Null;
     let (d, broker_bytes) = update(&b, &relay, 4, || {
-        publish_ok(&b, &art(4), &f.key(), "group/all");
+        published = publish_each(&b, &DEVICES, 4);
     });
-    // A device keeps the active and previous versions' parts: v3's and v2's.
+    // What a device at v3 fetches, by the publisher's count; a device keeps the active and
+    // previous versions' parts (v3's and v2's), so it may fetch less.
+    assert_eq!(
+        published["bytes_update"].as_u64(),
+        Some(new_bytes(4, &[3])),
+        "{published}"
+    );
     let need = new_bytes(4, &[2, 3]);
     eprintln!("{kind:?}: v4 (fine-tuned block): {need} bytes to fetch, broker sent {broker_bytes}");
     for (fetched, _) in d {
@@ -307,13 +323,15 @@ fn updates_move_only_the_parts_a_device_lacks(kind: BrokerKind) {
     // A device joining later fetches every part of v4.
     let late = agent_config(&w.join("late"), "late", &relay.url(), &f.keys, "");
     let _late = start_agent_with(&late, &[], &[]);
+    wait_fleet(&b.config(), 3);
+    publish_each(&b, &["late"], 4);
     let st = active(&b, &["late"], 4).pop().unwrap();
     assert_fetched("late", st.counters.bytes_fetched, new_bytes(4, &[]));
     assert_eq!(st.counters.bytes_reused, 0);
 
     // Signed by a trusted key, yet not a model: a head cut to follow another part (v5: v4's
     // parts with v2's head), and v1's genuine head in v2's manifest (v6).
-    let target = |v| kestrel_tests::fleet::desired("late", v, false);
+    let target = |v| desired("late", v, false);
     publish_raw(&b, forged(5, 4, 2), target(5));
     refused(&b, 5, "part 3 (head");
     refused(&b, 5, "cut to follow part");
