@@ -172,28 +172,12 @@ impl Agent {
             Effect::Load { lane, version } => self.spawn_load(lane, version),
             Effect::Activate { version, model } => self.activate(version, model, then)?,
             Effect::LoadActive { version } => then.extend(self.load_active(version)),
-            Effect::Discard { lane, version } => {
-                if let Err(e) = self.lane_store(lane).discard(version) {
-                    tracing::warn!("{}: discarding v{version}: {e}", self.cfg.device_id);
-                }
-                self.prune_parts();
-            }
+            Effect::Discard { lane, version } => self.discard(lane, version),
             Effect::CheckParts {
                 lane,
                 version,
                 pieces,
-            } => {
-                // Hashing megabytes: off the event loop, like verification.
-                let (store, tx) = (self.lane_store(lane).clone(), self.inputs.clone());
-                tokio::task::spawn_blocking(move || {
-                    let held = store.held_parts(&pieces);
-                    let _ = tx.send(Input::PartsHeld {
-                        lane,
-                        version,
-                        held,
-                    });
-                });
-            }
+            } => self.spawn_check_parts(lane, version, pieces),
             Effect::RunShadow(run) => {
                 *self.shadow.write().expect("lock") = run.map(|(model, every)| {
                     Arc::new(ShadowModel {
@@ -270,6 +254,15 @@ impl Agent {
         };
         let request = job.request;
         Some(Input::NotQueued { request, busy })
+    }
+
+    /// Deletes what was downloaded or staged of `version` in the lane, then the parts nothing
+    /// lists any more.
+    fn discard(&self, lane: Lane, version: u64) {
+        if let Err(e) = self.lane_store(lane).discard(version) {
+            tracing::warn!("{}: discarding v{version}: {e}", self.cfg.device_id);
+        }
+        self.prune_parts();
     }
 
     /// Removes the parts no version, staging slot or download of either lane lists.
@@ -359,6 +352,20 @@ impl Agent {
                 lane,
                 version,
                 result,
+            });
+        });
+    }
+
+    /// Which of `pieces` the part store holds (each hashed; a damaged one deleted), on a
+    /// blocking thread like verification.
+    fn spawn_check_parts(&self, lane: Lane, version: u64, pieces: Vec<String>) {
+        let (store, tx) = (self.lane_store(lane).clone(), self.inputs.clone());
+        tokio::task::spawn_blocking(move || {
+            let held = store.held_parts(&pieces);
+            let _ = tx.send(Input::PartsHeld {
+                lane,
+                version,
+                held,
             });
         });
     }

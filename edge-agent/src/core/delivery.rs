@@ -48,6 +48,9 @@ impl<M> Delivery<M> {
 
     /// The missing chunks of a download that made no progress for `stall`, if any.
     pub(super) fn stalled(&self, now: Now, stall: Duration) -> Option<(u64, Vec<u32>)> {
+        if self.checking.is_some() {
+            return None; // a newer offer is about to supersede it
+        }
         match &self.updater.phase {
             Phase::Downloading { offer, have, .. }
                 if now.mono.duration_since(self.last_progress) > stall =>

@@ -202,6 +202,15 @@ fn big_files(dir: &Path, min: u64) -> Vec<u64> {
     seen.into_values().collect()
 }
 
+/// A broker, a relay that counts what it sends, and two simulated devices behind the relay.
+struct Rig {
+    w: Scratch,
+    b: Broker,
+    relay: Relay,
+    /// The simulated devices' agent.toml.
+    conf: PathBuf,
+}
+
 fn updates_move_only_the_parts_a_device_lacks(kind: BrokerKind) {
     let f = fixture();
     let w = Scratch::new();
@@ -210,10 +219,19 @@ fn updates_move_only_the_parts_a_device_lacks(kind: BrokerKind) {
     let conf = agent_config(&w.join("sim"), "hd", &relay.url(), &f.keys, "");
     let agent = start_agent_with(&conf, &[], &["--simulate", "2"]);
     wait_fleet(&b.config(), 2);
+    let r = Rig { w, b, relay, conf };
+    a_new_head(&r, kind);
+    fine_tuned_blocks(&r, kind);
+    late_device_and_strangers(&r);
+    damaged_part(&r, agent);
+}
 
+/// v1 (every part), then v2, a new head on the same backbone, rolled out.
+fn a_new_head(r: &Rig, kind: BrokerKind) {
+    let (w, b, relay) = (&r.w, &r.b, &r.relay);
     // v1: every part.
-    let (d, _) = update(&b, &relay, 1, || {
-        publish_each(&b, &DEVICES, 1);
+    let (d, _) = update(b, relay, 1, || {
+        publish_each(b, &DEVICES, 1);
     });
     for (fetched, reused) in d {
         assert_fetched("v1", fetched, new_bytes(1, &[]));
@@ -262,7 +280,12 @@ fn updates_move_only_the_parts_a_device_lacks(kind: BrokerKind) {
     }
     answers_as(&b, "hd-001", &art(2));
     composed_like_the_export(&w.join("sim/store/hd-000"), &art(2));
+}
 
+/// v3, the first fine-tuned model (a tampered chunk of its block dropped), then v4 with the
+/// same fine-tuned range: only the block and the head move.
+fn fine_tuned_blocks(r: &Rig, kind: BrokerKind) {
+    let (f, b, relay) = (fixture(), &r.b, &r.relay);
     // v3: the first fine-tuned model, its block's first chunk tampered with in the broker:
     // dropped, counted, never a failure; the genuine chunk completes it.
     let m3 = manifest(3);
@@ -319,7 +342,12 @@ fn updates_move_only_the_parts_a_device_lacks(kind: BrokerKind) {
         assert_fetched("v4", fetched, need);
     }
     assert!(need < new_bytes(4, &[]) / 2, "{need}");
+}
 
+/// A device joining later fetches every part; validly signed manifests that are no model are
+/// refused.
+fn late_device_and_strangers(r: &Rig) {
+    let (f, b, relay, w) = (fixture(), &r.b, &r.relay, &r.w);
     // A device joining later fetches every part of v4.
     let late = agent_config(&w.join("late"), "late", &relay.url(), &f.keys, "");
     let _late = start_agent_with(&late, &[], &[]);
@@ -337,7 +365,11 @@ fn updates_move_only_the_parts_a_device_lacks(kind: BrokerKind) {
     refused(&b, 5, "cut to follow part");
     publish_raw(&b, forged(6, 2, 1), target(6));
     refused(&b, 6, "the parts make");
+}
 
+/// A part damaged in a device's store while its agent was down.
+fn damaged_part(r: &Rig, agent: kestrel_tests::fleet::Proc) {
+    let (b, w) = (&r.b, &r.w);
     // A part damaged in a device's store while its agent was down: the active model does not
     // load at start, so v4 is installed again, fetching that part only; the other device
     // fetches nothing.
@@ -349,7 +381,7 @@ fn updates_move_only_the_parts_a_device_lacks(kind: BrokerKind) {
     let mut bytes = std::fs::read(&part).unwrap();
     bytes[10] ^= 0xff;
     std::fs::write(&part, bytes).unwrap();
-    let agent = start_agent_with(&conf, &[], &["--simulate", "2"]);
+    let agent = start_agent_with(&r.conf, &[], &["--simulate", "2"]);
     let st = wait_status(&b.config(), "hd-000", 120, "v4 installed again", |s| {
         s.started != before[0] && s.active == Some(4) && s.state == "idle"
     });
