@@ -1,6 +1,7 @@
 //! An artifact offer whose manifest is the fuzzer's (signed here, so it gets past the signature
 //! check), its consistency checks and manifest name checks, then the device's chunk assembly
-//! into a store: names must never escape the staging directory, sizes never overflow.
+//! into a store, as a whole bundle or (an odd first byte) in pieces: names must never escape the
+//! staging directory, sizes never overflow.
 #![no_main]
 
 use ed25519_dalek::SigningKey;
@@ -29,6 +30,7 @@ fuzz_target!(|data: &[u8]| {
         chunk_bytes: chunk_bytes as u64,
         chunks: bundle.chunks(chunk_bytes).map(sha256_hex).collect(),
         total_bytes: bundle.len() as u64,
+        pieces: vec![],
     };
     let Ok(m) = offer.open(&[key.verifying_key()]) else {
         return;
@@ -36,10 +38,31 @@ fuzz_target!(|data: &[u8]| {
     if artifact::check_names(&m).is_err() {
         return;
     }
+    let offer = if data[0] % 2 == 1 {
+        let (text, sig) = (offer.manifest.clone(), offer.signature.clone());
+        let o = ArtifactOffer::new(&m, text, sig, bundle, chunk_bytes);
+        if o.open(&[key.verifying_key()]).is_err() {
+            return;
+        }
+        o
+    } else {
+        offer
+    };
     let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(dir.path()).unwrap();
-    for (i, c) in bundle.chunks(chunk_bytes).enumerate() {
-        store.write_chunk(offer.version, i as u32, c).unwrap();
+    let store = Store::open(dir.path(), &dir.path().join("parts")).unwrap();
+    if offer.pieces.is_empty() {
+        for (i, c) in bundle.chunks(chunk_bytes).enumerate() {
+            store.write_chunk(offer.version, i as u32, c).unwrap();
+        }
+    } else {
+        let mut at = 0;
+        for (p, range) in offer.pieces.iter().zip(offer.piece_ranges()) {
+            let bytes = &bundle[at..at + p.size as usize];
+            at += bytes.len();
+            for (i, c) in range.zip(bytes.chunks(chunk_bytes)) {
+                store.write_chunk(offer.version, i, c).unwrap();
+            }
+        }
     }
     if let Ok(staged) = store.assemble(&offer, &m) {
         for f in walk(&staged) {
