@@ -131,20 +131,32 @@ impl Store {
         Ok(())
     }
 
-    /// The pieces this store's versions, staging slots and downloads list.
+    /// The pieces this store's versions, staging slots and downloads list. A file that cannot
+    /// be read or parsed (but is there) fails it: a prune must never take what it could not
+    /// see listed.
     fn listed_parts(&self) -> io::Result<Vec<String>> {
+        fn read<T: serde::de::DeserializeOwned>(path: &Path) -> io::Result<Option<T>> {
+            match fs::read(path) {
+                Ok(text) => serde_json::from_slice(&text).map(Some).map_err(|e| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("{}: {e}", path.display()),
+                    )
+                }),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(e),
+            }
+        }
         let mut out = Vec::new();
         for d in ["versions", "staging"] {
             for e in fs::read_dir(self.root.join(d))? {
-                let text = fs::read(e?.path().join(MANIFEST_FILE)).unwrap_or_default();
-                if let Ok(m) = serde_json::from_slice::<Manifest>(&text) {
+                if let Some(m) = read::<Manifest>(&e?.path().join(MANIFEST_FILE))? {
                     out.extend(pieces(&m).into_iter().map(|(sha, _)| sha));
                 }
             }
         }
         for e in fs::read_dir(self.root.join("downloads"))? {
-            let text = fs::read(e?.path().join("offer.json")).unwrap_or_default();
-            if let Ok(o) = serde_json::from_slice::<ArtifactOffer>(&text) {
+            if let Some(o) = read::<ArtifactOffer>(&e?.path().join("offer.json"))? {
                 out.extend(o.pieces.into_iter().map(|p| p.sha256));
             }
         }
@@ -220,9 +232,22 @@ impl Store {
         }
         if dst.exists() {
             // Kept as active or previous (installed again after it was damaged): each verified
-            // file replaces its copy atomically, so the directory is whole at every moment.
-            move_files(&self.staging_dir(version), &dst)?;
-            fs::remove_dir_all(self.staging_dir(version))?;
+            // file replaces its copy atomically, so the directory is whole at every moment. A
+            // whole model.onnx left from a delivery before parts goes once the version is
+            // composed from parts (its parts are in the part store by now).
+            let staging = self.staging_dir(version);
+            let whole = staging.join("model.onnx").exists();
+            move_files(&staging, &dst)?;
+            fs::remove_dir_all(&staging)?;
+            let text = fs::read(dst.join(MANIFEST_FILE))?;
+            let composed = serde_json::from_slice::<Manifest>(&text)
+                .is_ok_and(|m| m.composition.is_some_and(|c| c.file == "model.onnx"));
+            if composed && !whole {
+                match fs::remove_file(dst.join("model.onnx")) {
+                    Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                    _ => {}
+                }
+            }
         } else {
             fs::rename(self.staging_dir(version), &dst)?;
             sync_dir(&self.root.join("versions"))?;
@@ -330,6 +355,10 @@ impl Store {
     fn assemble_pieces(&self, o: &ArtifactOffer, m: &Manifest) -> Result<PathBuf, String> {
         for (p, range) in o.pieces.iter().zip(o.piece_ranges()) {
             let path = self.part_path(&p.sha256);
+            if p.size == 0 && p.sha256 == sha256_hex(b"") {
+                write_atomic(&path, b"").map_err(|e| format!("{}: {e}", path.display()))?;
+                continue; // nothing to fetch
+            }
             if range.is_empty()
                 || !range
                     .clone()

@@ -87,8 +87,10 @@ impl Bundle {
         for (p, bytes) in self.offer.pieces.iter().zip(&self.pieces) {
             if seen.insert(&p.sha256) {
                 let cut = bytes.chunks(chunk_bytes).enumerate();
-                let m =
-                    cut.map(|(i, c)| (topics.part_chunk(&p.sha256, i as u32), c.to_vec(), true));
+                let m = cut.map(|(i, c)| {
+                    let topic = topics.part_chunk(&p.sha256, chunk_bytes as u64, i as u32);
+                    (topic, c.to_vec(), true)
+                });
                 out.extend(m);
             }
         }

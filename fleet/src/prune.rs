@@ -191,7 +191,8 @@ fn clear(
     {
         if parts.insert(p.sha256.as_str()) {
             let n = p.chunks.len() as u32;
-            chunks.extend((0..n).map(|i| (t.part_chunk(&p.sha256, i), vec![], true)));
+            let cb = offer.chunk_bytes;
+            chunks.extend((0..n).map(|i| (t.part_chunk(&p.sha256, cb, i), vec![], true)));
         }
     }
     let pb = crate::progress(chunks.len() as u64, "clear");

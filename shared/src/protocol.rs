@@ -8,7 +8,7 @@
 //! |---|---|---|---|
 //! | `P/artifacts/<name>/<version>/manifest` | [`ArtifactOffer`] JSON | yes | trainer publish |
 //! | `P/artifacts/<name>/<version>/chunks/<i>` | raw bytes of chunk `i` | yes | trainer publish |
-//! | `P/parts/<sha256>/chunks/<i>` | raw bytes of chunk `i` of a [`Piece`] | yes | trainer publish |
+//! | `P/parts/<sha256>/<chunk_bytes>/<i>` | raw bytes of chunk `i` of a [`Piece`] | yes | trainer publish |
 //! | `P/devices/<id>/desired` | [`SignedDesired`] JSON | yes | trainer publish / rollout |
 //! | `P/groups/<group>/desired` | [`SignedDesired`] JSON | yes | trainer publish / rollout |
 //! | `P/keys` | [`SignedKeyList`] JSON | yes | trainer keys publish (root key) |
@@ -111,7 +111,7 @@ pub struct ArtifactOffer {
     pub chunks: Vec<String>,
     pub total_bytes: u64,
     /// The same bundle as content-addressed pieces ([`pieces`]), each cut into `chunk_bytes`
-    /// chunks of its own on `P/parts/<sha256>/chunks/<i>`: a device fetches only the pieces it
+    /// chunks of its own on `P/parts/<sha256>/<chunk_bytes>/<i>`: a device fetches only the pieces it
     /// does not hold. Empty in offers from before parts; an agent from before parts ignores it
     /// and fetches the whole bundle's chunks above, which are published too.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -188,7 +188,8 @@ impl ArtifactOffer {
         let mut at = 0usize;
         let mut cut = Vec::new();
         for (sha256, size) in pieces(manifest) {
-            let Some(bytes) = bundle.get(at..at + size as usize) else {
+            let end = at.checked_add(usize::try_from(size).unwrap_or(usize::MAX));
+            let Some(bytes) = end.and_then(|end| bundle.get(at..end)) else {
                 cut.clear(); // the manifest does not describe this bundle: no pieces
                 break;
             };

@@ -31,9 +31,14 @@ pub enum Route<'a> {
         version: u64,
         index: u32,
     },
-    /// `P/parts/<sha256>/chunks/<index>`: a chunk of a content-addressed piece
-    /// ([`crate::protocol::Piece`]).
-    PartChunk { sha256: &'a str, index: u32 },
+    /// `P/parts/<sha256>/<chunk_bytes>/<index>`: a chunk of a content-addressed piece
+    /// ([`crate::protocol::Piece`]) cut in chunks of `chunk_bytes` (publishes cut differently
+    /// never share a topic).
+    PartChunk {
+        sha256: &'a str,
+        chunk_bytes: u64,
+        index: u32,
+    },
     /// `P/devices/<id>/desired` or `P/groups/<name>/desired`
     Desired(Target),
     /// `P/keys`
@@ -81,11 +86,11 @@ impl Topics {
     pub fn chunks_filter(&self, name: &str, version: u64) -> String {
         format!("{}/artifacts/{name}/{version}/chunks/+", self.prefix)
     }
-    pub fn part_chunk(&self, sha256: &str, index: u32) -> String {
-        format!("{}/parts/{sha256}/chunks/{index}", self.prefix)
+    pub fn part_chunk(&self, sha256: &str, chunk_bytes: u64, index: u32) -> String {
+        format!("{}/parts/{sha256}/{chunk_bytes}/{index}", self.prefix)
     }
-    pub fn part_chunks_filter(&self, sha256: &str) -> String {
-        format!("{}/parts/{sha256}/chunks/+", self.prefix)
+    pub fn part_chunks_filter(&self, sha256: &str, chunk_bytes: u64) -> String {
+        format!("{}/parts/{sha256}/{chunk_bytes}/+", self.prefix)
     }
     pub fn desired(&self, target: &Target) -> String {
         match target {
@@ -182,8 +187,9 @@ impl Topics {
                 version: number(v)?,
                 index: u32::try_from(number(i)?).ok()?,
             },
-            ["parts", sha, "chunks", i] if crate::protocol::is_sha256(sha) => Route::PartChunk {
+            ["parts", sha, c, i] if crate::protocol::is_sha256(sha) => Route::PartChunk {
                 sha256: sha,
+                chunk_bytes: number(c)?,
                 index: u32::try_from(number(i)?).ok()?,
             },
             ["devices", d, "desired"] => Route::Desired(Target::Device(name(d)?.to_string())),

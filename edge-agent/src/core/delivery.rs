@@ -24,9 +24,16 @@ pub(super) struct Delivery<M> {
     last_progress: std::time::Instant,
     /// The health-checked model, until it is activated (or runs beside).
     pub(super) candidate: Option<(u64, Arc<M>)>,
-    /// An offer in pieces waiting to learn which of them the part store holds: its version and
-    /// whether it may go below the active one.
-    checking: Option<(u64, bool)>,
+    /// An offer in pieces waiting to learn which of them the part store holds (the download
+    /// in progress, if any, goes on meanwhile).
+    checking: Option<Pending>,
+}
+
+/// A checked offer in pieces, and whether it may go below the active version.
+struct Pending {
+    offer: ArtifactOffer,
+    manifest: Manifest,
+    rollback: bool,
 }
 
 impl<M> Delivery<M> {
@@ -48,9 +55,6 @@ impl<M> Delivery<M> {
 
     /// The missing chunks of a download that made no progress for `stall`, if any.
     pub(super) fn stalled(&self, now: Now, stall: Duration) -> Option<(u64, Vec<u32>)> {
-        if self.checking.is_some() {
-            return None; // a newer offer is about to supersede it
-        }
         match &self.updater.phase {
             Phase::Downloading { offer, have, .. }
                 if now.mono.duration_since(self.last_progress) > stall =>
@@ -77,7 +81,7 @@ impl<M> Delivery<M> {
                 let lacking = o.pieces.iter().zip(o.piece_ranges());
                 let mut f: Vec<String> = lacking
                     .filter(|(_, r)| r.clone().any(|i| !have.contains(&i)))
-                    .map(|(p, _)| topics.part_chunks_filter(&p.sha256))
+                    .map(|(p, _)| topics.part_chunks_filter(&p.sha256, o.chunk_bytes))
                     .collect();
                 f.dedup();
                 f
@@ -160,7 +164,9 @@ impl<M: Model> Core<M> {
         let d = self.delivery(lane);
         if (name, version) != (want.as_str(), want_version)
             || payload.is_empty()
-            || d.checking.is_some_and(|(v, _)| v == version)
+            || d.checking
+                .as_ref()
+                .is_some_and(|p| p.offer.version == version)
         {
             return;
         }
@@ -191,12 +197,15 @@ impl<M: Model> Core<M> {
             version,
             payload: payload.to_vec(),
         });
+        self.drop_pending(lane);
         if !o.pieces.is_empty() {
             // Which pieces the device holds decides what it fetches: asked first.
             let pieces = o.pieces.iter().map(|p| p.sha256.clone()).collect();
-            let d = self.delivery_mut(lane);
-            d.offer = Some((o, m));
-            d.checking = Some((version, rollback));
+            self.delivery_mut(lane).checking = Some(Pending {
+                offer: o,
+                manifest: m,
+                rollback,
+            });
             self.out.push(Effect::CheckParts {
                 lane,
                 version,
@@ -211,23 +220,41 @@ impl<M: Model> Core<M> {
             rollback,
             held: vec![],
         };
-        let d = self.delivery_mut(lane);
-        d.offer = Some((o, m));
-        d.checking = None; // superseded
+        self.delivery_mut(lane).offer = Some((o, m));
         self.start(lane, offer);
+    }
+
+    /// A pending check superseded: its journaled offer goes, unless that version is the one
+    /// being downloaded.
+    fn drop_pending(&mut self, lane: Lane) {
+        let d = self.delivery_mut(lane);
+        if let Some(p) = d.checking.take()
+            && d.updater.phase.target() != Some(p.offer.version)
+        {
+            let version = p.offer.version;
+            self.out.push(Effect::RemoveDownload { lane, version });
+        }
     }
 
     /// The pieces of the offer being checked that the part store holds: the download starts
     /// without them.
     pub(super) fn parts_held(&mut self, lane: Lane, version: u64, held: &[String]) {
-        let d = self.delivery_mut(lane);
-        let Some((_, rollback)) = d.checking.filter(|(v, _)| *v == version) else {
+        if !(self.delivery(lane).checking.as_ref()).is_some_and(|p| p.offer.version == version) {
             return; // superseded
-        };
-        d.checking = None;
-        let Some((o, _)) = d.offer.as_ref().filter(|(o, _)| o.version == version) else {
-            return;
-        };
+        }
+        if self.wanted(lane).map(|w| w.1) != Some(version) {
+            // The desired state moved on meanwhile (perhaps back to the active version).
+            return self.drop_pending(lane);
+        }
+        let Pending {
+            offer: o,
+            manifest,
+            rollback,
+        } = self
+            .delivery_mut(lane)
+            .checking
+            .take()
+            .expect("checked above");
         let (mut have, mut reused) = (Vec::new(), 0);
         for (i, (p, range)) in o.pieces.iter().zip(o.piece_ranges()).enumerate() {
             if held.contains(&p.sha256) {
@@ -245,6 +272,7 @@ impl<M: Model> Core<M> {
             rollback,
             held: have,
         };
+        self.delivery_mut(lane).offer = Some((o, manifest));
         if self.start(lane, offer) {
             self.requests.counters.bytes_reused += reused;
         }
@@ -339,7 +367,7 @@ impl<M: Model> Core<M> {
         &mut self,
         lane: Lane,
         topic: &str,
-        (sha256, index): (&str, u32),
+        (sha256, chunk_bytes, index): (&str, u64, u32),
         payload: &[u8],
     ) {
         let d = self.delivery(lane);
@@ -347,7 +375,7 @@ impl<M: Model> Core<M> {
         let Phase::Downloading { offer, have, .. } = &d.updater.phase else {
             return;
         };
-        if offer.version != o.version || payload.is_empty() {
+        if offer.version != o.version || payload.is_empty() || chunk_bytes != o.chunk_bytes {
             return;
         }
         let places: Vec<(u32, String)> = (o.pieces.iter().zip(o.piece_ranges()))
@@ -457,6 +485,15 @@ impl<M: Model> Core<M> {
 
     /// One action as effects; an event it leads to at once, if any.
     fn act(&mut self, lane: Lane, a: Action) -> Option<Event> {
+        // Subscriptions belong to the session: the other lane's stay.
+        let other = match lane {
+            Lane::Install => Lane::Shadow,
+            Lane::Shadow => Lane::Install,
+        };
+        let keep = match a {
+            Action::Verify { .. } => self.delivery(other).chunk_filters(&self.topics),
+            _ => vec![],
+        };
         let keys = self.trust.keys().to_vec();
         let now = self.now.mono;
         let topics = self.topics.clone();
@@ -491,10 +528,9 @@ impl<M: Model> Core<M> {
                     if o.pieces.is_empty() {
                         out.push(Effect::Unsubscribe(topics.chunks_filter(&o.name, version)));
                     }
-                    let parts = o
-                        .pieces
-                        .iter()
-                        .map(|p| topics.part_chunks_filter(&p.sha256));
+                    let parts = (o.pieces.iter())
+                        .map(|p| topics.part_chunks_filter(&p.sha256, o.chunk_bytes))
+                        .filter(|f| !keep.contains(f));
                     out.extend(parts.map(Effect::Unsubscribe));
                 }
                 let offer = d.offer.clone();
@@ -558,7 +594,7 @@ impl<M: Model> Core<M> {
 /// The subscriptions that (re)deliver `chunks` (download indexes) of an offer in pieces: a
 /// piece's whole filter when all of it is wanted, else each wanted chunk's own topic.
 fn piece_fetches<M>(topics: &Topics, o: &ArtifactOffer, chunks: &[u32]) -> Vec<Effect<M>> {
-    let mut out = Vec::new();
+    let (mut out, cb) = (Vec::new(), o.chunk_bytes);
     let mut subscribed = Vec::new();
     for (p, range) in o.pieces.iter().zip(o.piece_ranges()) {
         let want: Vec<u32> = (chunks.iter())
@@ -571,10 +607,14 @@ fn piece_fetches<M>(topics: &Topics, o: &ArtifactOffer, chunks: &[u32]) -> Vec<E
         if want.len() == p.chunks.len() {
             if !subscribed.contains(&&p.sha256) {
                 subscribed.push(&p.sha256);
-                out.push(Effect::Resubscribe(topics.part_chunks_filter(&p.sha256)));
+                out.push(Effect::Resubscribe(
+                    topics.part_chunks_filter(&p.sha256, cb),
+                ));
             }
         } else {
-            let t = want.into_iter().map(|j| topics.part_chunk(&p.sha256, j));
+            let t = want
+                .into_iter()
+                .map(|j| topics.part_chunk(&p.sha256, cb, j));
             out.extend(t.map(Effect::Resubscribe));
         }
     }

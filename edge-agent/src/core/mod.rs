@@ -472,9 +472,13 @@ impl<M: Model> Core<M> {
                 let lane = self.lane_of(name, version);
                 self.on_chunk(lane, topic, (name, version, index), payload)
             }
-            Some(Route::PartChunk { sha256, index }) => {
+            Some(Route::PartChunk {
+                sha256,
+                chunk_bytes,
+                index,
+            }) => {
                 for lane in [Lane::Install, Lane::Shadow] {
-                    self.on_part_chunk(lane, topic, (sha256, index), &payload);
+                    self.on_part_chunk(lane, topic, (sha256, chunk_bytes, index), &payload);
                 }
             }
             Some(Route::Desired(target)) => self.on_desired(topic, &target, &payload),

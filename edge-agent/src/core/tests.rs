@@ -284,7 +284,9 @@ impl Rig {
         );
         for (k, p) in parts.iter().enumerate() {
             for (i, c) in p.chunks(chunk).enumerate() {
-                let topic = self.topics.part_chunk(&sha256_hex(p), i as u32);
+                let topic = self
+                    .topics
+                    .part_chunk(&sha256_hex(p), chunk as u64, i as u32);
                 let mut c = c.to_vec();
                 if tamper && k + 1 == parts.len() && i == 0 {
                     c[0] ^= 0xff;
@@ -979,7 +981,10 @@ fn an_offer_in_pieces_fetches_only_the_pieces_the_store_lacks() {
             _ => None,
         })
         .collect();
-    assert_eq!(asked, [r.topics.part_chunks_filter(&sha256_hex(&head2))]);
+    assert_eq!(
+        asked,
+        [r.topics.part_chunks_filter(&sha256_hex(&head2), 1000)]
+    );
     assert_eq!(r.count(|e| matches!(e, Effect::WriteChunk { .. })), 1);
     let c = r.status().counters;
     assert_eq!((c.bytes_fetched, c.bytes_reused), (5600, 5000));
@@ -1014,12 +1019,12 @@ fn an_offer_in_pieces_fetches_only_the_pieces_the_store_lacks() {
     assert_eq!(r.status().counters.chunks_corrupt, 1);
     // Asked for when offered, and again after the corrupt delivery (a one-chunk piece: its
     // topic filter).
-    let filter = r.topics.part_chunks_filter(&sha256_hex(&head3));
+    let filter = r.topics.part_chunks_filter(&sha256_hex(&head3), 1000);
     assert_eq!(
         r.count(|e| matches!(e, Effect::Resubscribe(t) if *t == filter)),
         2
     );
-    let topic = r.topics.part_chunk(&sha256_hex(&head3), 0);
+    let topic = r.topics.part_chunk(&sha256_hex(&head3), 1000, 0);
     r.send(topic, head3.clone());
     assert_eq!(r.core.updater().active, Some(3));
     assert_eq!(r.status().counters.bytes_fetched, 6200);

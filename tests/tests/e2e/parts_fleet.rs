@@ -292,7 +292,7 @@ fn fine_tuned_blocks(r: &Rig, kind: BrokerKind) {
     let block = m3.composition.as_ref().unwrap().parts[2].clone();
     assert!(block.role.starts_with("block:"), "{:?}", block.role);
     let topics = kestrel_shared::protocol::Topics::default();
-    let genuine_topic = topics.part_chunk(&block.sha256, 0);
+    let genuine_topic = topics.part_chunk(&block.sha256, 128 << 10, 0);
     let v3 = Bundle::from_dir(&art(3), &f.signing(), 128 << 10).unwrap();
     let mut msgs = v3.messages(&topics);
     let genuine = msgs
