@@ -411,6 +411,8 @@ class PublishFlags(TypedDict, total=False):
     """Devices refuse the desired state once this many seconds have passed (freeze protection: a state withheld and replayed later, or a recorded one shown to a device that joins, is reported instead of followed); publish again before then. 0: never expires [default: 604800]"""
     chunk_bytes: int
     """Chunk size of the delivery, in bytes [default: 131072]"""
+    whole: bool
+    """Offer only the whole bundle, as publishers before parts did: every device fetches all of it, whatever parts it holds (for comparison; agents from before parts fetch this anyway)"""
 
 
 class StatusFlags(TypedDict, total=False):
