@@ -86,6 +86,9 @@ struct Rig {
     manifests: Vec<Manifest>,
     /// The part store as the fake shell keeps it: the pieces of every verified offer.
     parts: Vec<String>,
+    /// Part checks not answered yet (answered at once unless `defer_checks`).
+    defer_checks: bool,
+    checks: Vec<Input<Fake>>,
 }
 
 impl Rig {
@@ -114,6 +117,8 @@ impl Rig {
             loads: None,
             manifests: vec![],
             parts: vec![],
+            defer_checks: false,
+            checks: vec![],
         }
     }
 
@@ -148,14 +153,21 @@ impl Rig {
                 lane,
                 version,
                 pieces,
-            } => Input::PartsHeld {
-                lane: *lane,
-                version: *version,
-                held: (pieces.iter())
-                    .filter(|p| self.parts.contains(p))
-                    .cloned()
-                    .collect(),
-            },
+            } => {
+                let held = Input::PartsHeld {
+                    lane: *lane,
+                    version: *version,
+                    held: (pieces.iter())
+                        .filter(|p| self.parts.contains(p))
+                        .cloned()
+                        .collect(),
+                };
+                if self.defer_checks {
+                    self.checks.push(held);
+                    return None;
+                }
+                held
+            }
             Effect::WriteChunk {
                 lane,
                 version,
@@ -1028,4 +1040,35 @@ fn an_offer_in_pieces_fetches_only_the_pieces_the_store_lacks() {
     r.send(topic, head3.clone());
     assert_eq!(r.core.updater().active, Some(3));
     assert_eq!(r.status().counters.bytes_fetched, 6200);
+}
+
+#[test]
+fn a_parts_check_whose_desired_state_moved_back_starts_nothing() {
+    let mut r = Rig::new(config());
+    r.input(Input::Connected);
+    let backbone: Vec<u8> = (0..3000).map(|i| (i * 3) as u8).collect();
+    r.desired("faces", 1, None);
+    r.publish_parts(("faces", 1), &[&backbone, &[1u8; 100]], false);
+    assert_eq!(r.core.updater().active, Some(1));
+    // v2 offered; while its parts are checked, the desired state goes back to v1.
+    r.defer_checks = true;
+    r.desired("faces", 2, None);
+    r.publish_parts(("faces", 2), &[&backbone, &[2u8; 100]], false);
+    assert_eq!(r.checks.len(), 1, "one check pending");
+    r.desired("faces", 1, None);
+    r.log.clear();
+    let check = r.checks.pop().unwrap();
+    r.input(check);
+    assert_eq!(r.core.updater().phase, Phase::Idle);
+    assert_eq!(r.core.updater().active, Some(1));
+    assert_eq!(
+        r.count(|e| matches!(e, Effect::Resubscribe(_))),
+        0,
+        "nothing fetched"
+    );
+    assert_eq!(
+        r.count(|e| matches!(e, Effect::RemoveDownload { version: 2, .. })),
+        1,
+        "v2's journaled offer removed"
+    );
 }
