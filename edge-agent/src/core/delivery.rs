@@ -11,6 +11,7 @@ use kestrel_runtime::artifact;
 use kestrel_shared::manifest::Manifest;
 use kestrel_shared::protocol::{ArtifactOffer, Topics, parse, sha256_hex};
 
+use super::pieces::{Pending, piece_fetches};
 use super::{Core, Effect, Lane, Model, Now};
 use crate::desired::Verdict;
 use crate::update::{Action, Event, MAX_CORRUPT_REFETCHES, Offer, Phase, Report, Updater};
@@ -26,14 +27,7 @@ pub(super) struct Delivery<M> {
     pub(super) candidate: Option<(u64, Arc<M>)>,
     /// An offer in pieces waiting to learn which of them the part store holds (the download
     /// in progress, if any, goes on meanwhile).
-    checking: Option<Pending>,
-}
-
-/// A checked offer in pieces, and whether it may go below the active version.
-struct Pending {
-    offer: ArtifactOffer,
-    manifest: Manifest,
-    rollback: bool,
+    pub(super) checking: Option<Pending>,
 }
 
 impl<M> Delivery<M> {
@@ -136,7 +130,7 @@ impl<M: Model> Core<M> {
 
     /// What the lane downloads: the pursued model (and whether a downgrade is allowed), or the
     /// wanted shadow.
-    fn wanted(&self, lane: Lane) -> Option<(String, u64, bool)> {
+    pub(super) fn wanted(&self, lane: Lane) -> Option<(String, u64, bool)> {
         match lane {
             Lane::Install => self
                 .pursued
@@ -224,62 +218,8 @@ impl<M: Model> Core<M> {
         self.start(lane, offer);
     }
 
-    /// A pending check superseded: its journaled offer goes, unless that version is the one
-    /// being downloaded.
-    fn drop_pending(&mut self, lane: Lane) {
-        let d = self.delivery_mut(lane);
-        if let Some(p) = d.checking.take()
-            && d.updater.phase.target() != Some(p.offer.version)
-        {
-            let version = p.offer.version;
-            self.out.push(Effect::RemoveDownload { lane, version });
-        }
-    }
-
-    /// The pieces of the offer being checked that the part store holds: the download starts
-    /// without them.
-    pub(super) fn parts_held(&mut self, lane: Lane, version: u64, held: &[String]) {
-        if !(self.delivery(lane).checking.as_ref()).is_some_and(|p| p.offer.version == version) {
-            return; // superseded
-        }
-        if self.wanted(lane).map(|w| w.1) != Some(version) {
-            // The desired state moved on meanwhile (perhaps back to the active version).
-            return self.drop_pending(lane);
-        }
-        let Pending {
-            offer: o,
-            manifest,
-            rollback,
-        } = self
-            .delivery_mut(lane)
-            .checking
-            .take()
-            .expect("checked above");
-        let (mut have, mut reused) = (Vec::new(), 0);
-        for (i, (p, range)) in o.pieces.iter().zip(o.piece_ranges()).enumerate() {
-            if held.contains(&p.sha256) {
-                have.extend(range);
-                // A piece listed twice is held (and counted) once.
-                if !o.pieces[..i].iter().any(|q| q.sha256 == p.sha256) {
-                    reused += p.size;
-                }
-            }
-        }
-        let offer = Offer {
-            version,
-            chunks: o.download_chunks().len() as u32,
-            total_bytes: o.total_bytes,
-            rollback,
-            held: have,
-        };
-        self.delivery_mut(lane).offer = Some((o, manifest));
-        if self.start(lane, offer) {
-            self.requests.counters.bytes_reused += reused;
-        }
-    }
-
     /// Feeds an accepted offer to the lane's updater; whether its download started.
-    fn start(&mut self, lane: Lane, offer: Offer) -> bool {
+    pub(super) fn start(&mut self, lane: Lane, offer: Offer) -> bool {
         let version = offer.version;
         self.step(lane, Event::Offered(offer));
         let d = self.delivery_mut(lane);
@@ -361,36 +301,16 @@ impl<M: Model> Core<M> {
         self.take_chunk(lane, topic, index, payload, &want);
     }
 
-    /// Chunk `index` of the piece `sha256`: taken by the lane's download in progress for every
-    /// place the piece has in its offer that still lacks it.
-    pub(super) fn on_part_chunk(
+    /// A delivered chunk of the lane's download: written when it matches `want` (its sha256),
+    /// else dropped, counted and asked for again.
+    pub(super) fn take_chunk(
         &mut self,
         lane: Lane,
         topic: &str,
-        (sha256, chunk_bytes, index): (&str, u64, u32),
-        payload: &[u8],
+        index: u32,
+        payload: Vec<u8>,
+        want: &str,
     ) {
-        let d = self.delivery(lane);
-        let Some((o, _)) = &d.offer else { return };
-        let Phase::Downloading { offer, have, .. } = &d.updater.phase else {
-            return;
-        };
-        if offer.version != o.version || payload.is_empty() || chunk_bytes != o.chunk_bytes {
-            return;
-        }
-        let places: Vec<(u32, String)> = (o.pieces.iter().zip(o.piece_ranges()))
-            .filter(|(p, _)| p.sha256 == sha256 && (index as usize) < p.chunks.len())
-            .map(|(p, r)| (r.start + index, p.chunks[index as usize].clone()))
-            .filter(|(i, _)| !have.contains(i))
-            .collect();
-        for (i, want) in places {
-            self.take_chunk(lane, topic, i, payload.to_vec(), &want);
-        }
-    }
-
-    /// A delivered chunk of the lane's download: written when it matches `want` (its sha256),
-    /// else dropped, counted and asked for again.
-    fn take_chunk(&mut self, lane: Lane, topic: &str, index: u32, payload: Vec<u8>, want: &str) {
         let d = self.delivery(lane);
         let Phase::Downloading { offer, corrupt, .. } = &d.updater.phase else {
             return;
@@ -589,34 +509,4 @@ impl<M: Model> Core<M> {
         self.event(kind, version, reason);
         self.publish_status();
     }
-}
-
-/// The subscriptions that (re)deliver `chunks` (download indexes) of an offer in pieces: a
-/// piece's whole filter when all of it is wanted, else each wanted chunk's own topic.
-fn piece_fetches<M>(topics: &Topics, o: &ArtifactOffer, chunks: &[u32]) -> Vec<Effect<M>> {
-    let (mut out, cb) = (Vec::new(), o.chunk_bytes);
-    let mut subscribed = Vec::new();
-    for (p, range) in o.pieces.iter().zip(o.piece_ranges()) {
-        let want: Vec<u32> = (chunks.iter())
-            .filter(|i| range.contains(i))
-            .map(|i| i - range.start)
-            .collect();
-        if want.is_empty() {
-            continue;
-        }
-        if want.len() == p.chunks.len() {
-            if !subscribed.contains(&&p.sha256) {
-                subscribed.push(&p.sha256);
-                out.push(Effect::Resubscribe(
-                    topics.part_chunks_filter(&p.sha256, cb),
-                ));
-            }
-        } else {
-            let t = want
-                .into_iter()
-                .map(|j| topics.part_chunk(&p.sha256, cb, j));
-            out.extend(t.map(Effect::Resubscribe));
-        }
-    }
-    out
 }

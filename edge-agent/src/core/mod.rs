@@ -34,6 +34,7 @@ use crate::update::{Event, Phase, Updater};
 mod acks;
 mod delivery;
 mod io;
+mod pieces;
 mod pursue;
 mod requests;
 mod shadow;

@@ -19,7 +19,7 @@ use kestrel_tests::fleet::{
     start_agent_with, wait_fleet, wait_status,
 };
 use kestrel_tests::proxy::Relay;
-use kestrel_tests::{Scratch, fetched, read_json, run, s, stderr, stdout};
+use kestrel_tests::{Scratch, fetched, json_lines, read_json, run, s, stderr, stdout};
 use serde_json::Value;
 
 use super::parts::{export, runs, sha};
@@ -484,11 +484,10 @@ print(json.dumps({"samples": len(names), "max_diff": worst}))
         args.extend(golden.iter().map(String::as_str));
         let o = run("edge-agent", &args);
         assert!(o.status.success(), "{}", stderr(&o));
-        let v: Vec<Value> = stdout(&o)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        v.into_iter().map(|p| p["top"].clone()).collect::<Vec<_>>()
+        json_lines(&o)
+            .into_iter()
+            .map(|p| p["top"].clone())
+            .collect::<Vec<_>>()
     };
     assert_eq!(
         predict(&active),
@@ -516,19 +515,15 @@ fn answers_as(b: &Broker, device: &str, art: &Path) {
     args.extend(&refs);
     let o = run("trainer", &args);
     assert!(o.status.success(), "{}", stderr(&o));
-    let remote: Vec<Value> = stdout(&o)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|v: &Value| v.get("image").is_some())
+    let remote: Vec<Value> = json_lines(&o)
+        .into_iter()
+        .filter(|v| v.get("image").is_some())
         .collect();
     let mut args = vec!["predict", "--model", art.to_str().unwrap(), "--json"];
     args.extend(&refs);
     let o = run("edge-agent", &args);
     assert!(o.status.success(), "{}", stderr(&o));
-    let local: Vec<Value> = stdout(&o)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let local = json_lines(&o);
     assert_eq!((remote.len(), local.len()), (images.len(), images.len()));
     for l in &local {
         let r = (remote.iter())

@@ -32,6 +32,12 @@ pub struct UnpublishArgs {
     json: bool,
 }
 
+/// One cleared version, as a line.
+fn removed(r: &kestrel_fleet::prune::Removed) -> String {
+    let (name, v, chunks, parts) = (&r.name, r.version, r.chunks, r.parts);
+    format!("removed {name} v{v} ({chunks} chunks, {parts} parts no kept version lists)")
+}
+
 fn warn(line: String) {
     tracing::warn!("{line}");
 }
@@ -43,13 +49,7 @@ pub fn prune(args: PruneArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     for r in &p.removed {
-        outln!(
-            "removed {} v{} ({} chunks, {} parts no kept version lists)",
-            r.name,
-            r.version,
-            r.chunks,
-            r.parts
-        );
+        outln!("{}", removed(r));
     }
     for k in &p.kept {
         let why = if k.needed_by.is_empty() {
@@ -68,13 +68,7 @@ pub fn unpublish(args: UnpublishArgs) -> Result<ExitCode> {
     if args.json {
         outln!("{}", serde_json::to_string(&r)?);
     } else {
-        outln!(
-            "removed {} v{} ({} chunks, {} parts no kept version lists)",
-            r.name,
-            r.version,
-            r.chunks,
-            r.parts
-        );
+        outln!("{}", removed(&r));
     }
     Ok(ExitCode::SUCCESS)
 }
