@@ -150,6 +150,10 @@ pub struct PhaseRow {
     pub active: usize,
     pub failed: usize,
     pub rolled_back: usize,
+    /// Devices that joined after the rollout began.
+    pub late: usize,
+    /// Devices whose agent is offline.
+    pub offline: usize,
     pub timeout_s: u64,
     pub soak_s: u64,
     /// Up to 20 failed devices with their reason.
@@ -221,6 +225,8 @@ fn phase_row(c: &Controller, i: usize) -> PhaseRow {
         active: 0,
         failed: 0,
         rolled_back: 0,
+        late: 0,
+        offline: 0,
         timeout_s: spec.timeout_s,
         soak_s: spec.soak_s,
         failures: Vec::new(),
@@ -228,6 +234,8 @@ fn phase_row(c: &Controller, i: usize) -> PhaseRow {
     };
     for d in c.phase_devices(i) {
         row.devices += 1;
+        row.late += usize::from(d.late);
+        row.offline += usize::from(d.offline);
         if let Some(why) = d.quality.as_ref().and_then(|q| q.excluded.as_ref())
             && row.excluded.len() < 20
         {

@@ -57,62 +57,99 @@ struct Keys<'a> {
     commands: Vec<VerifyingKey>,
 }
 
-/// Publishes what the controller asked for; desired states for the rolled-out version carry its
-/// registry `source`.
-fn execute(
-    conn: &mut Conn,
-    c: &Controller,
-    &Keys {
-        sign: key, source, ..
-    }: &Keys,
-    outputs: Vec<Output>,
-    log: &mut dyn FnMut(String),
-) -> Result<(), FleetError> {
-    let mut batch = Vec::new();
-    for o in outputs {
-        let (device, name, version, rollback, clear, shadow) = match o {
-            Output::Desired {
-                device,
+/// How often a running rollout's state is saved at most: each save is the whole controller
+/// (deflated, about 200 KB at 10,000 devices), and devices change state many times a second.
+/// A controller stopped between two saves resumes from the older one: what it did since is
+/// in the desired states already published (published before the save that records them), and
+/// a device it gave the model then reports it, which the resumed controller counts (a waiting
+/// device reporting the model active is active).
+const SAVE_EVERY: Duration = Duration::from_secs(1);
+
+/// Publishes what the controller asks for, and saves it.
+struct Publisher<'a> {
+    keys: Keys<'a>,
+    /// A save was asked for and not yet published.
+    unsaved: bool,
+    saved: Option<Instant>,
+}
+
+impl Publisher<'_> {
+    /// Publishes what the controller asked for; desired states for the rolled-out version carry
+    /// its registry `source`. A save is published at most every [`SAVE_EVERY`] while the rollout
+    /// runs ([`Publisher::flush`] publishes one held back).
+    fn execute(
+        &mut self,
+        conn: &mut Conn,
+        c: &Controller,
+        outputs: Vec<Output>,
+        log: &mut dyn FnMut(String),
+    ) -> Result<(), FleetError> {
+        let Keys {
+            sign: key, source, ..
+        } = self.keys;
+        let mut batch = Vec::new();
+        for o in outputs {
+            let (device, name, version, rollback, clear, shadow) = match o {
+                Output::Desired {
+                    device,
+                    name,
+                    version,
+                    rollback,
+                    shadow,
+                } => (device, name, version, rollback, false, shadow),
+                // A signed clear: devices ignore an unsigned (empty) one.
+                Output::Clear { device } => {
+                    (device, c.model.clone(), c.version, false, true, false)
+                }
+                Output::Save => {
+                    self.unsaved = true;
+                    continue;
+                }
+                Output::Log(line) => {
+                    log(line);
+                    continue;
+                }
+            };
+            let target = Target::Device(device);
+            let d = Desired {
+                target: target.clone(),
                 name,
                 version,
                 rollback,
-                shadow,
-            } => (device, name, version, rollback, false, shadow),
-            // A signed clear: devices ignore an unsigned (empty) one.
-            Output::Clear { device } => (device, c.model.clone(), c.version, false, true, false),
-            Output::Save => {
-                // After the desired states it follows: a crash in between repeats them on resume.
-                batch.push((state_topic(conn, &c.name), saved::seal(key, c), true));
-                conn.publish_all(std::mem::take(&mut batch), None)?;
-                continue;
-            }
-            Output::Log(line) => {
-                log(line);
-                continue;
-            }
-        };
-        let target = Target::Device(device);
-        let d = Desired {
-            target: target.clone(),
-            name,
-            version,
-            rollback,
-            issued: issued_now(),
-            expires: Some(now_unix() + DEFAULT_VALIDITY_S),
-            clear,
-            rollout: Some(c.name.clone()),
-            source: source
-                .filter(|_| version == c.version && !clear)
-                .map(String::from),
-            shadow: shadow.then(|| ModelRef {
-                name: c.model.clone(),
-                version: c.version,
-            }),
-        };
-        let payload = serde_json::to_vec(&SignedDesired::new(key, &d)).expect("serializable");
-        batch.push((conn.topics.desired(&target), payload, true));
+                issued: issued_now(),
+                expires: Some(now_unix() + DEFAULT_VALIDITY_S),
+                clear,
+                rollout: Some(c.name.clone()),
+                source: source
+                    .filter(|_| version == c.version && !clear)
+                    .map(String::from),
+                shadow: shadow.then(|| ModelRef {
+                    name: c.model.clone(),
+                    version: c.version,
+                }),
+            };
+            let payload = serde_json::to_vec(&SignedDesired::new(key, &d)).expect("serializable");
+            batch.push((conn.topics.desired(&target), payload, true));
+        }
+        // After the desired states it follows: a crash in between repeats them on resume.
+        conn.publish_all(batch, None)?;
+        self.flush(conn, c, c.state != RolloutState::Running)
     }
-    conn.publish_all(batch, None)
+
+    /// Publishes a save asked for, if [`SAVE_EVERY`] has passed since the last (or `now`).
+    fn flush(&mut self, conn: &mut Conn, c: &Controller, now: bool) -> Result<(), FleetError> {
+        if self.unsaved && (now || self.saved.is_none_or(|t| t.elapsed() >= SAVE_EVERY)) {
+            let state = (
+                state_topic(conn, &c.name),
+                saved::seal(self.keys.sign, c),
+                true,
+            );
+            conn.publish_all(vec![state], None)?;
+            self.unsaved = false;
+            self.saved = Some(Instant::now());
+        }
+        Ok(())
+    }
 }
 
 /// Runs (or resumes) the rollout of `bundle` with `plan` until it completes or aborts, obeying
@@ -160,14 +197,18 @@ pub fn run(
         }
         None => begin(&mut conn, &name, bundle, plan, log)?,
     };
-    let signer = &Keys {
-        sign: key,
-        source: bundle.manifest.registry.as_deref(),
-        commands: operators
-            .iter()
-            .copied()
-            .chain([key.verifying_key()])
-            .collect(),
+    let signer = &mut Publisher {
+        keys: Keys {
+            sign: key,
+            source: bundle.manifest.registry.as_deref(),
+            commands: operators
+                .iter()
+                .copied()
+                .chain([key.verifying_key()])
+                .collect(),
+        },
+        unsaved: false,
+        saved: None,
     };
     let mut seen = Seen::default();
     // A lost broker (a restart, an outage) is waited for: reconnected, the controller goes on as
@@ -195,19 +236,22 @@ pub fn run(
 /// How long a rollout waits for a lost broker to come back.
 const RECONNECT_S: u64 = 120;
 
-/// The controller's current phase published again, then the devices' statuses and the clock
-/// fed to it until the rollout ends.
+/// The fleet's retained statuses, quality reports and online flags fed to the controller, its
+/// current phase published again, then what devices send and the clock fed to it until the
+/// rollout ends (a `dynamic` rollout's, once completed, until the process is stopped).
 fn follow(
     cfg: &BrokerConfig,
     conn: &mut Conn,
     c: &mut Controller,
-    signer: &Keys,
+    signer: &mut Publisher,
     seen: &mut Seen,
     log: &mut dyn FnMut(String),
 ) -> Result<(), FleetError> {
-    let outputs = c.start(now_unix());
-    execute(conn, c, signer, outputs, log)?;
-    let live = [conn.topics.status_filter(), conn.topics.quality_filter()];
+    let live = [
+        conn.topics.online_filter(),
+        conn.topics.status_filter(),
+        conn.topics.quality_filter(),
+    ];
     for f in &live {
         conn.subscribe(f)?;
     }
@@ -219,33 +263,41 @@ fn follow(
     for f in &live {
         for (t, p) in snapshot.retained(f, Duration::from_millis(400))? {
             if !p.is_empty() {
-                let outputs = on_message(conn, c, &signer.commands, seen, (&t, &p), log);
-                execute(conn, c, signer, outputs, log)?;
+                let outputs = on_message(conn, c, &signer.keys.commands, seen, (&t, &p), log);
+                signer.execute(conn, c, outputs, log)?;
             }
         }
     }
     snapshot.disconnect();
+    let outputs = c.start(now_unix());
+    signer.execute(conn, c, outputs, log)?;
     let (mut last_tick, mut renewed) = (Instant::now(), Instant::now());
-    while c.state == RolloutState::Running {
+    let going = |c: &Controller| match c.state {
+        RolloutState::Running => true,
+        RolloutState::Completed => c.plan.dynamic,
+        RolloutState::Aborted(_) => false,
+    };
+    while going(c) {
         // Desired states expire (DEFAULT_VALIDITY_S): a long rollout signs its own again.
         if renewed.elapsed() >= Duration::from_secs(DEFAULT_VALIDITY_S / 2) {
             renewed = Instant::now();
             let outputs = c.renew();
-            execute(conn, c, signer, outputs, log)?;
+            signer.execute(conn, c, outputs, log)?;
         }
         if let Some((t, p)) = conn.recv(Duration::from_millis(250))?
             && !p.is_empty()
         {
-            let outputs = on_message(conn, c, &signer.commands, seen, (&t, &p), log);
-            execute(conn, c, signer, outputs, log)?;
+            let outputs = on_message(conn, c, &signer.keys.commands, seen, (&t, &p), log);
+            signer.execute(conn, c, outputs, log)?;
         }
         if last_tick.elapsed() >= Duration::from_secs(1) {
             last_tick = Instant::now();
             let outputs = c.on_tick(now_unix());
-            execute(conn, c, signer, outputs, log)?;
+            signer.execute(conn, c, outputs, log)?;
         }
+        signer.flush(conn, c, false)?;
     }
-    Ok(())
+    signer.flush(conn, c, true)
 }
 
 /// What the rollout has seen of the fleet: each device's latest status (after an abort, a device
@@ -300,6 +352,18 @@ fn on_message(
             Ok(q) => c.on_quality(&q, now_unix()),
             Err(e) => {
                 seen.skipped.note(topics, topic, &e, log);
+                vec![]
+            }
+        },
+        // The device is the one the topic names; anything but `1` or `0` is skipped.
+        Some(Route::Device {
+            device,
+            kind: DeviceTopic::Online,
+        }) => match payload {
+            b"1" | b"0" => c.on_online(device, payload == b"1", now_unix()),
+            _ => {
+                seen.skipped
+                    .note(topics, topic, &"an online flag is `1` or `0`", log);
                 vec![]
             }
         },
@@ -406,7 +470,7 @@ fn begin(
 fn wait_rolled_back(
     conn: &mut Conn,
     c: &mut Controller,
-    signer: &Keys,
+    signer: &mut Publisher,
     seen: &mut Seen,
     log: &mut dyn FnMut(String),
 ) -> Result<(), FleetError> {
@@ -435,8 +499,8 @@ fn wait_rolled_back(
         {
             // A failure reported now (a device that was installing when the abort came) is
             // recorded in the saved controller.
-            let outputs = on_message(conn, c, &signer.commands, seen, (&t, &p), log);
-            execute(conn, c, signer, outputs, log)?;
+            let outputs = on_message(conn, c, &signer.keys.commands, seen, (&t, &p), log);
+            signer.execute(conn, c, outputs, log)?;
             if let Some(s) = seen.latest.get(
                 conn.topics
                     .device_of(&t, DeviceTopic::Status)
@@ -550,6 +614,23 @@ pub fn table(c: &Controller) -> String {
             human_bytes(c.bytes_fetched() / n),
             human_bytes(c.artifact_bytes)
         ));
+    }
+    let late: Vec<&str> = c
+        .devices
+        .values()
+        .filter(|d| d.late)
+        .map(|d| d.id.as_str())
+        .collect();
+    let offline: Vec<&str> = c
+        .devices
+        .values()
+        .filter(|d| d.offline)
+        .map(|d| d.id.as_str())
+        .collect();
+    for (what, ids) in [("joined late", late), ("offline", offline)] {
+        if let Some(first) = ids.first() {
+            out.push_str(&format!("{what}: {} devices (first: {first})\n", ids.len()));
+        }
     }
     for g in &c.gates {
         let verdict = match g.passed {

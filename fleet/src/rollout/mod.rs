@@ -19,9 +19,13 @@
 pub mod command;
 pub mod driver;
 pub mod gates;
+mod join;
+pub mod pace;
 pub mod saved;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_scale;
 
 use std::collections::BTreeMap;
 
@@ -106,6 +110,28 @@ pub struct PhaseSpec {
     /// is excluded from the gates [default: gates::MAX_REQUEST_RATE].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_request_rate: Option<f64>,
+    /// Pace: devices given the new model a minute, at most (spread evenly over the minute)
+    /// [default: no limit but `max_in_progress`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_per_minute: Option<f64>,
+    /// Pace: devices downloading or installing at once, at most [default:
+    /// pace::DEFAULT_MAX_IN_PROGRESS].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_in_progress: Option<usize>,
+    /// Pace: an exponential ramp of the rate, up to `max_per_minute`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ramp: Option<pace::Ramp>,
+    /// Seconds a device may take from its desired state to the new model active before it
+    /// counts as timed out [default: timeout_s].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_timeout_s: Option<u64>,
+    /// Abort once the failed share of the phase's finished devices (active, failed, timed out)
+    /// exceeds this fraction...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abort_failure_rate: Option<f64>,
+    /// ...and at least this many of its devices finished [default: 1].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abort_min_finished: Option<usize>,
 }
 
 impl PhaseSpec {
@@ -113,6 +139,8 @@ impl PhaseSpec {
         match (self.failure, self.max_failures) {
             (Some(f), _) => (f * n as f64).floor() as usize,
             (None, Some(m)) => m,
+            // A failure rate given alone judges the failures.
+            (None, None) if self.abort_failure_rate.is_some() => usize::MAX,
             (None, None) => 0,
         }
     }
@@ -133,6 +161,10 @@ pub struct Plan {
     /// desired states it follows, never which phase of a rollout it is in.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub groups: BTreeMap<String, Vec<String>>,
+    /// After the last phase, keep serving the devices that appear or come back (the controller
+    /// runs on until it is stopped); without it a completed rollout's controller exits.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dynamic: bool,
     pub phases: Vec<PhaseSpec>,
 }
 
@@ -189,6 +221,7 @@ impl Plan {
                     "{what}: max_request_rate must be a positive number and min_reporting_devices at least 1"
                 )));
             }
+            pace::check(ph).map_err(|reason| bad(format!("{what}: {reason}")))?;
             if ph.min_shadow_agreement.is_some() && ph.mode != Mode::Shadow {
                 return Err(bad(format!(
                     "{what}: min_shadow_agreement needs mode = \"shadow\""
@@ -241,6 +274,17 @@ pub struct Device {
     /// Its `bytes_fetched` counter when the rollout began (0 after its agent restarted).
     #[serde(default)]
     pub fetched_base: u64,
+    /// When it was given the new model (its desired state published; unix s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moved_at: Option<u64>,
+    /// Its agent is offline (its retained `online` says `0`): not given the model, not timed
+    /// out, and not counted in its phase's thresholds until it is back.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub offline: bool,
+    /// Joined after the rollout began (a new device, or one of a group the plan names that
+    /// first reported then).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub late: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -303,6 +347,13 @@ pub struct Controller {
     /// restart of the controller too).
     #[serde(default, skip_serializing_if = "command::Nonces::is_empty")]
     pub commands: command::Nonces,
+    /// The pace's state: devices it may give the model now, and when that was reckoned.
+    #[serde(default)]
+    pub pace: pace::Credit,
+    /// When every online device of the current phase had been given the model: its timeout
+    /// counts from then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase_released: Option<u64>,
 }
 
 impl Controller {
@@ -384,6 +435,9 @@ impl Controller {
                         started: Some(s.started),
                         bytes_fetched: 0,
                         fetched_base: s.counters.bytes_fetched,
+                        moved_at: None,
+                        offline: false,
+                        late: false,
                     },
                 );
                 assigned += 1;
@@ -416,6 +470,8 @@ impl Controller {
             gates: Vec::new(),
             paused: false,
             commands: command::Nonces::default(),
+            pace: pace::Credit::default(),
+            phase_released: None,
         })
     }
 
@@ -423,13 +479,15 @@ impl Controller {
         self.devices.values().filter(move |d| d.phase == phase)
     }
 
-    /// Starts (or, after a restart, re-announces) the current phase.
+    /// Starts (or, after a restart, re-announces) the current phase: the devices already given
+    /// the model get their desired state again, and as many more as the phase's pace allows.
     pub fn start(&mut self, now: u64) -> Vec<Output> {
         if self.state != RolloutState::Running {
             return vec![];
         }
         if self.phase_started == 0 {
             self.phase_started = now;
+            self.pace = pace::Credit::starting(&self.plan.phases[self.phase], now);
         }
         let mut out = vec![Output::Log(format!(
             "phase {} `{}`: {} devices",
@@ -437,57 +495,47 @@ impl Controller {
             self.plan.phases[self.phase].name,
             self.phase_devices(self.phase).count()
         ))];
-        let (model, version, phase) = (self.model.clone(), self.version, self.phase);
-        let shadow = self.plan.phases[phase].mode == Mode::Shadow;
-        for d in self.devices.values_mut().filter(|d| d.phase == phase) {
-            if d.state == DeviceState::Waiting {
-                d.state = DeviceState::Moved;
-                if let Some(q) = d.quality.as_mut() {
-                    q.restart();
-                }
-            }
-            let (name, version) = match (&d.previous, shadow) {
-                (Some((n, v)), true) => (n.clone(), *v),
-                _ => (model.clone(), version),
-            };
-            out.push(Output::Desired {
-                device: d.id.clone(),
-                name,
-                version,
-                rollback: false,
-                shadow,
-            });
-        }
+        out.extend(
+            self.phase_devices(self.phase)
+                .filter(|d| d.state != DeviceState::Waiting)
+                .map(|d| self.desired_for(d)),
+        );
+        out.extend(self.release(now));
         out.push(Output::Save);
         out
+    }
+
+    /// The desired state device `d` is given: the rolled-out model, or, while its phase runs in
+    /// shadow, its own model with the new one in shadow.
+    fn desired_for(&self, d: &Device) -> Output {
+        let shadow = d.phase == self.phase
+            && self.state == RolloutState::Running
+            && self.plan.phases[d.phase].mode == Mode::Shadow;
+        let (name, version) = match (&d.previous, shadow) {
+            (Some((n, v)), true) => (n.clone(), *v),
+            _ => (self.model.clone(), self.version),
+        };
+        Output::Desired {
+            device: d.id.clone(),
+            name,
+            version,
+            rollback: false,
+            shadow,
+        }
     }
 
     /// Every moved device's desired state again (signed anew, so with a new expiry): what
     /// [`Controller::start`] sent the current phase, and the rolled-out model for the devices of
     /// the phases before it.
     pub fn renew(&self) -> Vec<Output> {
-        if self.state != RolloutState::Running {
+        if self.is_aborted() {
             return vec![];
         }
-        let shadow = self.plan.phases[self.phase].mode == Mode::Shadow;
         let mut out: Vec<Output> = self
             .devices
             .values()
             .filter(|d| d.phase <= self.phase && d.state != DeviceState::Waiting)
-            .map(|d| {
-                let shadow = shadow && d.phase == self.phase;
-                let (name, version) = match (&d.previous, shadow) {
-                    (Some((n, v)), true) => (n.clone(), *v),
-                    _ => (self.model.clone(), self.version),
-                };
-                Output::Desired {
-                    device: d.id.clone(),
-                    name,
-                    version,
-                    rollback: false,
-                    shadow,
-                }
-            })
+            .map(|d| self.desired_for(d))
             .collect();
         out.push(Output::Log(format!(
             "renewed the desired states of {} devices",
@@ -496,15 +544,24 @@ impl Controller {
         out
     }
 
-    /// A device's status arrived.
+    fn is_aborted(&self) -> bool {
+        matches!(self.state, RolloutState::Aborted(_))
+    }
+
+    /// A device's status arrived (one the rollout does not know may join it: [`join`]).
     pub fn on_status(&mut self, s: &Status, now: u64) -> Vec<Output> {
+        let mut out = if self.devices.contains_key(&s.device) {
+            vec![]
+        } else {
+            self.join(s)
+        };
         let (model, version) = (self.model.clone(), self.version);
         let same_model = match (&s.manifest_sha256, &self.manifest_sha256) {
             (Some(a), Some(b)) => a == b,
             _ => true, // an agent that does not report it, or a state from before
         };
         let Some(d) = self.devices.get_mut(&s.device) else {
-            return vec![];
+            return out;
         };
         if d.started != Some(s.started) {
             d.fetched_base = 0; // a new agent process counts from 0
@@ -515,7 +572,9 @@ impl Controller {
             shadow_state(&d.state, s, (&model, version))
         } else {
             match &d.state {
-                DeviceState::Moved | DeviceState::TimedOut
+                // Waiting: it has the model already (given it by a state the controller did
+                // not save before it stopped, or by another publisher).
+                DeviceState::Moved | DeviceState::TimedOut | DeviceState::Waiting
                     if s.active == Some(version)
                         && s.model.as_deref() == Some(model.as_str())
                         && same_model =>
@@ -536,15 +595,15 @@ impl Controller {
         };
         match new {
             Some(st) if st != d.state => {
-                let line = format!("{}: {st:?}", d.id);
+                out.push(Output::Log(format!("{}: {st:?}", d.id)));
                 d.state = st;
-                let mut out = vec![Output::Log(line)];
                 out.extend(self.evaluate(now));
                 out.push(Output::Save);
-                out
             }
-            _ => vec![],
+            _ if !out.is_empty() => out.push(Output::Save),
+            _ => {}
         }
+        out
     }
 
     /// A device's quality report arrived: its sample is updated (or, when it claims what
@@ -579,22 +638,13 @@ impl Controller {
         out
     }
 
-    /// The clock: phase timeouts and soak times.
+    /// The clock: the pace, device timeouts and soak times.
     pub fn on_tick(&mut self, now: u64) -> Vec<Output> {
-        if self.state != RolloutState::Running {
+        if self.is_aborted() {
             return vec![];
         }
-        let spec = &self.plan.phases[self.phase];
-        let mut out = Vec::new();
-        if now >= self.phase_started + spec.timeout_s {
-            let phase = self.phase;
-            for d in self.devices.values_mut().filter(|d| d.phase == phase) {
-                if d.state == DeviceState::Moved {
-                    d.state = DeviceState::TimedOut;
-                    out.push(Output::Log(format!("{}: timed out", d.id)));
-                }
-            }
-        }
+        let mut out = self.time_out(now);
+        out.extend(self.release(now));
         let gates = self.gates.clone();
         let ev = self.evaluate(now);
         if !out.is_empty() || !ev.is_empty() || self.gates != gates {
@@ -604,13 +654,14 @@ impl Controller {
         out
     }
 
-    /// (active, failed, pending) in the current phase.
+    /// (active, failed, pending) in a phase; offline devices not yet done are left out.
     pub fn counts(&self, phase: usize) -> (usize, usize, usize) {
         let mut c = (0, 0, 0);
         for d in self.phase_devices(phase) {
             match d.state {
                 DeviceState::Active | DeviceState::Shadowing => c.0 += 1,
                 DeviceState::Failed(_) | DeviceState::TimedOut => c.1 += 1,
+                _ if d.offline => {}
                 _ => c.2 += 1,
             }
         }
@@ -630,6 +681,17 @@ impl Controller {
                 self.phase,
                 spec.name,
                 spec.allowed_failures(n)
+            ));
+        }
+        let finished = active + failed;
+        if let Some(rate) = spec.abort_failure_rate
+            && finished >= spec.abort_min_finished.unwrap_or(1)
+            && failed as f64 > rate * finished as f64 + 1e-9
+        {
+            return self.abort(format!(
+                "phase {} `{}`: {failed} of {finished} finished devices failed, over the abort \
+                 rate {rate}",
+                self.phase, spec.name
             ));
         }
         let ok = active as f64 >= spec.success * n as f64 - 1e-9;
@@ -665,7 +727,7 @@ impl Controller {
             }
             let ready = current.iter().all(|g| g.passed == Some(true));
             if !ready {
-                if now >= self.phase_started + spec.timeout_s {
+                if self.deadline().is_some_and(|t| now >= t) {
                     let unmet: Vec<String> = current
                         .iter()
                         .filter(|g| g.passed != Some(true))
@@ -680,16 +742,19 @@ impl Controller {
                 return vec![];
             }
         }
-        if now < since + spec.soak_s || self.paused {
+        let last = self.phase + 1 == self.plan.phases.len();
+        // The last phase completes once every online device was given the model.
+        if now < since + spec.soak_s || self.paused || (last && self.phase_released.is_none()) {
             return vec![];
         }
         let mut out = vec![Output::Log(format!(
             "phase {} `{}` done: {active} of {n} active",
             self.phase, spec.name
         ))];
-        if self.phase + 1 == self.plan.phases.len() {
+        if last {
             self.state = RolloutState::Completed;
             out.push(Output::Log(format!("rollout {} completed", self.name)));
+            out.extend(self.give_the_rest(now));
             return out;
         }
         if spec.mode == Mode::Shadow {
@@ -701,8 +766,9 @@ impl Controller {
             }
         }
         self.phase += 1;
-        self.phase_started = now;
+        self.phase_started = 0;
         self.phase_succeeded = None;
+        self.phase_released = None;
         out.extend(self.start(now));
         out
     }

@@ -1,12 +1,18 @@
 //! The controller's saved state as retained on `P/rollouts/<name>/state`: the [`Controller`]'s
-//! exact JSON and a signature over it by the key the rollout signs its desired states with
-//! ([`PayloadType::RolloutState`]). A restarted controller resumes only a state that its own key
+//! JSON, deflated (`encoding: "deflate"`, base64; a record of each device makes 10,000 devices
+//! about 2 MB of JSON, a tenth of that deflated, and a broker limits a message to 2 MiB), and a
+//! signature over those bytes by the key the rollout signs its desired states with
+//! ([`PayloadType::RolloutState`]); a state without `encoding` is the JSON itself. A restarted controller resumes only a state that its own key
 //! signed, for the rollout its topic names, with the plan the operator gave again: anyone who
 //! can publish to the broker can plant a state, and one resumed unchecked could finish a
 //! rollout that never ran, or have the controller sign rollbacks to any version for any device.
 //! Readers that only show the state (`trainer rollout status`, the console) read the body
 //! without a key.
 
+use std::io::Read;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as B64;
 use ed25519_dalek::{SigningKey, VerifyingKey};
 use kestrel_shared::protocol::{ProtocolError, parse};
 use kestrel_shared::signing::{PayloadType, SignatureFile, sign, verify};
@@ -17,9 +23,21 @@ use super::{Controller, Plan};
 /// The retained payload.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SignedState {
+    /// The signed bytes: the JSON, or with `encoding` its deflated bytes in base64.
     pub body: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encoding: Option<Encoding>,
     pub signature: SignatureFile,
 }
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Encoding {
+    Deflate,
+}
+
+/// The most a saved state may inflate to (a million devices' records).
+const MAX_JSON_BYTES: u64 = 256 << 20;
 
 /// Why a saved state is not resumed.
 #[derive(Debug, thiserror::Error)]
@@ -51,9 +69,52 @@ pub enum StateError {
 
 /// The payload to retain for `c`, signed with `key`.
 pub fn seal(key: &SigningKey, c: &Controller) -> Vec<u8> {
-    let body = serde_json::to_string(c).expect("serializable");
-    let signature = sign(key, PayloadType::RolloutState, body.as_bytes());
-    serde_json::to_vec(&SignedState { body, signature }).expect("serializable")
+    let mut z = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::fast());
+    serde_json::to_writer(&mut z, c).expect("serializable");
+    let deflated = z.finish().expect("in memory");
+    let signature = sign(key, PayloadType::RolloutState, &deflated);
+    serde_json::to_vec(&SignedState {
+        body: B64.encode(deflated),
+        encoding: Some(Encoding::Deflate),
+        signature,
+    })
+    .expect("serializable")
+}
+
+/// The signed bytes of a saved state.
+fn signed_bytes(topic: &str, s: &SignedState) -> Result<Vec<u8>, ProtocolError> {
+    match s.encoding {
+        None => Ok(s.body.as_bytes().to_vec()),
+        Some(Encoding::Deflate) => B64.decode(&s.body).map_err(|e| ProtocolError::Payload {
+            topic: topic.to_string(),
+            reason: format!("body: {e}"),
+        }),
+    }
+}
+
+/// The controller in a saved state's signed bytes.
+fn controller(topic: &str, s: &SignedState, signed: &[u8]) -> Result<Controller, ProtocolError> {
+    let json = match s.encoding {
+        None => signed.to_vec(),
+        Some(Encoding::Deflate) => {
+            let mut json = Vec::new();
+            flate2::read::DeflateDecoder::new(signed)
+                .take(MAX_JSON_BYTES + 1)
+                .read_to_end(&mut json)
+                .map_err(|e| ProtocolError::Payload {
+                    topic: topic.to_string(),
+                    reason: format!("deflated body: {e}"),
+                })?;
+            if json.len() as u64 > MAX_JSON_BYTES {
+                return Err(ProtocolError::Payload {
+                    topic: topic.to_string(),
+                    reason: format!("the body inflates past {MAX_JSON_BYTES} bytes"),
+                });
+            }
+            json
+        }
+    };
+    parse(topic, &json)
 }
 
 /// The controller saved on `topic` for rollout `name`, if `key` signed it and its plan is
@@ -70,17 +131,18 @@ pub fn open(
         source,
     };
     let signed: SignedState = parse(topic, payload).map_err(format)?;
+    let bytes = signed_bytes(topic, &signed).map_err(format)?;
     verify(
         &[*key],
         PayloadType::RolloutState,
-        signed.body.as_bytes(),
+        &bytes,
         &signed.signature,
     )
     .map_err(|source| StateError::Signature {
         topic: topic.to_string(),
         source,
     })?;
-    let c: Controller = parse(topic, signed.body.as_bytes()).map_err(format)?;
+    let c = controller(topic, &signed, &bytes).map_err(format)?;
     if c.name != name {
         return Err(StateError::OtherRollout {
             topic: topic.to_string(),
@@ -98,5 +160,5 @@ pub fn open(
 /// The controller in a saved state, unverified: for showing it, never for acting on it.
 pub fn read(topic: &str, payload: &[u8]) -> Result<Controller, ProtocolError> {
     let signed: SignedState = parse(topic, payload)?;
-    parse(topic, signed.body.as_bytes())
+    controller(topic, &signed, &signed_bytes(topic, &signed)?)
 }

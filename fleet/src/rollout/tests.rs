@@ -1,7 +1,12 @@
 use super::*;
 use kestrel_shared::protocol::LatencyStats;
 
-fn status(id: &str, groups: &[&str], active: Option<u64>, failed: Option<u64>) -> Status {
+pub(super) fn status(
+    id: &str,
+    groups: &[&str],
+    active: Option<u64>,
+    failed: Option<u64>,
+) -> Status {
     Status {
         device: id.into(),
         groups: groups.iter().map(|g| g.to_string()).collect(),
@@ -27,7 +32,7 @@ fn status(id: &str, groups: &[&str], active: Option<u64>, failed: Option<u64>) -
     }
 }
 
-fn fleet(n: usize) -> Vec<Status> {
+pub(super) fn fleet(n: usize) -> Vec<Status> {
     (0..n)
         .map(|i| {
             status(
@@ -54,7 +59,7 @@ percent = 100
 soak_s = 10
 "#;
 
-fn desired_devices(out: &[Output]) -> Vec<String> {
+pub(super) fn desired_devices(out: &[Output]) -> Vec<String> {
     out.iter()
         .filter_map(|o| match o {
             Output::Desired { device, .. } => Some(device.clone()),
@@ -796,8 +801,16 @@ fn a_saved_state_resumes_only_when_signed_by_the_rollout_key() {
     );
     let e = refused(&serde_json::to_vec(&c).unwrap(), "r1", &plan);
     assert!(e.contains("not a signed rollout state"), "{e}");
+    // Another state under the genuine signature: deflated, or as plain JSON.
+    let mut done = c.clone();
+    done.state = RolloutState::Completed;
+    let forged: saved::SignedState = serde_json::from_slice(&saved::seal(&other, &done)).unwrap();
     let mut planted: saved::SignedState = serde_json::from_slice(&sealed).unwrap();
-    planted.body = planted.body.replace("\"running\"", "\"completed\"");
+    planted.body = forged.body;
+    let e = refused(&serde_json::to_vec(&planted).unwrap(), "r1", &plan);
+    assert!(e.contains("does not verify"), "{e}");
+    planted.body = serde_json::to_string(&done).unwrap();
+    planted.encoding = None;
     let e = refused(&serde_json::to_vec(&planted).unwrap(), "r1", &plan);
     assert!(e.contains("does not verify"), "{e}");
     let e = refused(&sealed, "r2", &plan);

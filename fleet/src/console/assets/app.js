@@ -150,16 +150,17 @@ function rolloutParts(r) {
     h("tr", { data: { phase: p.index, progress: p.progress } },
       h("th", { scope: "row" }, `${p.index} ${p.name}${p.mode === "shadow" ? " (shadow)" : ""}`),
       h("td", {}, mark[p.progress] ?? p.progress),
-      num(p.devices), num(p.waiting), num(p.moved), num(p.active), num(p.failed), num(p.rolled_back)),
-    p.failures.length ? h("tr", { class: "failures" }, h("td", { colspan: 8 },
+      num(p.devices), num(p.waiting), num(p.moved), num(p.active), num(p.failed), num(p.rolled_back),
+      num(p.late ?? 0), num(p.offline ?? 0)),
+    p.failures.length ? h("tr", { class: "failures" }, h("td", { colspan: 10 },
       p.failures.map(([d, why], i) => [i ? h("br") : null, span("bad", `⚠ ${d}: ${why}`)]))) : null,
-    p.excluded?.length ? h("tr", { class: "excluded" }, h("td", { colspan: 8 },
+    p.excluded?.length ? h("tr", { class: "excluded" }, h("td", { colspan: 10 },
       p.excluded.map(([d, why], i) => [i ? h("br") : null,
         span("bad", `⊘ ${d} excluded from the quality gates: ${why}`)]))) : null,
   ]);
   const head = [h("h3", {}, r.name, " ", span("muted", `${r.model} v${r.version}`), " ", span("badge", badge)),
     r.reason ? h("p", { class: "bad reason" }, r.reason) : null];
-  const cols = ["Phase", "Progress", "Devices", "Waiting", "Moved", "Active", "Failed", "Rolled back"]
+  const cols = ["Phase", "Progress", "Devices", "Waiting", "Moved", "Active", "Failed", "Rolled back", "Late", "Offline"]
     .map((c) => h("th", { scope: "col" }, c));
   const body = [h("div", { class: "table-wrap" }, h("table", { class: "phases" },
     h("caption", { class: "sr" }, `Phases of ${r.name}`), h("thead", {}, h("tr", {}, cols)), h("tbody", {}, phases))),
