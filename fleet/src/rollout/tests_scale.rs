@@ -20,7 +20,7 @@ fn run(
     answer_after: Option<u64>,
 ) -> BTreeMap<String, u64> {
     let mut given = BTreeMap::new();
-    let mut note = |out: &[Output], t: u64, given: &mut BTreeMap<String, u64>| {
+    let note = |out: &[Output], t: u64, given: &mut BTreeMap<String, u64>| {
         for d in desired_devices(out) {
             given.entry(d).or_insert(t);
         }

@@ -21,6 +21,7 @@ mod docs;
 mod edge;
 mod expiry_export;
 mod export;
+mod fleet_scale;
 mod fleet_status;
 mod guide;
 mod hardening;
