@@ -97,6 +97,11 @@ pub enum Cmd {
         /// sharing one model cache: for fleet tests and benchmarks.
         #[arg(long, value_name = "N", conflicts_with = "watch")]
         simulate: Option<usize>,
+        /// --simulate: keep one file on disk per part the devices hold (<store>/shared-parts,
+        /// hard-linked into each device's part store), so a fleet of thousands fits the disk;
+        /// each device still fetches and checks every byte it lacks.
+        #[arg(long, requires = "simulate")]
+        share_part_files: bool,
         /// Live traffic from a directory of images, as a camera would send it: answered and
         /// judged by quality telemetry like MQTT requests, not published. Repeatable with
         /// --simulate: device i gets the (i mod count)-th feed and, with GROUP=, joins GROUP.

@@ -35,6 +35,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             config,
             watch,
             simulate,
+            share_part_files,
             feed,
             feed_rate,
             feed_once,
@@ -53,6 +54,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     group,
                 })
                 .collect();
+            let simulate = simulate.map(|devices| edge_agent::agent::Simulation {
+                devices,
+                share_part_files,
+            });
             edge_agent::agent::run(cfg, watch, simulate, &feeds)?;
         }
         Cmd::Predict {

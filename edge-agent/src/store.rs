@@ -24,6 +24,8 @@ pub struct Store {
     root: PathBuf,
     /// The part store (shared with the other lane's store).
     parts: PathBuf,
+    /// A simulated fleet's one copy of each part ([`Store::sharing_part_files`]).
+    shared_parts: Option<PathBuf>,
 }
 
 /// [`write_atomic`], creating the parent directory first (a download's directories are made
@@ -73,7 +75,34 @@ impl Store {
         Ok(Self {
             root: root.to_path_buf(),
             parts: parts.to_path_buf(),
+            shared_parts: None,
         })
+    }
+
+    /// A simulated fleet's stores (`edge-agent run --simulate N --share-part-files`): a checked
+    /// piece goes into `dir` once and is hard-linked into each device's part store, so that
+    /// thousands of devices holding the same backbone keep one copy on disk. Only for devices
+    /// of one process, which trust each other's checks: a shared file damaged on disk is
+    /// damaged for every device that links it.
+    pub fn sharing_part_files(mut self, dir: Option<PathBuf>) -> Self {
+        self.shared_parts = dir;
+        self
+    }
+
+    /// A checked piece into the part store (through the shared copy, when there is one).
+    fn put_part(&self, path: &Path, sha256: &str, bytes: &[u8]) -> io::Result<()> {
+        let Some(shared) = &self.shared_parts else {
+            return write_atomic(path, bytes);
+        };
+        let one = shared.join(sha256);
+        if !one.exists() {
+            write_creating(&one, bytes)?;
+        }
+        // A temporary name `Store::open` removes (`remove_temp_files`) if a crash leaves it.
+        let link = self.parts.join(format!(".{sha256}.tmp.link"));
+        let _ = fs::remove_file(&link);
+        fs::hard_link(&one, &link)?;
+        fs::rename(&link, path)
     }
 
     /// The part store: content-addressed pieces, `<sha256>` each.
@@ -384,7 +413,8 @@ impl Store {
                     p.sha256
                 ));
             }
-            write_atomic(&path, &bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+            self.put_part(&path, &p.sha256, &bytes)
+                .map_err(|e| format!("{}: {e}", path.display()))?;
         }
         let dir = self.staging_dir(o.version);
         let _ = fs::remove_dir_all(&dir);

@@ -250,6 +250,25 @@ impl Conn {
 
     /// The next publish received within `timeout`, with its retain flag (set by the broker on
     /// what it sends because of a new subscription, clear on what it forwards live).
+    /// Like [`Conn::recv`], without the retained messages a new subscription brings (RETAIN
+    /// set): for a caller that read those from a snapshot taken after it subscribed
+    /// ([`Conn::retained`] on another connection), so that a stale one never arrives after newer
+    /// state was acted on.
+    pub fn recv_fresh(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<Option<(String, Vec<u8>)>, FleetError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.recv_flagged(left)? {
+                Some((_, _, true)) if !left.is_zero() => {}
+                Some((_, _, true)) | None => return Ok(None),
+                Some((t, p, false)) => return Ok(Some((t, p))),
+            }
+        }
+    }
+
     fn recv_flagged(
         &mut self,
         timeout: Duration,

@@ -245,15 +245,23 @@ fn spawn_workers(
     jobs
 }
 
+/// Virtual devices in one process (`edge-agent run --simulate N`).
+#[derive(Debug, Clone, Copy)]
+pub struct Simulation {
+    pub devices: usize,
+    /// One file per part on disk, hard-linked into each device's part store.
+    pub share_part_files: bool,
+}
+
 /// `edge-agent run`: connects, resumes any journaled update and serves until SIGINT/SIGTERM.
-/// With `simulate = Some(n)`, runs `n` virtual devices `<device_id>-000`... in this process
+/// With `simulate`, runs its `devices` virtual devices `<device_id>-000`... in this process
 /// (each with its own connection, store `<store>/<id>` and update machine; one model cache).
 /// `feeds`: traffic from image directories, one per device in turn (device `i` gets feed
 /// `i % feeds.len()` and joins its group, if it names one).
 pub fn run(
     cfg: Config,
     watch: Option<PathBuf>,
-    simulate: Option<usize>,
+    simulate: Option<Simulation>,
     feeds: &[Feed],
 ) -> Result<()> {
     if simulate.is_none() && feeds.len() > 1 {
@@ -284,9 +292,14 @@ pub fn run(
         },
     ));
     rt.block_on(async move {
-        let Some(n) = simulate else {
-            return run_device(cfg, watch, models, feeds.first().cloned()).await;
+        let Some(Simulation {
+            devices: n,
+            share_part_files,
+        }) = simulate
+        else {
+            return run_device(cfg, watch, models, feeds.first().cloned(), None).await;
         };
+        let shared = share_part_files.then(|| cfg.store.join("shared-parts"));
         let mut tasks = Vec::new();
         for i in 0..n {
             let mut c = cfg.clone();
@@ -298,7 +311,8 @@ pub fn run(
                 kestrel_shared::protocol::check_name(&g)?;
                 c.groups.push(g);
             }
-            tasks.push(tokio::spawn(run_device(c, None, models.clone(), feed)));
+            let device = run_device(c, None, models.clone(), feed, shared.clone());
+            tasks.push(tokio::spawn(device));
         }
         for t in tasks {
             t.await??;
@@ -318,8 +332,9 @@ async fn run_device(
     watch: Option<PathBuf>,
     models: Arc<ModelCache>,
     feed: Option<Feed>,
+    shared_parts: Option<PathBuf>,
 ) -> Result<()> {
-    let (mut agent, eventloop, mut inputs) = Agent::open(cfg, watch, models, feed)?;
+    let (mut agent, eventloop, mut inputs) = Agent::open(cfg, watch, models, feed, shared_parts)?;
     agent.resume().await?;
     let mut mqtt_rx = spawn_event_loop(eventloop);
     agent.serve(&mut mqtt_rx, &mut inputs).await?;
@@ -425,10 +440,13 @@ impl Agent {
         watch: Option<PathBuf>,
         models: Arc<ModelCache>,
         feed: Option<Feed>,
+        shared_parts: Option<PathBuf>,
     ) -> Result<(Self, rumqttc::EventLoop, InputsRx)> {
         let parts = cfg.store.join("parts");
         let open = |dir: PathBuf| {
-            Store::open(&dir, &parts).with_context(|| format!("store {}", dir.display()))
+            Store::open(&dir, &parts)
+                .map(|s| s.sharing_part_files(shared_parts.clone()))
+                .with_context(|| format!("store {}", dir.display()))
         };
         let store = open(cfg.store.clone())?;
         let shadow_store = open(cfg.store.join("shadow"))?;

@@ -36,7 +36,7 @@ mod publish;
 
 use captures::CaptureQueue;
 
-pub use lifecycle::{Feed, run};
+pub use lifecycle::{Feed, Simulation, run};
 
 /// The newest verified key list, in the store.
 const KEYS_FILE: &str = "keys.json";

@@ -247,7 +247,9 @@ impl Store {
                     tracing::warn!(
                         "retained message on {t:?} ({} bytes) not kept on disk: beyond \
                          --persist-max-messages {} or --persist-max-bytes {} ({} messages, {} \
-                         bytes kept); it is lost if the broker restarts",
+                         bytes kept); it is lost if the broker restarts (a fleet of more than \
+                         about 4,000 devices wants Mosquitto: docs/fleet.md, Fleet size and \
+                         brokers)",
                         p.payload.len(),
                         self.limits.max_messages,
                         self.limits.max_bytes,
@@ -591,7 +593,9 @@ impl Persister {
         } else if !complete {
             tracing::warn!(
                 "the broker holds {MAX_MESSAGES} or more retained messages, more than one read \
-                 returns: only new and changed ones are written, none removed"
+                 returns: only new and changed ones are written, none removed (the embedded \
+                 broker's ceiling; a fleet this size wants Mosquitto: docs/fleet.md, Fleet size \
+                 and brokers)"
             );
         }
         let kept_before = self.store.kept.len();

@@ -6,6 +6,13 @@
 //!
 //! The devices' counters count from the start of their agent process, as counters of a
 //! scraped process do; Prometheus' `rate()` and `increase()` take the restarts in their stride.
+//!
+//! Cardinality: the `kestrel_fleet_*` families aggregate the fleet (devices by state, online,
+//! per model version; requests, updates and artifact bytes summed) in a few dozen series
+//! whatever its size; the `kestrel_device_*` families (about 30 series a device) are written
+//! only while the fleet has at most `per_device_max` devices (`trainer console
+//! --per-device-metrics-max`, default [`PER_DEVICE_MAX`]): 10,000 devices would be 300,000
+//! series a scrape. `kestrel_console_per_device_metrics` says which.
 
 use std::fmt::Write;
 
@@ -87,7 +94,10 @@ impl Exposition {
     }
 }
 
-pub fn render(view: &FleetView, connected: bool) -> String {
+/// Fleets up to this size get per-device series by default.
+pub const PER_DEVICE_MAX: usize = 1000;
+
+pub fn render(view: &FleetView, connected: bool, per_device_max: usize) -> String {
     let mut out = Exposition(String::new());
     out.family(
         "kestrel_build_info",
@@ -116,11 +126,123 @@ pub fn render(view: &FleetView, connected: bool) -> String {
         "Devices with a retained status or presence.",
     );
     out.sample("kestrel_devices", "", devices.len() as f64);
-    device_gauges(&mut out, &devices);
-    latency(&mut out, &devices);
-    device_counters(&mut out, &devices);
+    fleet(&mut out, &devices);
+    let per_device = devices.len() <= per_device_max;
+    out.family(
+        "kestrel_console_per_device_metrics",
+        "gauge",
+        "1 when the kestrel_device_* series are written (the fleet has at most \
+         --per-device-metrics-max devices).",
+    );
+    out.sample(
+        "kestrel_console_per_device_metrics",
+        "",
+        f64::from(u8::from(per_device)),
+    );
+    if per_device {
+        device_gauges(&mut out, &devices);
+        latency(&mut out, &devices);
+        device_counters(&mut out, &devices);
+    }
     rollouts(&mut out, view);
     out.0
+}
+
+/// The fleet in aggregate: a bounded number of series whatever its size.
+fn fleet(out: &mut Exposition, devices: &[&DeviceRow]) {
+    use std::collections::BTreeMap;
+    let mut states: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut models: BTreeMap<(&str, u64), usize> = BTreeMap::new();
+    let (mut online, mut errors) = (0usize, 0usize);
+    let mut sums = [0u64; 8];
+    for d in devices {
+        *states
+            .entry(d.state.as_deref().unwrap_or("unknown"))
+            .or_default() += 1;
+        if let (Some(m), Some(v)) = (&d.model, d.active) {
+            *models.entry((m, v)).or_default() += 1;
+        }
+        online += usize::from(d.online == Some(true));
+        errors += usize::from(d.last_error.is_some());
+        let c = &d.counters;
+        for (s, n) in sums.iter_mut().zip([
+            c.requests_answered,
+            c.requests_failed,
+            c.requests_refused,
+            c.updates_active,
+            c.updates_rejected,
+            c.updates_rolled_back,
+            c.bytes_fetched,
+            c.bytes_reused,
+        ]) {
+            *s += n;
+        }
+    }
+    let name = "kestrel_fleet_devices_by_state";
+    out.family(
+        name,
+        "gauge",
+        "Devices by the state of their latest status.",
+    );
+    for (state, n) in &states {
+        out.sample(name, &labels(&[("state", state)]), *n as f64);
+    }
+    for (name, help, n) in [
+        ("kestrel_fleet_devices_online", "Devices connected.", online),
+        (
+            "kestrel_fleet_devices_with_error",
+            "Devices that report a last error.",
+            errors,
+        ),
+    ] {
+        out.family(name, "gauge", help);
+        out.sample(name, "", n as f64);
+    }
+    let name = "kestrel_fleet_model_devices";
+    out.family(name, "gauge", "Devices per active model and version.");
+    for ((model, version), n) in &models {
+        let version = version.to_string();
+        out.sample(
+            name,
+            &labels(&[("model", model), ("version", &version)]),
+            *n as f64,
+        );
+    }
+    let counters = [
+        (
+            "kestrel_fleet_requests_total",
+            "Inference requests of every device, by outcome.",
+            &["answered", "failed", "refused"][..],
+            &sums[0..3],
+        ),
+        (
+            "kestrel_fleet_updates_total",
+            "Model updates of every device, by outcome.",
+            &["active", "rejected", "rolled_back"][..],
+            &sums[3..6],
+        ),
+    ];
+    for (name, help, outcomes, values) in counters {
+        out.family(name, "counter", help);
+        for (o, v) in outcomes.iter().zip(values) {
+            out.sample(name, &labels(&[("outcome", o)]), *v as f64);
+        }
+    }
+    for (name, help, v) in [
+        (
+            "kestrel_fleet_artifact_bytes_fetched_total",
+            "Artifact bytes every device downloaded.",
+            sums[6],
+        ),
+        (
+            "kestrel_fleet_artifact_bytes_reused_total",
+            "Artifact bytes the devices did not download because they held those parts.",
+            sums[7],
+        ),
+    ] {
+        out.family(name, "counter", help);
+        out.sample(name, "", v as f64);
+    }
 }
 
 fn device_gauges(out: &mut Exposition, devices: &[&DeviceRow]) {

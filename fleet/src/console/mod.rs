@@ -31,6 +31,7 @@ use std::time::Duration;
 use ed25519_dalek::SigningKey;
 use kestrel_shared::mqtt::BrokerConfig;
 
+pub use metrics::PER_DEVICE_MAX as PER_DEVICE_METRICS_MAX;
 pub use view::{DeviceFilter, DeviceRow, EventRow, FleetView, RolloutRow};
 
 /// How the console runs.
@@ -50,6 +51,8 @@ pub struct Options {
     /// in `Origin`).
     pub public_url: Option<String>,
     pub limits: Limits,
+    /// `/metrics` has per-device series while the fleet has at most this many devices.
+    pub per_device_metrics_max: usize,
 }
 
 /// Certificate chain (leaf first) and private key, PEM files.

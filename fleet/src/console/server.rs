@@ -25,7 +25,7 @@ use tokio::sync::watch;
 use super::follow::{self, ConsoleState};
 use super::guard::{Refusal, SECURITY_HEADERS, Sessions, Site, without_token};
 use super::listen::{self, Counts, Over, Peer, RefusalLog};
-use super::view::{DeviceFilter, FleetView};
+use super::view::{DeviceFilter, FleetView, Page};
 use super::{ConsoleError, Limits, Options, metrics};
 use crate::Conn;
 use crate::rollout::command::{Action, Command};
@@ -55,6 +55,7 @@ struct App {
     /// Open live streams.
     streams: Arc<Mutex<Counts>>,
     refusals: Arc<RefusalLog>,
+    per_device_metrics_max: usize,
 }
 
 type AppState = State<Arc<App>>;
@@ -96,6 +97,7 @@ pub async fn run(opts: Options, ready: impl FnOnce(&str)) -> Result<(), ConsoleE
         tls: tls.is_some(),
         sessions: Mutex::new(Sessions::new(opts.limits.session_ttl, MAX_SESSIONS)),
         limits: opts.limits.clone(),
+        per_device_metrics_max: opts.per_device_metrics_max,
         streams: Arc::default(),
         refusals: refusals.clone(),
     });
@@ -295,8 +297,16 @@ async fn info(State(app): AppState) -> Response {
     .into_response()
 }
 
-async fn devices(State(app): AppState, Query(f): Query<DeviceFilter>) -> Response {
-    Json(view(&app).devices(&f)).into_response()
+/// The devices the filter accepts (`?group=&state=&version=&online=&q=`), in id order; with
+/// `?offset=&limit=` a page of them. `X-Total-Count`: how many the filter accepts.
+async fn devices(
+    State(app): AppState,
+    Query(f): Query<DeviceFilter>,
+    Query(p): Query<Page>,
+) -> Response {
+    let v = view(&app);
+    let (total, page) = v.devices_page(&f, p);
+    ([("x-total-count", total.to_string())], Json(page)).into_response()
 }
 
 fn found<T: serde::Serialize>(x: Option<T>, what: &str) -> Response {
@@ -330,7 +340,7 @@ async fn events(State(app): AppState, Query(s): Query<Since>) -> Response {
 
 async fn prometheus(State(app): AppState) -> Response {
     let connected = app.shared.connected.load(Ordering::Relaxed);
-    let text = metrics::render(&view(&app), connected);
+    let text = metrics::render(&view(&app), connected, app.per_device_metrics_max);
     (
         [(
             header::CONTENT_TYPE,

@@ -157,6 +157,22 @@ fn statuses_quality_and_presence_make_device_rows() {
         ..DeviceFilter::default()
     };
     assert_eq!(ids(none), ["b"]);
+    // Search by id and pages, as a fleet of thousands is read.
+    let q = |q: &str| DeviceFilter {
+        q: Some(q.into()),
+        ..DeviceFilter::default()
+    };
+    assert_eq!(ids(q("B")), ["b"]);
+    let page = |offset, limit| {
+        let (total, rows) = v.devices_page(
+            &DeviceFilter::default(),
+            super::view::Page { offset, limit },
+        );
+        (total, rows.iter().map(|d| d.id.clone()).collect::<Vec<_>>())
+    };
+    assert_eq!(page(1, Some(1)), (2, vec!["b".to_string()]));
+    assert_eq!(page(0, None), (2, vec!["a".to_string(), "b".to_string()]));
+    assert_eq!(page(5, Some(10)), (2, vec![]));
     // A cleared status forgets the device; a bad payload is an error naming the topic.
     v.apply("k/devices/b/status", b"", NOW).unwrap();
     assert!(v.device_row("b").is_none());
@@ -184,7 +200,7 @@ fn metrics_are_histograms_counters_and_info() {
         NOW,
     )
     .unwrap();
-    let m = super::metrics::render(&v, true);
+    let m = super::metrics::render(&v, true, super::metrics::PER_DEVICE_MAX);
     let lines = [
         "# TYPE kestrel_device_inference_duration_seconds histogram",
         // 29 ms and 29.5 ms are under 50 ms, 35 ms too; none under 25 ms.
@@ -213,6 +229,21 @@ fn metrics_are_histograms_counters_and_info() {
     assert!(m.contains("kestrel_device_requests_total{device=\"z\",outcome=\"answered\"} 3"));
     assert!(!m.contains("_ms"), "no milliseconds: {m}");
     assert!(m.starts_with("# HELP kestrel_build_info "), "{m}");
+    // The fleet's aggregates always; past the bound, no per-device series.
+    for line in [
+        "kestrel_fleet_requests_total{outcome=\"answered\"} 6",
+        "kestrel_fleet_model_devices{model=\"lfw\",version=\"1\"} 1",
+        "kestrel_console_per_device_metrics 1",
+    ] {
+        assert!(m.contains(&format!("{line}\n")), "{line} in {m}");
+    }
+    let bounded = super::metrics::render(&v, true, 1);
+    assert!(
+        bounded.contains("kestrel_console_per_device_metrics 0\n"),
+        "{bounded}"
+    );
+    assert!(!bounded.contains("device=\""), "{bounded}");
+    assert!(bounded.contains("kestrel_fleet_requests_total{outcome=\"answered\"} 6\n"));
 }
 
 #[test]
@@ -275,7 +306,7 @@ fn rollouts_show_phases_and_their_transitions_in_the_feed() {
     assert_eq!(r.phases[0].rolled_back, 1);
     let kinds: Vec<&str> = v.events(0).iter().map(|e| e.kind.as_str()).collect();
     assert_eq!(kinds, ["seen", "aborted"]);
-    let m = super::metrics::render(&v, true);
+    let m = super::metrics::render(&v, true, super::metrics::PER_DEVICE_MAX);
     // A state set: every state a series of its own, so a state change keeps the series.
     for (state, on) in [
         ("running", 0),

@@ -281,6 +281,16 @@ pub struct DeviceFilter {
     /// `MODEL vN`, `vN`, `N` or `none`.
     pub version: Option<String>,
     pub online: Option<bool>,
+    /// Device ids that contain this text (ignoring case).
+    pub q: Option<String>,
+}
+
+/// A page of `/api/devices`: `offset` rows skipped, at most `limit` returned [all].
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+pub struct Page {
+    #[serde(default)]
+    pub offset: usize,
+    pub limit: Option<usize>,
 }
 
 impl DeviceFilter {
@@ -299,6 +309,10 @@ impl DeviceFilter {
                 .is_none_or(|s| d.state.as_deref() == Some(s.as_str()))
             && self.version.as_deref().is_none_or(version_ok)
             && self.online.is_none_or(|o| d.online == Some(o))
+            && self
+                .q
+                .as_ref()
+                .is_none_or(|q| d.id.to_lowercase().contains(&q.to_lowercase()))
     }
 }
 
@@ -478,6 +492,18 @@ impl FleetView {
     /// Every device the filter accepts, by id.
     pub fn devices(&self, f: &DeviceFilter) -> Vec<&DeviceRow> {
         self.devices.values().filter(|d| f.accepts(d)).collect()
+    }
+
+    /// The devices `f` accepts, in id order: how many, and the page `p` of them.
+    pub fn devices_page(&self, f: &DeviceFilter, p: Page) -> (usize, Vec<&DeviceRow>) {
+        let all = self.devices(f);
+        let page = all
+            .iter()
+            .skip(p.offset)
+            .take(p.limit.unwrap_or(usize::MAX))
+            .copied()
+            .collect();
+        (all.len(), page)
     }
 
     pub fn device_row(&self, id: &str) -> Option<&DeviceRow> {

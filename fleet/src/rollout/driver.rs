@@ -284,7 +284,10 @@ fn follow(
             let outputs = c.renew();
             signer.execute(conn, c, outputs, log)?;
         }
-        if let Some((t, p)) = conn.recv(Duration::from_millis(250))?
+        // The retained messages the subscriptions bring were read from the snapshot, before the
+        // phase started: one delivered now (a quality report of an earlier shadow of this
+        // version, say) would come after the state it precedes.
+        if let Some((t, p)) = conn.recv_fresh(Duration::from_millis(250))?
             && !p.is_empty()
         {
             let outputs = on_message(conn, c, &signer.keys.commands, seen, (&t, &p), log);

@@ -112,6 +112,9 @@ function options(id, values) {
   sel.value = want.includes(chosen) ? chosen : "";
 }
 
+const PAGE = 250;
+let page = 0;
+
 function renderDevices() {
   const all = [...devices.values()].sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
   options("f-group", new Set(all.flatMap((d) => d.groups || [])));
@@ -119,8 +122,15 @@ function renderDevices() {
   options("f-version", new Set(all.map(version)));
   const f = filters();
   const shown = all.filter((d) => accepts(d, f));
-  $("device-rows").replaceChildren(...shown.map(deviceRow));
-  $("device-count").textContent = `${shown.length} devices shown of ${all.length}`;
+  // A page of rows at a time: a fleet of thousands is read through its filters and pages.
+  const pages = Math.max(1, Math.ceil(shown.length / PAGE));
+  page = Math.min(page, pages - 1);
+  $("device-rows").replaceChildren(...shown.slice(page * PAGE, (page + 1) * PAGE).map(deviceRow));
+  $("device-count").textContent = `${shown.length} devices shown of ${all.length}` +
+    (pages > 1 ? `, page ${page + 1} of ${pages} (${PAGE} a page)` : "");
+  $("pager").hidden = pages < 2;
+  $("page-prev").disabled = page === 0;
+  $("page-next").disabled = page >= pages - 1;
   const online = all.filter((d) => d.online).length;
   const errors = all.filter((d) => d.last_error).length;
   const drifting = all.filter((d) => d.drift_flagged).length;
@@ -330,7 +340,10 @@ async function start() {
   es.onerror = () => { connected = false; schedule(); };
   for (const id of ["f-group", "f-state", "f-version", "f-health"]) $(id).addEventListener("change", schedule);
   $("f-text").addEventListener("input", schedule);
-  $("filters").addEventListener("reset", () => setTimeout(schedule, 0));
+  $("filters").addEventListener("reset", () => { page = 0; setTimeout(schedule, 0); });
+  $("filters").addEventListener("input", () => { page = 0; });
+  $("page-prev").addEventListener("click", () => { page = Math.max(0, page - 1); schedule(); });
+  $("page-next").addEventListener("click", () => { page += 1; schedule(); });
   $("rollout-list").addEventListener("click", (e) => {
     const b = e.target.closest("[data-action]");
     if (b) openConfirm(b.dataset.action, b.dataset.name);

@@ -69,6 +69,10 @@ pub struct Args {
     /// A browser session ends this many hours after the token opened it.
     #[arg(long, default_value_t = 12.0)]
     session_hours: f64,
+    /// `/metrics` has per-device series (about 30 a device) while the fleet has at most this
+    /// many devices; beyond, only the fleet's aggregates (kestrel_fleet_*).
+    #[arg(long, value_name = "N", default_value_t = kestrel_fleet::console::PER_DEVICE_METRICS_MAX)]
+    per_device_metrics_max: usize,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -113,6 +117,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         insecure_http: args.insecure_http,
         public_url: args.public_url,
         limits,
+        per_device_metrics_max: args.per_device_metrics_max,
     };
     let mode = if opts.actions.is_some() {
         "actions allowed"
