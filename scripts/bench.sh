@@ -329,6 +329,11 @@ echo "# holding v1, in parts vs the whole artifact (publish --whole), on Mosquit
 python3 "$here/bench_parts.py"
 
 echo
+echo "# Fleets of 1,000 and 10,000 simulated devices (issue 58): rollouts of the whole artifact and of a new head,"
+echo "# devices a minute, controller and broker CPU and RSS, trainer status at that size"
+python3 "$here/bench_fleet.py"
+
+echo
 "$here/bench-console.sh"
 "$here/bench-distributed.sh"
 "$here/bench-seeds.sh"

@@ -375,6 +375,24 @@ impl Fixture {
         std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
         dst
     }
+
+    /// v2 as `version`, with golden outputs that its model does not produce: every device
+    /// fails its health check.
+    pub fn failing(&self, version: u64) -> PathBuf {
+        self.variant(&self.v2, version, |m| {
+            for g in m["golden"].as_array_mut().unwrap() {
+                g["expected_top1"] = (1 - g["expected_top1"].as_u64().unwrap()).into();
+            }
+        })
+    }
+}
+
+/// A rollout plan `DIR/NAME.toml` named NAME with `body` (its phases); the path.
+pub fn write_plan(dir: &Path, name: &str, body: &str) -> String {
+    std::fs::create_dir_all(dir).unwrap();
+    let p = dir.join(format!("{name}.toml"));
+    std::fs::write(&p, format!("name = \"{name}\"\n{body}")).unwrap();
+    s(&p)
 }
 
 /// Writes `agent.toml` for `device` under `dir` and returns its path.

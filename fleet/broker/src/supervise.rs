@@ -161,7 +161,9 @@ fn child_command(cli: &Cli, exe: &std::path::Path) -> Command {
     cmd.arg("--listen")
         .arg(cli.listen.to_string())
         .arg("--max-payload-bytes")
-        .arg(cli.max_payload_bytes.to_string());
+        .arg(cli.max_payload_bytes.to_string())
+        .arg("--max-connections")
+        .arg(cli.max_connections.to_string());
     match cli.persist_dir() {
         Some(d) => {
             cmd.arg("--persist").arg(d);

@@ -6,7 +6,6 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use ed25519_dalek::{SigningKey, VerifyingKey};
-use kestrel_shared::human_bytes;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{
     DEFAULT_VALIDITY_S, Desired, ModelRef, SignedDesired, Status, Target, check_name, sha256_hex,
@@ -183,7 +182,8 @@ pub fn run(
                 c.model, c.version
             )));
         }
-        Some(c) if c.state != RolloutState::Running => {
+        // A dynamic rollout that completed goes on serving late devices.
+        Some(c) if c.state != RolloutState::Running && !going(&c) => {
             log(format!("rollout {name} already finished: {:?}", c.state));
             conn.disconnect();
             return Ok(c);
@@ -233,6 +233,15 @@ pub fn run(
     Ok(c)
 }
 
+/// Whether the controller goes on: while the rollout runs, and after a dynamic one completed.
+fn going(c: &Controller) -> bool {
+    match c.state {
+        RolloutState::Running => true,
+        RolloutState::Completed => c.plan.dynamic,
+        RolloutState::Aborted(_) => false,
+    }
+}
+
 /// How long a rollout waits for a lost broker to come back.
 const RECONNECT_S: u64 = 120;
 
@@ -272,11 +281,6 @@ fn follow(
     let outputs = c.start(now_unix());
     signer.execute(conn, c, outputs, log)?;
     let (mut last_tick, mut renewed) = (Instant::now(), Instant::now());
-    let going = |c: &Controller| match c.state {
-        RolloutState::Running => true,
-        RolloutState::Completed => c.plan.dynamic,
-        RolloutState::Aborted(_) => false,
-    };
     while going(c) {
         // Desired states expire (DEFAULT_VALIDITY_S): a long rollout signs its own again.
         if renewed.elapsed() >= Duration::from_secs(DEFAULT_VALIDITY_S / 2) {
@@ -557,103 +561,4 @@ pub fn watch(
     }
     conn.disconnect();
     Ok(Some(c))
-}
-
-/// One line per phase: devices per state.
-pub fn table(c: &Controller) -> String {
-    let mut out = format!(
-        "rollout {}: {} v{} — {}\n{:<4}{:<16}{:>8}{:>8}{:>8}{:>8}{:>10}{:>12}\n",
-        c.name,
-        c.model,
-        c.version,
-        match &c.state {
-            RolloutState::Running if c.paused => format!("running phase {}, paused", c.phase),
-            RolloutState::Running => format!("running phase {}", c.phase),
-            RolloutState::Completed => "completed".into(),
-            RolloutState::Aborted(r) => format!("aborted: {r}"),
-        },
-        "#",
-        "phase",
-        "devices",
-        "waiting",
-        "moved",
-        "active",
-        "failed",
-        "rolled-back"
-    );
-    // Shadow-phase devices that passed show under the phase they went on with; `active` counts
-    // a shadow phase's devices running the model in shadow.
-    for (i, ph) in c.plan.phases.iter().enumerate() {
-        let mut n = [0usize; 5];
-        for d in c.phase_devices(i) {
-            n[match d.state {
-                DeviceState::Waiting => 0,
-                DeviceState::Moved => 1,
-                DeviceState::Active | DeviceState::Shadowing => 2,
-                DeviceState::Failed(_) | DeviceState::TimedOut => 3,
-                DeviceState::RolledBack => 4,
-            }] += 1;
-        }
-        let name = match ph.mode {
-            super::Mode::Shadow => format!("{} (shadow)", ph.name),
-            super::Mode::Active => ph.name.clone(),
-        };
-        out.push_str(&format!(
-            "{i:<4}{:<16}{:>8}{:>8}{:>8}{:>8}{:>10}{:>12}\n",
-            name,
-            n.iter().sum::<usize>(),
-            n[0],
-            n[1],
-            n[2],
-            n[3],
-            n[4]
-        ));
-    }
-    if c.artifact_bytes > 0 {
-        let n = c.devices.len().max(1) as u64;
-        out.push_str(&format!(
-            "fetched {} in all, {} per device (the whole artifact: {} per device)\n",
-            human_bytes(c.bytes_fetched()),
-            human_bytes(c.bytes_fetched() / n),
-            human_bytes(c.artifact_bytes)
-        ));
-    }
-    let late: Vec<&str> = c
-        .devices
-        .values()
-        .filter(|d| d.late)
-        .map(|d| d.id.as_str())
-        .collect();
-    let offline: Vec<&str> = c
-        .devices
-        .values()
-        .filter(|d| d.offline)
-        .map(|d| d.id.as_str())
-        .collect();
-    for (what, ids) in [("joined late", late), ("offline", offline)] {
-        if let Some(first) = ids.first() {
-            out.push_str(&format!("{what}: {} devices (first: {first})\n", ids.len()));
-        }
-    }
-    for g in &c.gates {
-        let verdict = match g.passed {
-            Some(true) => "ok",
-            Some(false) => "BREACHED",
-            None => "waiting",
-        };
-        out.push_str(&format!(
-            "gate (phase {}) {}: {verdict}\n",
-            g.phase,
-            g.describe()
-        ));
-    }
-    for d in c.devices.values() {
-        if let Some(why) = d.quality.as_ref().and_then(|q| q.excluded.as_ref()) {
-            out.push_str(&format!(
-                "excluded from the quality gates: {}: {why}\n",
-                d.id
-            ));
-        }
-    }
-    out
 }

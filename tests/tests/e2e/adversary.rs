@@ -152,11 +152,7 @@ fn a_compromised_device_cannot_promote_a_failing_model(kind: BrokerKind) {
             sent
         })
     };
-    let bad = f.variant(&f.v2, 9, |m| {
-        for g in m["golden"].as_array_mut().unwrap() {
-            g["expected_top1"] = (1 - g["expected_top1"].as_u64().unwrap()).into();
-        }
-    });
+    let bad = f.failing(9);
     let phases = "[[phases]]\nname = \"canary\"\npercent = 10\ntimeout_s = 120\n\
                   [[phases]]\nname = \"rest\"\npercent = 100\ntimeout_s = 120\n";
     let o = rollout_command(&b, &bad, &plan(w.tmp.path(), "bad", phases))

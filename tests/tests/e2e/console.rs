@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use kestrel_tests::browser::Browser;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, fixture, free_port, publish_ok, rollout_command,
-    start_agent_with, wait_fleet,
+    start_agent_with, wait_fleet, write_plan,
 };
 use kestrel_tests::{bin, lfw, s, trainer_json};
 use serde_json::Value;
@@ -94,12 +94,6 @@ fn feed_dir(dir: &Path, class: &str, n: usize) -> String {
         std::fs::copy(f, dir.join(f.file_name().unwrap())).unwrap();
     }
     s(dir)
-}
-
-fn write_plan(dir: &Path, name: &str, body: &str) -> String {
-    let p = dir.join(format!("{name}.toml"));
-    std::fs::write(&p, format!("name = \"{name}\"\n{body}")).unwrap();
-    s(&p)
 }
 
 /// `trainer rollout` from the CLI, in the background.
@@ -251,11 +245,7 @@ fn rollout_advances_in_the_page(browser: &Browser, dir: &Path, b: &Broker, shots
 /// A device whose new model fails its health check shows the error the device reports.
 fn health_check_error_shows(browser: &Browser, b: &Broker) {
     let f = fixture();
-    let bad = f.variant(&f.v2, 9, |m| {
-        for g in m["golden"].as_array_mut().unwrap() {
-            g["expected_top1"] = (1 - g["expected_top1"].as_u64().unwrap()).into();
-        }
-    });
+    let bad = f.failing(9);
     publish_ok(b, &bad, &f.key(), "device/cs-007");
     let err = browser.wait_for(
         "const td = document.querySelector('tr[data-device=\"cs-007\"] td[data-col=\"error\"]'); \

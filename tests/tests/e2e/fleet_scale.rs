@@ -17,16 +17,10 @@ use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::Status;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, fixture, rollout_command, start_agent_with, wait_fleet,
+    write_plan,
 };
-use kestrel_tests::{run, s, stderr, stdout};
+use kestrel_tests::{run, stderr, stdout};
 use serde_json::Value;
-
-fn write_plan(dir: &Path, name: &str, body: &str) -> String {
-    std::fs::create_dir_all(dir).unwrap();
-    let p = dir.join(format!("{name}.toml"));
-    std::fs::write(&p, format!("name = \"{name}\"\n{body}")).unwrap();
-    s(&p)
-}
 
 fn rollout_json(b: &Broker, art: &Path, plan: &str) -> Command {
     let mut c = rollout_command(b, art, plan);
@@ -255,11 +249,7 @@ fn failure_rate_aborts_after_the_minimum(kind: BrokerKind) {
     let conf = agent_config(&dir.join("sim"), "fr", &b.url(), &f.keys, "");
     let _fleet = start_agent_with(&conf, &[], &["--simulate", "40"]);
     wait_fleet(&cfg, 40);
-    let bad = f.variant(&f.v2, 9, |m| {
-        for g in m["golden"].as_array_mut().unwrap() {
-            g["expected_top1"] = (1 - g["expected_top1"].as_u64().unwrap()).into();
-        }
-    });
+    let bad = f.failing(9);
     let plan = write_plan(
         &dir,
         "rate",

@@ -134,3 +134,39 @@ fn trainer_broker_names_the_missing_broker_binary() {
     let expected = dir.join("kestrel-broker");
     assert!(e.contains(&expected.display().to_string()), "{e}");
 }
+
+/// The embedded broker's connection ceiling (`trainer broker --max-connections`, 2,000 by
+/// default): beyond it a client is refused, and the broker's log names the limit and the advice.
+#[test]
+fn the_embedded_broker_refuses_clients_beyond_its_ceiling() {
+    let dir = workdir("ceiling");
+    let keys = dir.join("keys");
+    trainer_ok(&["keygen", "--out", keys.to_str().unwrap()]);
+    let port = kestrel_tests::fleet::free_port();
+    let log = dir.join("broker.log");
+    let mut cmd = std::process::Command::new(bin("trainer"));
+    cmd.args(["-v", "broker", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--no-persist", "--max-connections", "6"]);
+    let broker = kestrel_tests::fleet::Proc::spawn(&mut cmd, &log);
+    let url = format!("mqtt://127.0.0.1:{port}");
+    let conf = agent_config(&dir.join("sim"), "cap", &url, &keys, "");
+    let _fleet = start_agent_with(&conf, &[], &["--simulate", "10"]);
+    // Some devices connect and report; the others are refused, and the log says why.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let cfg = BrokerConfig::new(&url);
+    loop {
+        let out = broker.output();
+        let seen = statuses(&cfg, None).map(|s| s.len()).unwrap_or(0);
+        if out.contains("no space for new connection") && seen > 0 {
+            assert!(seen < 10, "{seen} devices connected past a cap of 6");
+            assert!(
+                out.contains("at most 6 clients at once (--max-connections)")
+                    && out.contains("wants Mosquitto"),
+                "{out}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "no refusal within 60 s: {out}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}

@@ -18,6 +18,10 @@ pub struct Args {
     /// clients' packet limit leaves room for it, so no device is disconnected by a message).
     #[arg(long, default_value_t = kestrel_shared::mqtt::MAX_PAYLOAD_BYTES)]
     max_payload_bytes: usize,
+    /// Most clients connected at once; beyond it a connection is refused [default: 2000: a fleet
+    /// of about 1,000 devices; a larger one wants Mosquitto].
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
     /// Directory that keeps the retained messages (artifacts, desired states, key lists, rollout
     /// states) across restarts, one broker at a time [default: $KESTREL_HOME/broker/port-<port>].
     #[arg(long, value_name = "DIR")]
@@ -53,6 +57,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     if args.no_persist {
         cmd.arg("--no-persist");
+    }
+    if let Some(n) = args.max_connections {
+        cmd.arg("--max-connections").arg(n.to_string());
     }
     if let Some(n) = args.persist_max_messages {
         cmd.arg("--persist-max-messages").arg(n.to_string());

@@ -31,9 +31,11 @@ pub struct Args {
     #[arg(long = "operator-pub", value_name = "PUB")]
     operator_key: Vec<PathBuf>,
     /// Rollout plan (TOML): [[phases]] with group or percent, success, failure or
-    /// max_failures, timeout_s, soak_s, mode ("active" or "shadow") and quality gates
-    /// (min_requests, min_shadow_agreement, max_confidence_drop, max_drift_devices); optional
-    /// name and devices.
+    /// max_failures, timeout_s, soak_s, mode ("active" or "shadow"), quality gates
+    /// (min_requests, min_shadow_agreement, max_confidence_drop, max_drift_devices) and pace
+    /// (max_per_minute, max_in_progress [100], ramp, device_timeout_s, abort_failure_rate with
+    /// abort_min_finished); optional name, devices, [groups] and dynamic (keep serving devices
+    /// that appear after the last phase) (docs/fleet.md).
     #[arg(long, required = true)]
     fleet: Option<PathBuf>,
     /// Chunk size of the delivery, in bytes.
@@ -96,7 +98,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.json {
         outln!("{}", serde_json::to_string(&c)?);
     } else {
-        out!("{}", driver::table(&c));
+        out!("{}", kestrel_fleet::rollout::table(&c));
     }
     tracing::info!(
         "rollout {} ended after {:.1} s",
@@ -116,7 +118,7 @@ fn status(args: StatusArgs) -> Result<ExitCode> {
         if args.json {
             outln!("{}", serde_json::to_string(c).expect("serializable"));
         } else {
-            outln!("{}", driver::table(c));
+            outln!("{}", kestrel_fleet::rollout::table(c));
         }
     };
     if driver::watch(&cfg, &args.name, args.follow, &mut show)?.is_none() {
