@@ -63,7 +63,7 @@ struct Cli {
     /// 3.4 GB, and fleet-wide reads that failed meanwhile: a larger fleet wants Mosquitto
     /// (docs/fleet.md, Fleet size and brokers).
     #[arg(long, value_name = "N", default_value_t = MAX_CONNECTIONS)]
-    max_connections: usize,
+    max_clients: usize,
     /// Directory that keeps the retained messages across restarts (one broker at a time)
     /// [default: $KESTREL_HOME/broker/port-<port of --listen>].
     #[arg(long, value_name = "DIR")]
@@ -143,14 +143,14 @@ const MAX_CONNECTIONS: usize = 2000;
 fn config(
     listen: SocketAddr,
     max_payload: usize,
-    max_connections: usize,
+    max_clients: usize,
 ) -> Result<rumqttd::Config, BrokerError> {
     let toml = format!(
         r#"
 id = 0
 [router]
 id = 0
-max_connections = {max_connections}
+max_connections = {max_clients}
 max_outgoing_packet_count = {max_outgoing}
 max_segment_size = 104857600
 max_segment_count = 10
@@ -215,11 +215,11 @@ fn child(cli: &Cli, parent: u32) -> ExitCode {
         None => None,
     };
     tracing::info!(
-        "at most {} clients at once (--max-connections): a fleet beyond about 1,000 devices \
+        "at most {} clients at once (--max-clients): a fleet beyond about 1,000 devices \
          wants Mosquitto (docs/fleet.md, Fleet size and brokers)",
-        cli.max_connections
+        cli.max_clients
     );
-    let config = match config(cli.listen, cli.max_payload_bytes, cli.max_connections) {
+    let config = match config(cli.listen, cli.max_payload_bytes, cli.max_clients) {
         Ok(c) => c,
         Err(e) => {
             tracing::error!("{}", kestrel_shared::Chain(&e));

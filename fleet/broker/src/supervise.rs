@@ -162,8 +162,8 @@ fn child_command(cli: &Cli, exe: &std::path::Path) -> Command {
         .arg(cli.listen.to_string())
         .arg("--max-payload-bytes")
         .arg(cli.max_payload_bytes.to_string())
-        .arg("--max-connections")
-        .arg(cli.max_connections.to_string());
+        .arg("--max-clients")
+        .arg(cli.max_clients.to_string());
     match cli.persist_dir() {
         Some(d) => {
             cmd.arg("--persist").arg(d);

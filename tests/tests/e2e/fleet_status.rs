@@ -135,7 +135,7 @@ fn trainer_broker_names_the_missing_broker_binary() {
     assert!(e.contains(&expected.display().to_string()), "{e}");
 }
 
-/// The embedded broker's connection ceiling (`trainer broker --max-connections`, 2,000 by
+/// The embedded broker's connection ceiling (`trainer broker --max-clients`, 2,000 by
 /// default): beyond it a client is refused, and the broker's log names the limit and the advice.
 #[test]
 fn the_embedded_broker_refuses_clients_beyond_its_ceiling() {
@@ -146,7 +146,7 @@ fn the_embedded_broker_refuses_clients_beyond_its_ceiling() {
     let log = dir.join("broker.log");
     let mut cmd = std::process::Command::new(bin("trainer"));
     cmd.args(["-v", "broker", "--listen", &format!("127.0.0.1:{port}")])
-        .args(["--no-persist", "--max-connections", "6"]);
+        .args(["--no-persist", "--max-clients", "6"]);
     let broker = kestrel_tests::fleet::Proc::spawn(&mut cmd, &log);
     let url = format!("mqtt://127.0.0.1:{port}");
     let conf = agent_config(&dir.join("sim"), "cap", &url, &keys, "");
@@ -160,7 +160,7 @@ fn the_embedded_broker_refuses_clients_beyond_its_ceiling() {
         if out.contains("no space for new connection") && seen > 0 {
             assert!(seen < 10, "{seen} devices connected past a cap of 6");
             assert!(
-                out.contains("at most 6 clients at once (--max-connections)")
+                out.contains("at most 6 clients at once (--max-clients)")
                     && out.contains("wants Mosquitto"),
                 "{out}"
             );

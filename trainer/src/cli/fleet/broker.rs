@@ -21,7 +21,7 @@ pub struct Args {
     /// Most clients connected at once; beyond it a connection is refused [default: 2000: a fleet
     /// of about 1,000 devices; a larger one wants Mosquitto].
     #[arg(long, value_name = "N")]
-    max_connections: Option<usize>,
+    max_clients: Option<usize>,
     /// Directory that keeps the retained messages (artifacts, desired states, key lists, rollout
     /// states) across restarts, one broker at a time [default: $KESTREL_HOME/broker/port-<port>].
     #[arg(long, value_name = "DIR")]
@@ -58,8 +58,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.no_persist {
         cmd.arg("--no-persist");
     }
-    if let Some(n) = args.max_connections {
-        cmd.arg("--max-connections").arg(n.to_string());
+    if let Some(n) = args.max_clients {
+        cmd.arg("--max-clients").arg(n.to_string());
     }
     if let Some(n) = args.persist_max_messages {
         cmd.arg("--persist-max-messages").arg(n.to_string());
