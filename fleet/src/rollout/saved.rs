@@ -62,7 +62,8 @@ pub enum StateError {
     OtherRollout { topic: String, found: String },
     #[error(
         "{topic}: the saved rollout's plan differs from the plan given (resume with the same \
-         plan, or give the new plan another rollout name)"
+         plan, or one that only adds devices to its groups; or give the new plan another \
+         rollout name)"
     )]
     OtherPlan { topic: String },
 }
@@ -149,12 +150,32 @@ pub fn open(
             found: c.name,
         });
     }
+    let mut c = c;
     if &c.plan != plan {
-        return Err(StateError::OtherPlan {
-            topic: topic.to_string(),
-        });
+        if !only_joins(&c.plan, plan) {
+            return Err(StateError::OtherPlan {
+                topic: topic.to_string(),
+            });
+        }
+        // Devices added to the plan's groups: each joins its group's phase when it first
+        // reports; the devices the rollout already has keep their phase.
+        c.plan.groups = plan.groups.clone();
     }
     Ok(c)
+}
+
+/// Whether `new` is `old` with devices added to its groups, and nothing else changed.
+fn only_joins(old: &Plan, new: &Plan) -> bool {
+    let grown = old.groups.iter().all(|(g, members)| {
+        new.groups
+            .get(g)
+            .is_some_and(|now| members.iter().all(|d| now.contains(d)))
+    }) && new.groups.keys().all(|g| old.groups.contains_key(g));
+    grown
+        && Plan {
+            groups: new.groups.clone(),
+            ..old.clone()
+        } == *new
 }
 
 /// The controller in a saved state, unverified: for showing it, never for acting on it.

@@ -820,3 +820,41 @@ fn a_saved_state_resumes_only_when_signed_by_the_rollout_key() {
     let e = refused(&sealed, "r1", &other_plan);
     assert!(e.contains("plan differs"), "{e}");
 }
+
+#[test]
+fn a_plan_that_only_adds_group_members_resumes_and_they_join_their_phase() {
+    use ed25519_dalek::SigningKey;
+    let text = "[groups]\ncanary = [\"d000\"]\n[[phases]]\nname = \"canary\"\ngroup = \"canary\"\n\
+                [[phases]]\nname = \"rest\"\npercent = 100\n";
+    let plan = Plan::parse(text, "f").unwrap();
+    let mut c = Controller::new("r1", "m", 2, plan.clone(), &fleet(4)).unwrap();
+    c.start(100);
+    let key = SigningKey::from_bytes(&[1; 32]);
+    let topic = "k/rollouts/r1/state";
+    let sealed = saved::seal(&key, &c);
+    let mut grown = plan.clone();
+    grown
+        .groups
+        .get_mut("canary")
+        .unwrap()
+        .push("pi-new".into());
+    let mut back = saved::open(topic, &sealed, "r1", &key.verifying_key(), &grown).unwrap();
+    assert_eq!(back.plan, grown);
+    back.on_status(&status("pi-new", &[], Some(1), None), 101);
+    assert_eq!(
+        back.devices["pi-new"].phase, 0,
+        "joins the canary it was added to"
+    );
+    assert_eq!(desired_devices(&back.on_tick(102)), ["pi-new"]);
+    // Removing a member, adding a group or changing anything else is another plan.
+    let mut shrunk = plan.clone();
+    shrunk.groups.get_mut("canary").unwrap().clear();
+    let mut more = plan.clone();
+    more.groups.insert("other".into(), vec![]);
+    let mut edited = grown.clone();
+    edited.phases[1].soak_s = 5;
+    for p in [shrunk, more, edited] {
+        let e = saved::open(topic, &sealed, "r1", &key.verifying_key(), &p).unwrap_err();
+        assert!(kestrel_shared::chain(&e).contains("plan differs"), "{e}");
+    }
+}
