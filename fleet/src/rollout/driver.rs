@@ -314,6 +314,9 @@ fn follow(
 #[derive(Default)]
 struct Seen {
     latest: BTreeMap<String, Status>,
+    /// Each device's latest `online` flag: a device the rollout does not know yet is told
+    /// offline when it joins (its status may be older than its last will).
+    online: BTreeMap<String, bool>,
     skipped: Skipped,
 }
 
@@ -343,7 +346,10 @@ fn on_message(
                 vec![] // older than what this controller already saw
             }
             Ok(s) => {
-                let outputs = c.on_status(&s, now_unix());
+                let mut outputs = c.on_status(&s, now_unix());
+                if seen.online.get(&s.device) == Some(&false) {
+                    outputs.extend(c.on_online(&s.device, false, now_unix()));
+                }
                 seen.latest.insert(s.device.clone(), s);
                 outputs
             }
@@ -367,7 +373,10 @@ fn on_message(
             device,
             kind: DeviceTopic::Online,
         }) => match payload {
-            b"1" | b"0" => c.on_online(device, payload == b"1", now_unix()),
+            b"1" | b"0" => {
+                seen.online.insert(device.to_string(), payload == b"1");
+                c.on_online(device, payload == b"1", now_unix())
+            }
             _ => {
                 seen.skipped
                     .note(topics, topic, &"an online flag is `1` or `0`", log);
