@@ -52,22 +52,8 @@ impl Controller {
             return vec![];
         }
         let phase = self.phase_for(s);
-        self.devices.insert(
-            s.device.clone(),
-            Device {
-                id: s.device.clone(),
-                phase,
-                state: DeviceState::Waiting,
-                previous: s.model.clone().zip(s.active),
-                quality: None,
-                started: Some(s.started),
-                bytes_fetched: 0,
-                fetched_base: s.counters.bytes_fetched,
-                moved_at: None,
-                offline: false,
-                late: true,
-            },
-        );
+        self.devices
+            .insert(s.device.clone(), Device::waiting(s, phase, true));
         vec![Output::Log(format!(
             "{}: joined late, in phase {phase} `{}`",
             s.device, self.plan.phases[phase].name

@@ -89,6 +89,25 @@ pub struct Device {
     pub late: bool,
 }
 
+impl Device {
+    /// A device of `phase` not yet given the model, as its status `s` describes it.
+    fn waiting(s: &Status, phase: usize, late: bool) -> Self {
+        Device {
+            id: s.device.clone(),
+            phase,
+            state: DeviceState::Waiting,
+            previous: s.model.clone().zip(s.active),
+            quality: None,
+            started: Some(s.started),
+            bytes_fetched: 0,
+            fetched_base: s.counters.bytes_fetched,
+            moved_at: None,
+            offline: false,
+            late,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", tag = "state", content = "reason")]
 pub enum RolloutState {
@@ -219,29 +238,14 @@ impl Controller {
                 )));
             }
             for s in chosen {
-                let previous = s.model.clone().zip(s.active);
-                if ph.mode == Mode::Shadow && previous.is_none() {
+                let d = Device::waiting(s, i, false);
+                if ph.mode == Mode::Shadow && d.previous.is_none() {
                     return Err(bad(format!(
                         "phase `{}` is in shadow mode, but device {} has no model to run beside it",
                         ph.name, s.device
                     )));
                 }
-                devices.insert(
-                    s.device.clone(),
-                    Device {
-                        id: s.device.clone(),
-                        phase: i,
-                        state: DeviceState::Waiting,
-                        previous,
-                        quality: None,
-                        started: Some(s.started),
-                        bytes_fetched: 0,
-                        fetched_base: s.counters.bytes_fetched,
-                        moved_at: None,
-                        offline: false,
-                        late: false,
-                    },
-                );
+                devices.insert(s.device.clone(), d);
                 assigned += 1;
             }
         }

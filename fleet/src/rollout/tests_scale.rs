@@ -45,6 +45,15 @@ fn run(
     given
 }
 
+/// The devices given the model and not yet done.
+fn moved(c: &Controller) -> Vec<String> {
+    c.devices
+        .values()
+        .filter(|d| d.state == DeviceState::Moved)
+        .map(|d| d.id.clone())
+        .collect()
+}
+
 /// The most devices given the model within any 60 s.
 fn busiest_minute(given: &BTreeMap<String, u64>) -> usize {
     let times: Vec<u64> = given.values().copied().collect();
@@ -90,12 +99,7 @@ fn no_more_than_max_in_progress_download_at_once() {
             .iter()
             .all(|o| !matches!(o, Output::Desired { .. }))
     );
-    let moved: Vec<String> = c
-        .devices
-        .values()
-        .filter(|d| d.state == DeviceState::Moved)
-        .map(|d| d.id.clone())
-        .collect();
+    let moved = moved(&c);
     for id in &moved[..2] {
         c.on_status(&status(id, &[], Some(2), None), 1_002);
     }
@@ -240,13 +244,7 @@ fn devices_that_appear_join_the_phase_the_plan_gives_them() {
     assert_eq!((canary.phase, canary.late), (0, true));
     let mut t = 1_002;
     for _ in 0..2 {
-        let moved: Vec<String> = c
-            .devices
-            .values()
-            .filter(|d| d.state == DeviceState::Moved)
-            .map(|d| d.id.clone())
-            .collect();
-        for id in moved {
+        for id in moved(&c) {
             t += 1;
             c.on_status(&status(&id, &[], Some(2), None), t);
         }
