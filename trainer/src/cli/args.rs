@@ -228,7 +228,7 @@ pub struct TableArgs {
 }
 
 fn parse_data_timestamp(s: &str) -> Result<String, String> {
-    crate::data::delta::parse_timestamp(s).map(|_| s.to_string())
+    crate::data::source::delta::parse_timestamp(s).map(|_| s.to_string())
 }
 
 impl TableArgs {

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use crate::data::DataError;
 use crate::data::extract::ExtractError;
-use crate::data::label::LabelError;
+use crate::data::source::label::LabelError;
 use crate::distributed::CollectiveError;
 use crate::export::ExportError;
 use crate::track::TrackError;

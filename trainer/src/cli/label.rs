@@ -1,12 +1,12 @@
 //! `trainer label`: labels into a capture table (`trainer collect`'s), or its unlabelled rows out
-//! to a CSV and image files for whatever labelling tool is at hand ([`crate::data::label`]).
+//! to a CSV and image files for whatever labelling tool is at hand ([`crate::data::source::label`]).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use crate::data::delta_write;
-use crate::data::label::{apply_labels, export_todo};
+use crate::data::source::delta_write;
+use crate::data::source::label::{apply_labels, export_todo};
 use anyhow::{Result, bail};
 
 /// Fill in the labels of a capture table from a `path,label` CSV, or export its unlabelled rows

@@ -13,7 +13,7 @@ use kestrel_shared::preprocess::decode;
 use kestrel_shared::{ImageLimits, PreprocessError};
 
 use super::cache::CacheError;
-use super::features::{frozen_opts, run_frozen};
+use super::cache::features::{frozen_opts, run_frozen};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExtractError {
@@ -90,7 +90,7 @@ impl Extractor {
     /// Stores rows this extractor computed (`data`, one after another, for the images whose
     /// encoded bytes have the sha256s `content`) as a feature cache under `root`, which a later
     /// `trainer fit`/`prepare` with that `--cache` reuses instead of running the backbone
-    /// ([`super::features::store_rows`]).
+    /// ([`super::cache::features::store_rows`]).
     pub fn store(
         &self,
         root: &std::path::Path,
@@ -98,7 +98,7 @@ impl Extractor {
         data: &[f32],
         seconds: f64,
     ) -> Result<std::path::PathBuf, ExtractError> {
-        super::features::store_rows(root, &self.backbone, content, data, self.kind, seconds)
+        super::cache::features::store_rows(root, &self.backbone, content, data, self.kind, seconds)
             .map_err(ExtractError::Store)
     }
 }

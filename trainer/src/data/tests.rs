@@ -1,3 +1,6 @@
+use super::cache::features;
+use super::source::table::{self, HIVE_NULL};
+use super::source::{delta, store};
 use super::*;
 use arrow::array::{
     ArrayRef, BinaryArray, Float64Array, Int32Array, Int64Array, RecordBatch, StringArray,
@@ -5,6 +8,7 @@ use arrow::array::{
 use parquet::arrow::ArrowWriter;
 use parquet::basic::Compression;
 use parquet::file::properties::WriterProperties;
+use std::fs;
 use std::sync::Arc;
 
 fn png(seed: u8) -> Vec<u8> {

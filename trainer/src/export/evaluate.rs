@@ -11,7 +11,8 @@ use kestrel_shared::manifest::Manifest;
 use kestrel_shared::stats::quantile;
 
 use super::ExportError;
-use crate::data::{self, Prepared, SamplePlan, features};
+use crate::data::cache::features;
+use crate::data::{self, Prepared, SamplePlan};
 
 /// Reads the manifest beside an exported `model.onnx` (or in an artifact directory).
 pub fn read_manifest(model: &Path) -> Result<(PathBuf, Manifest), ExportError> {

@@ -7,7 +7,7 @@ use kestrel_models::engine::EngineOpts;
 use rand::{Rng, rngs::StdRng};
 
 use super::{FitParams, TrainError, TrainingData};
-use crate::data::features::{frozen_opts, run_frozen};
+use crate::data::cache::features::{frozen_opts, run_frozen};
 
 /// One sample's random augmentation: the crop origin (7/8 of each side) and whether to flip.
 /// Drawn for every sample of a global batch on every rank, in batch order, so each rank applies

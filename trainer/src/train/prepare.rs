@@ -5,8 +5,9 @@ use serde::{Deserialize, Serialize};
 
 use super::head::FeatureRows;
 use super::{FitParams, TrainError};
+use crate::data::cache::features;
 use crate::data::split::{self, Split};
-use crate::data::{self, Dataset, Features, Prepared, SamplePlan, features};
+use crate::data::{self, Dataset, Features, Prepared, SamplePlan};
 use crate::distributed::Job;
 
 /// Data ready for training: cached samples and features, labels and split.

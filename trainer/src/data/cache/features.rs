@@ -20,9 +20,9 @@ use kestrel_shared::PreprocessSpec;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::Dataset;
-use super::cache::{CacheError, io, read_json, write_f32s, write_json};
 use super::samples::{Prepared, PreparedMeta, SamplePlan};
+use super::{CacheError, io, read_json, write_f32s, write_json};
+use crate::data::Dataset;
 use crate::distributed::{self, Job, Rank, WorkerError};
 
 /// Identity of a backbone's weights: sha256 over the architecture and every canonical tensor.

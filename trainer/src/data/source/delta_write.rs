@@ -43,7 +43,7 @@ use delta_kernel_default_engine::{DefaultEngine, DefaultEngineBuilder};
 use serde_json::json;
 use url::Url;
 
-use super::delta::scan_snapshot;
+use super::delta::{LABELS_TABLE, LABELS_TABLE_KEY, scan_snapshot};
 use super::{DataError, io_err, store};
 
 /// One row of a capture table.
@@ -96,14 +96,6 @@ const LABEL_COLUMNS: [(&str, &str, bool); 3] = [
     ("label", "string", false),
     ("labelled_at", "timestamp", false),
 ];
-
-/// The capture table's property naming its labels table (a directory name inside the table:
-/// Delta readers see only the files its log names, and VACUUM skips names starting with `_`).
-pub const LABELS_TABLE_KEY: &str = "kestrel.labelsTable";
-
-/// The labels table's directory inside a capture table (also where it is looked for in a table
-/// without the property, such as one written by Spark).
-pub const LABELS_TABLE: &str = "_labels";
 
 /// What one of Kestrel's tables holds.
 struct Kind {

@@ -32,7 +32,7 @@ pub(super) const UNLABELLED_HINT: &str =
 pub(super) const BATCH_ROWS: usize = 64;
 
 /// Hive's name for a null partition value.
-pub(super) const HIVE_NULL: &str = "__HIVE_DEFAULT_PARTITION__";
+pub(crate) const HIVE_NULL: &str = "__HIVE_DEFAULT_PARTITION__";
 
 /// Where the label comes from: a column of the data, or one partition value for a whole file.
 #[derive(Clone, Copy)]
@@ -286,7 +286,7 @@ pub(super) fn read_parquet_rows<R: ChunkReader + 'static>(
 /// does (`_SUCCESS`, `_delta_log`, `.crc` files); a directory without `=` is not part of a table
 /// (so an ImageFolder yields nothing). Values are unescaped (`%3A` is `:`); Hive's
 /// `__HIVE_DEFAULT_PARTITION__` stays as a null marker.
-pub(super) fn hive_part(rel: &str) -> Option<Vec<(String, String)>> {
+pub(crate) fn hive_part(rel: &str) -> Option<Vec<(String, String)>> {
     let mut segments: Vec<&str> = rel.split('/').collect();
     let file = segments.pop()?;
     let hidden = |s: &str| s.starts_with('.') || s.starts_with('_');

@@ -1,4 +1,4 @@
-//! The sample cache: decoded + preprocessed pixels in shards (see [`super::cache`]).
+//! The sample cache: decoded + preprocessed pixels in shards (see [`super`]).
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -13,8 +13,8 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::cache::{CacheError, io, read_json, write_json};
-use super::{DataError, Dataset};
+use super::{CacheError, io, read_json, write_json};
+use crate::data::{DataError, Dataset};
 use crate::report::progress;
 
 /// What the sample cache holds, besides the pixels.

@@ -1,5 +1,5 @@
-//! `trainer prepare`: the caches. The sample cache ([`super::samples`]) holds decoded + preprocessed pixels in shards;
-//! the feature cache ([`super::features`]) the frozen backbone's output at the freeze boundary. Both are
+//! `trainer prepare`: the caches. The sample cache ([`samples`]) holds decoded + preprocessed pixels in shards;
+//! the feature cache ([`features`]) the frozen backbone's output at the freeze boundary. Both are
 //! content-addressed. This module holds what both share: errors and crash-safe reads and writes.
 //!
 //! - The **sample cache** key is a hash of the preprocessing spec and, per sample, the sha256 of its
@@ -21,6 +21,9 @@ use kestrel_shared::PreprocessError;
 use serde::{Deserialize, Serialize};
 
 use crate::distributed::{CollectiveError, ErrorScope, RankError, WorkerError};
+
+pub mod features;
+pub mod samples;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {

@@ -1,5 +1,6 @@
-//! CSV manifests (`path,label`): each path is an object URL (`s3://bucket/img/1.jpg`) or relative
-//! to the manifest (a local directory, or the manifest's prefix on its object store).
+//! CSV listings (`path,label`, what the docs call a manifest: not an artifact's `manifest.json`):
+//! each path is an object URL (`s3://bucket/img/1.jpg`) or relative to the listing (a local
+//! directory, or the listing's prefix on its object store).
 
 use std::collections::BTreeMap;
 use std::fs;

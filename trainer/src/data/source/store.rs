@@ -38,7 +38,7 @@ pub fn object_url(arg: &Path) -> Option<Url> {
 
 /// A table's location with the engine that reads it: `url` is a directory URL (ending in `/`)
 /// for a directory, else the file's URL.
-pub(super) struct Location {
+pub(in crate::data) struct Location {
     pub url: Url,
     pub engine: Arc<dyn Engine>,
     /// How messages name it: the local path or the URL as given.

@@ -43,6 +43,14 @@ pub(super) struct Labels {
     pub version: u64,
 }
 
+/// The capture table's property naming its labels table (a directory name inside the table:
+/// Delta readers see only the files its log names, and VACUUM skips names starting with `_`).
+pub const LABELS_TABLE_KEY: &str = "kestrel.labelsTable";
+
+/// The labels table's directory inside a capture table (also where it is looked for in a table
+/// without the property, such as one written by Spark).
+pub const LABELS_TABLE: &str = "_labels";
+
 /// Checks a labels table's name from a table property: one directory inside the table.
 pub(super) fn labels_dir(name: &str) -> Result<&str, String> {
     let ok = !name.is_empty()
@@ -54,7 +62,7 @@ pub(super) fn labels_dir(name: &str) -> Result<&str, String> {
         true => Ok(name),
         false => Err(format!(
             "labels table `{name}` (property `{}`) is not a directory name inside the table",
-            super::delta_write::LABELS_TABLE_KEY
+            LABELS_TABLE_KEY
         )),
     }
 }
@@ -62,9 +70,9 @@ pub(super) fn labels_dir(name: &str) -> Result<&str, String> {
 /// The name of the labels table of the table `snapshot`: its `kestrel.labelsTable` property,
 /// else `_labels` (for capture tables written by others), checked to be a directory name.
 pub(super) fn labels_name(snapshot: &Snapshot) -> Result<&str, String> {
-    let key = super::delta_write::LABELS_TABLE_KEY;
+    let key = LABELS_TABLE_KEY;
     let name = snapshot.table_properties().unknown_properties.get(key);
-    labels_dir(name.map_or(super::delta_write::LABELS_TABLE, String::as_str))
+    labels_dir(name.map_or(LABELS_TABLE, String::as_str))
 }
 
 /// The labels of the table `snapshot` (at `url`) from its labels table ([`labels_name`]),
@@ -292,7 +300,7 @@ pub(super) fn read(loc: &Location, opts: &SourceOpts) -> Result<DeltaRows, DataE
 /// their logical names), after deletion vectors; returns the snapshot's version. `table_columns`
 /// receives the names of all the table's columns first.
 #[cfg(test)]
-pub(super) fn scan(
+pub(in crate::data) fn scan(
     loc: &Location,
     opts: &SourceOpts,
     columns: &[&str],
