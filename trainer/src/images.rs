@@ -41,3 +41,22 @@ pub fn top_k(values: &[f32], k: usize) -> Vec<(usize, f32)> {
     idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
     idx.into_iter().take(k).map(|i| (i, values[i])).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_is_largest_first_with_ties_to_the_lower_index_and_softmax_is_stable() {
+        assert_eq!(
+            top_k(&[0.1, 0.5, 0.5, 0.2], 3),
+            vec![(1, 0.5), (2, 0.5), (3, 0.2)]
+        );
+        assert_eq!(top_k(&[0.3], 5), vec![(0, 0.3)]);
+        let p = softmax(&[0.0, 2f32.ln()]);
+        assert!((p[0] - 1.0 / 3.0).abs() < 1e-6, "{p:?}");
+        assert!((p[1] - 2.0 / 3.0).abs() < 1e-6, "{p:?}");
+        // Logits far beyond exp's range: the maximum is subtracted first.
+        assert_eq!(softmax(&[1000.0, 1000.0]), vec![0.5, 0.5]);
+    }
+}

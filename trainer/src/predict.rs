@@ -232,11 +232,70 @@ pub fn write_parquet(out: &Path, rows: &[Row]) -> Result<(), PredictError> {
         parquet::arrow::ArrowWriter::try_new(&mut buf, schema, None).map_err(|e| err(e.into()))?;
     w.write(&batch).map_err(|e| err(e.into()))?;
     w.close().map_err(|e| err(e.into()))?;
-    if let Some(url) = crate::data::store::object_url(out) {
-        return Ok(crate::data::store::put(&url, buf)?);
+    if let Some(url) = crate::data::source::store::object_url(out) {
+        return Ok(crate::data::source::store::put(&url, buf)?);
     }
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| err(e.into()))?;
     }
     kestrel_shared::fsutil::write_atomic(out, &buf).map_err(|e| err(e.into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The manifest of model `faces` version 3, labels `face` and `nonface`.
+    fn manifest() -> kestrel_shared::manifest::Manifest {
+        serde_json::from_value(serde_json::json!({
+            "format_version": 1, "name": "faces", "version": 3, "arch": "efficientnet-lite0",
+            "labels": ["face", "nonface"],
+            "preprocess": serde_json::to_value(kestrel_models::Network::new(kestrel_models::Arch::EfficientnetLite0).preprocess).unwrap(),
+            "input": { "name": "input", "dtype": "float32", "shape": ["N", 3, 224, 224] },
+            "output": { "name": "logits", "dtype": "float32", "shape": ["N", 2] },
+            "quantization": { "form": "none", "int8_ops": [], "calibration_samples": 0,
+                              "accuracy": 1.0, "f32_accuracy": 1.0, "accuracy_delta_pt": 0.0 },
+            "training": {}, "verification": [], "golden": [],
+            "files": [{ "path": "model.onnx", "sha256": "ab".repeat(32), "size": 1 }],
+            "created": "2026-12-05T08:00:00Z"
+        }))
+        .unwrap()
+    }
+
+    /// A row labelled `label`, predicted `prediction` (none: the image failed).
+    fn row(label: &str, prediction: Option<&str>) -> Row {
+        Row {
+            path: format!("{label}.jpg"),
+            label: label.into(),
+            prediction: prediction.map(str::to_string),
+            class: None,
+            score: None,
+            error: prediction.is_none().then(|| "cannot decode".to_string()),
+        }
+    }
+
+    #[test]
+    fn accuracy_counts_matching_predictions_only_when_every_label_is_the_models() {
+        let m = manifest();
+        let out = Path::new("preds.parquet");
+        let rows = [
+            row("face", Some("face")),
+            row("face", Some("nonface")),
+            row("nonface", Some("nonface")),
+            row("nonface", None),
+        ];
+        let s = summarize(&m, &rows, 2, 2.0, out);
+        assert_eq!((s.rows, s.errors, s.workers), (4, 1, 2));
+        // Two of four right; the failed image counts as wrong.
+        assert_eq!(s.accuracy, Some(0.5));
+        assert_eq!(s.images_per_s, 2.0);
+        assert_eq!(
+            (s.model.as_str(), s.version, s.out.as_str()),
+            ("faces", 3, "preds.parquet")
+        );
+        // A label the model does not know: no accuracy; nor over no rows.
+        let other = [row("face", Some("face")), row("cat", Some("face"))];
+        assert_eq!(summarize(&m, &other, 1, 1.0, out).accuracy, None);
+        assert_eq!(summarize(&m, &[], 1, 0.0, out).accuracy, None);
+    }
 }

@@ -276,3 +276,90 @@ fn report_write_json_atomic_leaves_no_temp_files() {
     // A failing write (missing directory) leaves nothing behind either.
     assert!(write_json_atomic(&dir.path().join("missing/x.json"), &e).is_err());
 }
+
+#[test]
+fn accuracy_counts_only_the_pairs_both_sides_have() {
+    // Three pairs (the fourth truth has no prediction), two of them hits.
+    assert!(close(accuracy([1, 2, 3], [1, 0, 3, 4]), 2.0 / 3.0));
+    assert_eq!(accuracy(Vec::<usize>::new(), [1, 2]), 0.0);
+}
+
+#[test]
+fn labels_over_ten_characters_are_cut_to_nine_and_an_ellipsis_counting_chars() {
+    assert_eq!(short_label("abcdefghij"), "abcdefghij");
+    assert_eq!(short_label("abcdefghijk"), "abcdefghi…");
+    // Characters, not bytes: eleven two-byte characters are cut the same way.
+    assert_eq!(short_label(&"é".repeat(11)), format!("{}…", "é".repeat(9)));
+    assert_eq!(pad_left("…", 3), "  …");
+    assert_eq!(pad_right("é", 3), "é  ");
+}
+
+#[test]
+fn most_confused_keeps_the_five_commonest_mistakes_ties_in_matrix_order() {
+    // (truth, pred, times): one correct sample and seven kinds of mistake.
+    let pairs = [
+        (0, 0, 1),
+        (0, 1, 3),
+        (0, 2, 1),
+        (1, 0, 2),
+        (1, 3, 1),
+        (2, 3, 4),
+        (3, 0, 1),
+        (3, 2, 2),
+    ];
+    let (mut truth, mut pred) = (Vec::new(), Vec::new());
+    for (t, p, n) in pairs {
+        for _ in 0..n {
+            truth.push(t);
+            pred.push(p);
+        }
+    }
+    let e = evaluate(&pred, &truth, &labels(&["a", "b", "c", "d"]), None);
+    assert_eq!(e.samples, 15);
+    assert!(close(e.accuracy, 1.0 / 15.0));
+    let named: Vec<(&str, &str, usize)> = e
+        .most_confused
+        .iter()
+        .map(|c| (c.truth.as_str(), c.predicted.as_str(), c.count))
+        .collect();
+    assert_eq!(
+        named,
+        [
+            ("c", "d", 4),
+            ("a", "b", 3),
+            ("b", "a", 2),
+            ("d", "c", 2),
+            ("a", "c", 1)
+        ]
+    );
+}
+
+#[test]
+fn a_complete_last_line_without_its_newline_is_kept_when_appending() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("metrics.jsonl");
+    let rows = sample_metrics(2);
+    let first = serde_json::to_string(&rows[0]).unwrap();
+    fs::write(&path, &first).unwrap();
+    assert_eq!(
+        read_jsonl::<EpochMetrics>(&path).unwrap(),
+        rows[..1].to_vec()
+    );
+    append_jsonl(&path, &rows[1]).unwrap();
+    let second = serde_json::to_string(&rows[1]).unwrap();
+    assert_eq!(
+        fs::read_to_string(&path).unwrap(),
+        format!("{first}\n{second}\n")
+    );
+    assert_eq!(read_jsonl::<EpochMetrics>(&path).unwrap(), rows);
+}
+
+#[test]
+fn the_table_s_macro_average_is_the_plain_mean_over_classes() {
+    let t = example().to_table();
+    let row = t.lines().find(|l| l.starts_with("macro avg")).unwrap();
+    let cells: Vec<&str> = row.split_whitespace().skip(2).collect();
+    // Precision (1/2 + 1/3 + 1)/3, recall (2/3 + 1/2 + 1/2)/3, F1 (4/7 + 2/5 + 2/3)/3;
+    // support: all samples.
+    assert_eq!(cells, ["0.6111", "0.5556", "0.5460", "9"], "{t}");
+}

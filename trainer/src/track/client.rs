@@ -647,4 +647,30 @@ mod tests {
         assert_eq!(safe_name("x/"), None);
         assert_eq!(encode_path("1/a b/c%"), "1/a%20b/c%25");
     }
+
+    #[test]
+    fn model_versions_parse_the_version_string_and_drop_an_empty_run_id() {
+        let v = model_version(&json!({
+            "name": "faces", "version": "12", "source": "models:/m-1", "run_id": ""
+        }))
+        .unwrap();
+        let want = ModelVersion {
+            name: "faces".into(),
+            version: 12,
+            source: "models:/m-1".into(),
+            run_id: None,
+        };
+        assert_eq!(v, want);
+        // A number where MLflow sends a string, and no source: still read.
+        let v = model_version(&json!({ "name": "faces", "version": 3, "run_id": "r9" })).unwrap();
+        assert_eq!(
+            (v.version, v.run_id.as_deref(), v.source.as_str()),
+            (3, Some("r9"), "")
+        );
+        let e = model_version(&json!({ "name": "faces", "version": "v2" })).unwrap_err();
+        assert!(
+            matches!(&e, TrackError::Unsupported(m) if m == "model version \"v2\" is not a number"),
+            "{e}"
+        );
+    }
 }

@@ -102,8 +102,9 @@ pub fn dataset_inputs(pp: &TrainingData) -> Vec<Value> {
                     serde_json::json!({ "path": t.location, "delta_table_version": v }),
                 ),
                 _ => {
-                    let scheme = crate::data::store::object_url(std::path::Path::new(&t.location))
-                        .map_or("local".to_string(), |u| u.scheme().to_string());
+                    let scheme =
+                        crate::data::source::store::object_url(std::path::Path::new(&t.location))
+                            .map_or("local".to_string(), |u| u.scheme().to_string());
                     (scheme, serde_json::json!({ "uri": t.location }))
                 }
             };
@@ -208,5 +209,83 @@ mod tests {
         assert_eq!(get("source.label_column").as_deref(), Some("label"));
         assert_eq!(get("source.data_version").as_deref(), Some("None"));
         assert_eq!(get("flip").as_deref(), Some("true"));
+    }
+
+    #[test]
+    fn a_failed_trial_is_a_failed_child_run_timed_back_from_its_end() {
+        let parent = RunLink {
+            uri: "http://h:5000".into(),
+            experiment: "faces".into(),
+            run: crate::track::RunRef {
+                run_id: "p1".into(),
+                experiment_id: "7".into(),
+                artifact_uri: String::new(),
+            },
+        };
+        let t = TrialResult {
+            trial: 7,
+            source: "tpe".into(),
+            params: crate::tune::TrialParams {
+                lr: 0.01,
+                momentum: 0.9,
+                weight_decay: 0.0,
+                batch_size: 32,
+                optimizer: crate::train::Optimizer::Sgd,
+                epochs: 5,
+            },
+            val_loss: Some(f64::NAN),
+            val_accuracy: 0.5,
+            best_epoch: 3,
+            seconds: 2.4996,
+            ended_ms: 10_000,
+            error: Some("diverged".into()),
+        };
+        let Op::Run {
+            experiment_id,
+            name,
+            tags,
+            params,
+            metrics,
+            status,
+            span_ms,
+        } = trial_run(&parent, &t)
+        else {
+            panic!("a trial is logged as a whole run");
+        };
+        assert_eq!((experiment_id.as_str(), name.as_str()), ("7", "trial-007"));
+        assert_eq!(
+            (status.as_str(), span_ms),
+            ("FAILED", Some((7_500, 10_000)))
+        );
+        let keys: Vec<&str> = metrics.iter().map(|m| m.key.as_str()).collect();
+        assert_eq!(keys, ["val_accuracy", "best_epoch", "seconds"]);
+        assert!(tags.contains(&kv("mlflow.parentRunId", "p1")));
+        assert!(tags.contains(&kv("kestrel.trial.error", "diverged")));
+        assert!(params.contains(&kv("optimizer", "sgd")));
+        assert!(params.contains(&kv("batch_size", "32")));
+    }
+
+    #[test]
+    fn epoch_metrics_leave_out_non_finite_values_and_step_at_the_epoch() {
+        let m = EpochMetrics {
+            epoch: 4,
+            train_loss: 0.5,
+            train_accuracy: 0.8,
+            val_loss: f64::NAN,
+            val_accuracy: 0.75,
+            samples_per_s: f64::INFINITY,
+        };
+        let got: Vec<(String, f64, i64)> = epoch_metrics(&m)
+            .into_iter()
+            .map(|x| (x.key, x.value, x.step))
+            .collect();
+        let want = [
+            ("train_loss", 0.5),
+            ("train_accuracy", 0.8),
+            ("val_accuracy", 0.75),
+        ];
+        let want: Vec<(String, f64, i64)> =
+            want.iter().map(|&(k, v)| (k.to_string(), v, 4)).collect();
+        assert_eq!(got, want);
     }
 }

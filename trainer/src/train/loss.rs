@@ -86,3 +86,57 @@ impl Loss {
         (t * logp)?.sum_all()?.affine(-1.0 / n as f64, 0.0)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Parameters of a head-only SGD run with these class weights and label smoothing.
+    fn params(class_weights: &str, label_smoothing: f64) -> FitParams {
+        serde_json::from_value(serde_json::json!({
+            "data": "t.csv",
+            "source": { "label_column": "label", "content_column": "content", "path_column": "path" },
+            "backbone": "mobilenet", "arch": null, "engine": "tract",
+            "epochs": 1, "batch_size": 4, "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0,
+            "optimizer": "sgd", "schedule": "none", "early_stopping": null, "seed": 0,
+            "val_fraction": 0.2, "test_fraction": 0.0, "unfreeze_last": 0,
+            "augment_flip": false, "augment_crop": false, "workers": 1, "skip_invalid": false,
+            "class_weights": class_weights, "label_smoothing": label_smoothing,
+        }))
+        .expect("FitParams from JSON")
+    }
+
+    #[test]
+    fn balanced_weights_are_n_over_classes_times_the_class_count_in_the_training_split() {
+        // Samples 4 and 5 are not in the training split: class 2 has no training sample.
+        let labels = [0, 0, 0, 1, 2, 2];
+        let loss = Loss::new(&params("balanced", 0.0), &labels, &[0, 1, 2, 3], 3);
+        let w = loss.sample_weights(&[0, 1, 2]);
+        let want = [4.0f32 / 9.0, 4.0 / 3.0, 0.0];
+        for (a, e) in w.iter().zip(want) {
+            assert!((a - e).abs() < 1e-6, "{w:?}");
+        }
+        let plain = Loss::new(&params("none", 0.0), &labels, &[0, 1, 2, 3], 3);
+        assert_eq!(plain.sample_weights(&[0, 1, 2]), [1.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn smoothed_targets_put_one_minus_eps_plus_eps_over_k_on_the_label() {
+        let loss = Loss::new(&params("none", 0.3), &[0, 1, 2], &[0, 1, 2], 3);
+        let t = loss.weighted_targets(&[2, 0]);
+        let want = [0.1f32, 0.1, 0.8, 0.8, 0.1, 0.1];
+        for (a, e) in t.iter().zip(want) {
+            assert!((a - e).abs() < 1e-6, "{t:?}");
+        }
+        assert_eq!(Loss::plain(2).weighted_targets(&[1]), [0.0, 1.0]);
+        // Uniform logits: every row's targets sum to 1, so the mean loss is ln 3 whatever eps.
+        let logits =
+            CTensor::zeros((2, 3), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        let mean = loss
+            .mean(&logits, &[2, 0])
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!((mean - 3f32.ln()).abs() < 1e-5, "{mean}");
+    }
+}

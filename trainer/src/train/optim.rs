@@ -232,3 +232,59 @@ pub fn set_vars(vars: &[(String, Var)], flat: &[f32]) -> Result<(), TrainError> 
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// SGD with zeroed momentum buffers for `vars`.
+    fn sgd(vars: &[(String, Var)], momentum: f64, weight_decay: f64) -> Opt {
+        Opt {
+            kind: Optimizer::Sgd,
+            momentum,
+            weight_decay,
+            slots: vars
+                .iter()
+                .map(|(_, v)| vec![v.as_tensor().zeros_like().unwrap()])
+                .collect(),
+            step: 0,
+        }
+    }
+
+    fn var(values: &[f32]) -> Vec<(String, Var)> {
+        let v = Var::from_slice(values, values.len(), &Device::Cpu).unwrap();
+        vec![("w".to_string(), v)]
+    }
+
+    #[test]
+    fn sgd_adds_l2_decay_to_the_gradient_and_accumulates_momentum() {
+        let vars = var(&[1.0, -2.0]);
+        let mut opt = sgd(&vars, 0.9, 0.5);
+        // Step 1: g + 0.5 p = [1.5, -1] is the buffer; p = [1, -2] - 0.1 [1.5, -1] = [0.85, -1.9].
+        opt.apply_flat(&vars, &[1.0, 0.0], 0.1).unwrap();
+        // Step 2: g + 0.5 p = [1.425, -0.95]; buffer 0.9 [1.5, -1] + that = [2.775, -1.85];
+        // p = [0.85, -1.9] - 0.1 [2.775, -1.85] = [0.5725, -1.715].
+        opt.apply_flat(&vars, &[1.0, 0.0], 0.1).unwrap();
+        let p = vars[0].1.as_tensor().to_vec1::<f32>().unwrap();
+        let buf = opt.state_flat().unwrap();
+        for (a, e) in p.iter().chain(&buf).zip([0.5725f32, -1.715, 2.775, -1.85]) {
+            assert!((a - e).abs() < 1e-5, "weights {p:?}, buffer {buf:?}");
+        }
+        assert_eq!(opt.step, 2);
+    }
+
+    #[test]
+    fn flat_gradients_must_cover_exactly_the_parameters() {
+        let vars = var(&[1.0, -2.0]);
+        let mut opt = sgd(&vars, 0.0, 0.0);
+        let e = opt.apply_flat(&vars, &[1.0, 2.0, 3.0], 0.1).unwrap_err();
+        assert!(
+            matches!(&e, TrainError::Invalid(m) if m == "3 gradient values for 2 parameters"),
+            "{e}"
+        );
+        // Nothing was applied.
+        assert_eq!(opt.step, 0);
+        assert_eq!(vars[0].1.as_tensor().to_vec1::<f32>().unwrap(), [1.0, -2.0]);
+    }
+}

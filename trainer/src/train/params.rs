@@ -322,6 +322,131 @@ impl FitParams {
 #[cfg(test)]
 mod tests {
     use super::ComputeDevice;
+    use super::*;
+
+    /// A valid SGD run: 9 epochs at lr 0.1, batches of 32, one worker.
+    fn base() -> FitParams {
+        FitParams {
+            data: PathBuf::from("t.csv"),
+            more_data: Vec::new(),
+            init_from: None,
+            cache: None,
+            source: SourceOpts::default(),
+            backbone: "mobilenet".into(),
+            arch: None,
+            engine: EngineKind::Tract,
+            epochs: 9,
+            batch_size: 32,
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 0.0,
+            optimizer: Optimizer::Sgd,
+            schedule: Schedule::None,
+            early_stopping: None,
+            seed: 1,
+            val_fraction: 0.2,
+            test_fraction: 0.1,
+            unfreeze_last: 0,
+            augment_flip: false,
+            augment_crop: false,
+            workers: 1,
+            skip_invalid: false,
+            lr_scaling: LrScaling::None,
+            l2: None,
+            class_weights: ClassWeights::None,
+            label_smoothing: 0.0,
+            head_first: false,
+            feature_output: None,
+            preprocess: None,
+            compute_device: ComputeDevice::Cpu,
+            backbone_sha256: None,
+        }
+    }
+
+    /// The message of a `TrainError::Invalid`, failing on anything else.
+    fn invalid(r: Result<impl std::fmt::Debug, TrainError>) -> String {
+        match r {
+            Err(TrainError::Invalid(m)) => m,
+            other => panic!("expected TrainError::Invalid, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn step_schedule_cuts_the_rate_tenfold_at_each_third_of_the_epochs() {
+        let p = FitParams {
+            schedule: Schedule::Step,
+            ..base()
+        };
+        for (epoch, want) in [
+            (0, 0.1f64),
+            (2, 0.1),
+            (3, 0.01),
+            (5, 0.01),
+            (6, 0.001),
+            (8, 0.001),
+        ] {
+            let got = p.lr_at(epoch);
+            assert!((got - want).abs() < 1e-12, "epoch {epoch}: {got}");
+        }
+        let flat = base();
+        assert_eq!(flat.lr_at(8), 0.1);
+    }
+
+    #[test]
+    fn cosine_schedule_is_half_the_rate_mid_run_and_zero_at_the_end() {
+        let p = FitParams {
+            schedule: Schedule::Cosine,
+            epochs: 10,
+            lr: 0.2,
+            ..base()
+        };
+        assert!((p.lr_at(0) - 0.2).abs() < 1e-12);
+        assert!((p.lr_at(5) - 0.1).abs() < 1e-12, "{}", p.lr_at(5));
+        assert!(p.lr_at(10).abs() < 1e-12, "{}", p.lr_at(10));
+        assert!(p.lr_at(2) > p.lr_at(3));
+    }
+
+    #[test]
+    fn validate_refuses_lbfgs_with_unfrozen_blocks_and_batches_smaller_than_the_workers() {
+        assert!(base().validate().is_ok());
+        let lbfgs = FitParams {
+            optimizer: Optimizer::Lbfgs,
+            unfreeze_last: 2,
+            ..base()
+        };
+        assert!(invalid(lbfgs.validate()).starts_with("--optimizer lbfgs trains a head only"));
+        let small = FitParams {
+            batch_size: 2,
+            workers: 4,
+            ..base()
+        };
+        assert!(
+            invalid(small.validate()).starts_with("--batch-size 2 is smaller than --workers 4")
+        );
+        let smooth = FitParams {
+            label_smoothing: 1.0,
+            ..base()
+        };
+        assert!(invalid(smooth.validate()).contains("--label-smoothing must be in [0, 1)"));
+    }
+
+    #[test]
+    fn on_ranks_records_the_world_as_the_workers_and_refuses_another_count() {
+        assert_eq!(base().on_ranks(4).unwrap().workers, 4);
+        let three = FitParams {
+            workers: 3,
+            ..base()
+        };
+        assert!(invalid(three.on_ranks(2)).starts_with("--workers 3 under a 2-rank job"));
+        // The batch is checked against the world, not the 1 worker asked for.
+        let small = FitParams {
+            batch_size: 2,
+            ..base()
+        };
+        assert!(
+            invalid(small.on_ranks(4)).starts_with("--batch-size 2 is smaller than --workers 4")
+        );
+    }
 
     /// `--compute-device` reads back as written, in params.json too, and refuses other words.
     #[test]

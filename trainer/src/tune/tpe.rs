@@ -213,8 +213,9 @@ fn phi(z: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::Optimizer;
-    use crate::tune::space::{Space, read_space};
+    use crate::train::{Optimizer, TrainError};
+    use crate::tune::space::{Space, TrialParams, read_space};
+    use crate::tune::{TrialResult, TuneError, sorted};
     use rand::SeedableRng;
 
     /// A synthetic objective with a known optimum: lr 1e-2, momentum 0.8, weight decay 3e-4,
@@ -304,5 +305,138 @@ mod tests {
         assert!(why(&p).contains("lr range"), "{}", why(&p));
         std::fs::write(&p, "learning_rate = [0.1, 0.2]\n").unwrap();
         assert!(why(&p).contains("unknown field"), "{}", why(&p));
+    }
+
+    fn trial_params() -> TrialParams {
+        TrialParams {
+            lr: 1e-3,
+            momentum: 0.9,
+            weight_decay: 0.0,
+            batch_size: 32,
+            optimizer: Optimizer::Sgd,
+            epochs: 10,
+        }
+    }
+
+    fn trial_result(trial: usize, val_loss: Option<f64>, val_accuracy: f64) -> TrialResult {
+        TrialResult {
+            trial,
+            source: "random".into(),
+            params: trial_params(),
+            val_loss,
+            val_accuracy,
+            best_epoch: 1,
+            seconds: 1.0,
+            ended_ms: 0,
+            error: None,
+        }
+    }
+
+    #[test]
+    fn trials_sort_by_loss_then_accuracy_then_number_with_diverged_ones_last() {
+        let trials = [
+            trial_result(0, None, 0.9),
+            trial_result(1, Some(0.5), 0.6),
+            trial_result(2, Some(0.5), 0.8),
+            trial_result(3, Some(f64::NAN), 0.95),
+            trial_result(4, Some(0.5), 0.8),
+            trial_result(5, Some(0.2), 0.1),
+        ];
+        let order: Vec<usize> = sorted(&trials).iter().map(|t| t.trial).collect();
+        assert_eq!(order, vec![5, 2, 4, 1, 3, 0]);
+        // A NaN loss counts as diverged: the worst objective.
+        assert_eq!(trials[3].loss(), f64::INFINITY);
+    }
+
+    #[test]
+    fn a_trial_that_fails_is_recorded_with_its_error_and_ranks_as_diverged() {
+        let err = TrainError::Invalid("batch larger than the data".into());
+        let t = TrialResult::new(7, true, trial_params(), Err(err), 1.5);
+        assert_eq!(
+            (t.trial, t.source.as_str(), t.val_loss, t.best_epoch),
+            (7, "tpe", None, 0)
+        );
+        assert_eq!(t.val_accuracy, 0.0);
+        assert_eq!(t.error.as_deref(), Some("batch larger than the data"));
+        assert_eq!(t.loss(), f64::INFINITY);
+        let line = t.line();
+        assert!(
+            line.starts_with(
+                "trial   7 (tpe   ) val loss diverged acc 0.000 | lr 1.00e-3 momentum 0.900"
+            ),
+            "{line}"
+        );
+        assert!(line.ends_with("batch 32 Sgd epochs 10 | 1.50s"), "{line}");
+    }
+
+    #[test]
+    fn a_space_with_momentum_one_a_zero_batch_or_reversed_ranges_is_refused() {
+        let why = |s: Space| match s.validate() {
+            Err(TuneError::Space(m)) => m,
+            other => panic!("{other:?}"),
+        };
+        let base = Space::default;
+        assert_eq!(
+            why(Space {
+                momentum: [0.0, 1.0],
+                ..base()
+            }),
+            "momentum must stay below 1, got 1"
+        );
+        assert_eq!(
+            why(Space {
+                batch_size: vec![16, 0],
+                ..base()
+            }),
+            "batch_size needs at least one positive value"
+        );
+        assert_eq!(
+            why(Space {
+                weight_decay: [1e-3, 0.0],
+                ..base()
+            }),
+            "weight_decay range [0.001, 0] must be non-negative and ordered"
+        );
+        assert_eq!(
+            why(Space {
+                epochs: [10, 5],
+                ..base()
+            }),
+            "epochs range [10, 5] must be positive and ordered"
+        );
+    }
+
+    #[test]
+    fn decode_picks_categories_by_index_truncates_epochs_and_clamps_lr() {
+        let space = Space::default();
+        let p = space.decode(&[0.01f64.ln(), 0.5, 1e-4, 2.0, 1.0, 12.9]);
+        assert!((p.lr - 0.01).abs() < 1e-12, "{p:?}");
+        assert_eq!(
+            (
+                p.momentum,
+                p.weight_decay,
+                p.batch_size,
+                p.optimizer,
+                p.epochs
+            ),
+            (0.5, 1e-4, 64, Optimizer::Adamw, 12)
+        );
+        // ln lr outside [ln 1e-4, ln 0.3] is clamped to the range's ends.
+        assert_eq!(space.decode(&[10.0, 0.0, 0.0, 0.0, 0.0, 5.0]).lr, 0.3);
+        assert_eq!(space.decode(&[-100.0, 0.0, 0.0, 0.0, 0.0, 5.0]).lr, 1e-4);
+    }
+
+    #[test]
+    fn tpe_stays_random_until_two_trials_have_finished() {
+        let mut tpe = Tpe::new(Space::default().dims());
+        tpe.startup = 0;
+        let (a, by_tpe) = tpe.propose(0, &[], 3);
+        assert!(!by_tpe);
+        let (b, _) = tpe.propose(1, &[], 3);
+        assert!(!tpe.propose(2, &[(a.clone(), 1.0)], 3).1);
+        let (x, by_tpe) = tpe.propose(2, &[(a, 1.0), (b, 2.0)], 3);
+        assert!(by_tpe);
+        // Epochs (an Int dimension) come back as a whole number inside [5, 30].
+        assert!((5.0..=30.0).contains(&x[5]) && x[5].fract() == 0.0, "{x:?}");
     }
 }
