@@ -50,7 +50,7 @@ if [ "${KESTREL_SKIP_FUZZ:-0}" != 1 ]; then
     exit "$rc"
   fi
 fi
-log "layers: no trainer module uses one that builds on it (scripts/layers.py)"
+log "layers: no trainer module uses one that builds on it, no two files use each other, no wire value compared as a string (scripts/layers.py)"
 python3 "$here/layers.py" --self-test
 log "function length: no function over 120 lines without a written reason"
 python3 "$here/long-functions.py" --max 120 --top 5

@@ -8,7 +8,7 @@
 use std::collections::VecDeque;
 
 use kestrel_shared::capture::CaptureStats;
-use kestrel_shared::protocol::Class;
+use kestrel_shared::wire::{CaptureReason, Class};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Capture as CaptureConfig, CapturePolicy};
@@ -114,19 +114,20 @@ impl Capturer {
 
     /// Why the policy keeps a request with these top-k scores (`drifting`: the quality window's
     /// last judgement), if it does.
-    pub fn reason(&mut self, top: &[Class], drifting: bool) -> Option<&'static str> {
+    pub fn reason(&mut self, top: &[Class], drifting: bool) -> Option<CaptureReason> {
         let c = &self.cfg;
         match c.policy {
             CapturePolicy::LowConfidence => {
                 let s1 = top.first().map_or(0.0, |t| f64::from(t.score));
                 let s2 = top.get(1).map_or(0.0, |t| f64::from(t.score));
-                (s1 < c.min_confidence || s1 - s2 < c.min_margin).then_some("low-confidence")
+                (s1 < c.min_confidence || s1 - s2 < c.min_margin)
+                    .then_some(CaptureReason::LowConfidence)
             }
             CapturePolicy::Random => {
                 let rate = c.rate;
-                (self.uniform() < rate).then_some("random")
+                (self.uniform() < rate).then_some(CaptureReason::Random)
             }
-            CapturePolicy::Drift => drifting.then_some("drift"),
+            CapturePolicy::Drift => drifting.then_some(CaptureReason::Drift),
         }
     }
 
@@ -311,8 +312,14 @@ mod tests {
             c.min_confidence = 0.6;
             c.min_margin = 0.3;
         });
-        assert_eq!(c.reason(&top(&[0.55, 0.45]), false), Some("low-confidence"));
-        assert_eq!(c.reason(&top(&[0.62, 0.38]), false), Some("low-confidence")); // margin
+        assert_eq!(
+            c.reason(&top(&[0.55, 0.45]), false),
+            Some(CaptureReason::LowConfidence)
+        );
+        assert_eq!(
+            c.reason(&top(&[0.62, 0.38]), false),
+            Some(CaptureReason::LowConfidence)
+        ); // margin
         assert_eq!(c.reason(&top(&[0.9, 0.1]), true), None);
         let mut c = capturer(CapturePolicy::Random, |c| c.rate = 0.25);
         let kept = (0..4000)
@@ -321,7 +328,7 @@ mod tests {
         assert!((850..1150).contains(&kept), "{kept} of 4000 at rate 0.25");
         let mut c = capturer(CapturePolicy::Drift, |_| {});
         assert_eq!(c.reason(&top(&[0.1]), false), None);
-        assert_eq!(c.reason(&top(&[0.99]), true), Some("drift"));
+        assert_eq!(c.reason(&top(&[0.99]), true), Some(CaptureReason::Drift));
     }
 
     #[test]

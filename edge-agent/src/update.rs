@@ -26,6 +26,7 @@
 
 use std::collections::BTreeSet;
 
+use kestrel_shared::wire::DeviceState;
 use serde::{Deserialize, Serialize};
 
 /// A signed manifest for a new desired version (the IO layer checked the signature).
@@ -164,14 +165,15 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub fn name(&self) -> &'static str {
+    /// The phase as a status says it (`Status.state`).
+    pub fn device_state(&self) -> DeviceState {
         match self {
-            Phase::Idle => "idle",
-            Phase::Downloading { .. } => "downloading",
-            Phase::Verifying { .. } => "verifying",
-            Phase::Staging { .. } => "staged",
-            Phase::Checking { .. } => "health-check",
-            Phase::Activating { .. } => "activating",
+            Phase::Idle => DeviceState::Idle,
+            Phase::Downloading { .. } => DeviceState::Downloading,
+            Phase::Verifying { .. } => DeviceState::Verifying,
+            Phase::Staging { .. } => DeviceState::Staged,
+            Phase::Checking { .. } => DeviceState::HealthCheck,
+            Phase::Activating { .. } => DeviceState::Activating,
         }
     }
 

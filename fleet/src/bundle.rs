@@ -6,8 +6,9 @@ use std::path::Path;
 use ed25519_dalek::SigningKey;
 use kestrel_models::artifact::{self, read_manifest};
 use kestrel_shared::manifest::{MANIFEST_FILE, Manifest};
-use kestrel_shared::protocol::{ArtifactOffer, Piece, Topics, device_files};
+use kestrel_shared::protocol::{ArtifactOffer, Piece, device_files};
 use kestrel_shared::signing::{PayloadType, sign};
+use kestrel_shared::topics::Topics;
 
 use crate::FleetError;
 

@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 
 use kestrel_shared::capture::{Capture, CaptureAck, MAX_ACK_IDS};
 use kestrel_shared::mqtt::BrokerConfig;
-use kestrel_shared::protocol::Topics;
-use kestrel_shared::topics::{DeviceTopic, Route};
+use kestrel_shared::topics::{DeviceTopic, Route, Topics};
 use rumqttc::{Client, Event, Outgoing, Packet, Publish, QoS};
 
 use crate::FleetError;

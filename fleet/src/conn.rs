@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::now_unix;
-use kestrel_shared::protocol::Topics;
+use kestrel_shared::topics::Topics;
 use rumqttc::{Client, Event, Packet, QoS};
 
 use crate::FleetError;

@@ -5,8 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use kestrel_shared::protocol::Topics;
-use kestrel_shared::topics::Route;
+use kestrel_shared::topics::{Route, Topics};
 
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Skipped {

@@ -3,9 +3,9 @@
 use std::time::{Duration, Instant};
 
 use kestrel_shared::mqtt::BrokerConfig;
-use kestrel_shared::protocol::{Status, Topics};
+use kestrel_shared::protocol::Status;
 use kestrel_shared::quality::DeviceQuality;
-use kestrel_shared::topics::{DeviceTopic, FromDevice, from_device};
+use kestrel_shared::topics::{DeviceTopic, FromDevice, Topics, from_device};
 
 use crate::{Conn, FleetError};
 

@@ -8,6 +8,7 @@
 pub mod arch;
 pub mod onnx;
 pub mod onnx_backbone;
+pub mod onnx_graph;
 pub mod onnx_weights;
 pub mod parts;
 pub mod quant;

@@ -546,7 +546,7 @@ impl OnnxBackbone {
         let floats: HashMap<String, crate::tensor::Tensor> = g
             .initializer
             .iter()
-            .filter_map(|t| Some((t.name.clone(), crate::onnx_weights::float_tensor(t)?)))
+            .filter_map(|t| Some((t.name.clone(), crate::onnx_graph::float_tensor(t)?)))
             .filter(|(_, t)| t.shape.len() >= 2)
             .collect();
         let mut b = onnx::GraphBuilder::default();

@@ -14,10 +14,11 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use tract_onnx::pb::{self, GraphProto, NodeProto, TensorProto};
+use tract_onnx::pb::{GraphProto, NodeProto};
 
 use crate::arch::{ConvBn, Network};
 use crate::onnx_backbone::{OnnxBackboneError, read_model};
+use crate::onnx_graph::float_tensor;
 use crate::tensor::{Tensor, Weights};
 
 #[derive(Debug, thiserror::Error)]
@@ -50,23 +51,6 @@ pub enum OnnxWeightsError {
         op: String,
         node: String,
     },
-}
-
-/// A float TensorProto as a tensor (raw little-endian data or `float_data`).
-pub fn float_tensor(t: &TensorProto) -> Option<Tensor> {
-    if t.data_type != pb::tensor_proto::DataType::Float as i32 {
-        return None;
-    }
-    let shape: Vec<usize> = t.dims.iter().map(|&d| d as usize).collect();
-    let data: Vec<f32> = if t.raw_data.is_empty() {
-        t.float_data.clone()
-    } else {
-        t.raw_data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect()
-    };
-    (data.len() == shape.iter().product::<usize>()).then(|| Tensor::new(shape, data))
 }
 
 /// Every float constant of the graph: initializers and Constant nodes' values.

@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 
 use tract_onnx::pb::{TensorProto, tensor_proto::DataType};
 
-use crate::onnx::{GraphBuilder, attr_int, f32_tensor};
+use crate::onnx_graph::{GraphBuilder, attr_int, f32_tensor};
 use crate::tensor::Tensor;
 
 /// How a lowering quantizes.

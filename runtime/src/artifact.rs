@@ -9,6 +9,7 @@ use kestrel_shared::manifest::{
 };
 use kestrel_shared::protocol::sha256_hex;
 pub use kestrel_shared::protocol::{Class, Prediction, device_files};
+use kestrel_shared::wire::QuantForm;
 use kestrel_shared::{ImageLimits, PreprocessError};
 
 use crate::engine::{self, Engine, EngineError, EngineKind};
@@ -275,7 +276,7 @@ pub struct LoadedModel {
 /// weights dequantized once ([`crate::dequant`]; the download stays int8, the engines run f32
 /// kernels on the same weights), any other form as it is.
 pub fn engine_bytes(onnx: Vec<u8>, m: &Manifest) -> Result<Vec<u8>, ArtifactError> {
-    if m.quantization.form == "int8-weights" {
+    if m.quantization.form == QuantForm::Int8Weights {
         return Ok(crate::dequant::dequantize_weights(&onnx)?.0);
     }
     Ok(onnx)

@@ -7,7 +7,7 @@
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 
-use crate::protocol::Class;
+use crate::wire::{CaptureReason, Class};
 
 /// One captured input.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -21,8 +21,8 @@ pub struct Capture {
     pub version: u64,
     /// The model's top-k classes and scores.
     pub top: Vec<Class>,
-    /// Why it was kept: `low-confidence`, `random` or `drift`.
-    pub reason: String,
+    /// Why it was kept.
+    pub reason: CaptureReason,
     /// RFC 3339 UTC.
     pub captured_at: String,
     /// The original image bytes, base64 (standard alphabet, padded).
@@ -123,7 +123,7 @@ mod tests {
             model: "m".into(),
             version: 3,
             top: vec![],
-            reason: "random".into(),
+            reason: CaptureReason::Random,
             captured_at: "2026-12-02T00:00:00Z".into(),
             content: Capture::encode_content(&[0, 1, 2, 255]),
         };

@@ -3,7 +3,8 @@
 //! - [`preprocess`]: the preprocessing spec (a serde type carried in every artifact manifest)
 //!   and the one implementation of it, used by both binaries.
 //! - [`manifest`], [`signing`]: the artifact manifest and its ed25519 signatures.
-//! - [`protocol`], [`topics`]: the MQTT messages between trainer and devices, and their topics.
+//! - [`protocol`], [`topics`], [`wire`]: the MQTT messages between trainer and devices, their
+//!   topics, and the closed sets of values they carry (enums, never compared as strings).
 //! - [`quality`]: model quality without labels (reference profile, live-window statistics).
 //! - [`time`]: wall-clock helpers ([`now_unix`]).
 
@@ -25,6 +26,7 @@ pub mod signing;
 pub mod stats;
 pub mod time;
 pub mod topics;
+pub mod wire;
 
 pub use error::{Chain, chain};
 pub use preprocess::{ImageLimits, PreprocessError, PreprocessSpec, Preprocessed};

@@ -119,11 +119,11 @@ impl Composition {
                 reason,
             };
             let b = bytes.get(index).ok_or_else(|| fail("missing".into()))?;
-            if b.len() as u64 != part.size || crate::protocol::sha256_hex(b) != part.sha256 {
+            if b.len() as u64 != part.size || crate::wire::sha256_hex(b) != part.sha256 {
                 return Err(fail(format!(
                     "its {} bytes are not the part (sha256 {})",
                     b.len(),
-                    crate::protocol::sha256_hex(b)
+                    crate::wire::sha256_hex(b)
                 )));
             }
             let before = index.checked_sub(1).map(|i| self.parts[i].sha256.as_str());
@@ -139,7 +139,7 @@ impl Composition {
             out.extend_from_slice(b);
         }
         let whole = files.iter().find(|f| f.path == self.file);
-        let sha256 = crate::protocol::sha256_hex(&out);
+        let sha256 = crate::wire::sha256_hex(&out);
         match whole {
             Some(f) if f.sha256 == sha256 && f.size == out.len() as u64 => Ok(out),
             _ => Err(CompositionError::Whole {
@@ -163,8 +163,7 @@ pub struct TensorSpec {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Quantization {
-    /// `none`, `int8-weights` or `int8`.
-    pub form: String,
+    pub form: crate::wire::QuantForm,
     pub int8_ops: Vec<String>,
     /// Calibration samples (static int8 only).
     pub calibration_samples: usize,

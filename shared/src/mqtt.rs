@@ -10,7 +10,7 @@ use std::time::Duration;
 use rumqttc::{MqttOptions, TlsConfiguration, Transport};
 use serde::{Deserialize, Serialize};
 
-use crate::protocol::DEFAULT_PREFIX;
+use crate::topics::DEFAULT_PREFIX;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {

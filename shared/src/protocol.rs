@@ -19,11 +19,10 @@
 //! | `P/devices/<id>/result/<request>` | [`InferReply`] JSON | no | agent |
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use crate::manifest::{FileEntry, Manifest};
 use crate::signing::{PayloadType, SignError, SignatureFile, sign, verify};
-pub use crate::topics::{DEFAULT_PREFIX, Topics};
+pub use crate::wire::{Class, DeviceState, EventKind, ShadowState, sha256_hex};
 
 /// How long a desired state is valid by default (`trainer publish --expires-in`, rollouts, which
 /// renew theirs while they run): 7 days. A device refuses an expired state, so a state withheld
@@ -170,10 +169,6 @@ pub fn human_bytes(n: u64) -> String {
         1_000_000..1_000_000_000 => format!("{:.1} MB", n as f64 / 1e6),
         _ => format!("{:.2} GB", n as f64 / 1e9),
     }
-}
-
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
 }
 
 impl ArtifactOffer {
@@ -548,8 +543,7 @@ pub struct DeviceCounters {
 pub struct Status {
     pub device: String,
     pub groups: Vec<String>,
-    /// idle | downloading | verifying | staged | health-check | activating
-    pub state: String,
+    pub state: DeviceState,
     pub model: Option<String>,
     pub active: Option<u64>,
     pub previous: Option<u64>,
@@ -604,8 +598,7 @@ pub struct Status {
 pub struct ShadowStatus {
     pub name: String,
     pub version: u64,
-    /// downloading | running | failed
-    pub state: String,
+    pub state: ShadowState,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
@@ -614,20 +607,11 @@ pub struct ShadowStatus {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DeviceEvent {
     pub device: String,
-    /// downloading | rejected | rolled-back | active | refused (a desired state, by the replay,
-    /// expiry and clear rules)
-    pub kind: String,
+    pub kind: EventKind,
     pub version: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     pub time: String,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Class {
-    pub class: usize,
-    pub label: String,
-    pub score: f32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -654,6 +638,7 @@ pub struct InferReply {
 mod tests {
     use super::*;
     use crate::signing::{keypair_hex, public_key, secret_key};
+    use crate::topics::Topics;
 
     #[test]
     fn targets_and_names() {

@@ -17,6 +17,7 @@ use serde_json::Value;
 
 pub use crate::trainer_ok;
 use crate::{bin, lfw, run, s, stderr, stdout};
+use kestrel_shared::wire::DeviceState;
 
 /// A child process killed (SIGKILL) and reaped on drop; its output goes to `log`.
 pub struct Proc {
@@ -563,7 +564,7 @@ pub fn killed_mid_download(
     let version = bundle.offer.version;
     publish_raw(b, msgs, desired(&device, version, false));
     let st = wait_status(&b.config(), &device, secs, what, |s| {
-        s.state == "downloading" && s.progress.is_some_and(|(have, _)| have >= 2)
+        s.state == DeviceState::Downloading && s.progress.is_some_and(|(have, _)| have >= 2)
     });
     assert_eq!(st.active, None);
     agent.kill();

@@ -16,7 +16,7 @@ use kestrel_shared::capture::Capture;
 use kestrel_shared::mqtt::BrokerConfig;
 
 use crate::data::DataError;
-use crate::data::delta_write::{self, CaptureRow};
+use crate::data::source::delta_write::{self, CaptureRow};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CollectError {
@@ -183,7 +183,7 @@ fn row(c: &Capture, content: Vec<u8>) -> Result<CaptureRow, String> {
         version: c.version as i64,
         predicted: top.label.clone(),
         score: f64::from(top.score),
-        reason: c.reason.clone(),
+        reason: c.reason.to_string(),
         captured_at: at.timestamp_micros(),
         label: None,
     })

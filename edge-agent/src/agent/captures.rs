@@ -8,8 +8,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use kestrel_shared::fsutil::write_atomic;
-use kestrel_shared::protocol::Topics;
-use kestrel_shared::topics::{DeviceTopic, Route};
+use kestrel_shared::topics::{DeviceTopic, Route, Topics};
 
 use crate::outbox::{Message, Outbox};
 

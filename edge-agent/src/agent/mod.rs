@@ -18,7 +18,8 @@ use anyhow::{Context, Result};
 use kestrel_runtime::artifact::{self, LoadedModel};
 use kestrel_shared::fsutil::write_atomic;
 use kestrel_shared::manifest::Manifest;
-use kestrel_shared::protocol::{ArtifactOffer, Topics};
+use kestrel_shared::protocol::ArtifactOffer;
+use kestrel_shared::topics::Topics;
 use rumqttc::{AsyncClient, Event as MqttEvent, Outgoing, Packet, QoS};
 use tokio::sync::mpsc;
 

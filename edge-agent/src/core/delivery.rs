@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use kestrel_runtime::artifact;
 use kestrel_shared::manifest::Manifest;
-use kestrel_shared::protocol::{ArtifactOffer, Topics, parse, sha256_hex};
+use kestrel_shared::protocol::{ArtifactOffer, parse, sha256_hex};
+use kestrel_shared::topics::Topics;
+use kestrel_shared::wire::EventKind;
 
 use super::pieces::{Pending, piece_fetches};
 use super::{Core, Effect, Lane, Model, Now};
@@ -490,20 +492,20 @@ impl<M: Model> Core<M> {
     fn report(&mut self, r: Report) {
         let c = &mut self.requests.counters;
         let (kind, version, reason) = match r {
-            Report::Downloading { version } => ("downloading", version, None),
+            Report::Downloading { version } => (EventKind::Downloading, version, None),
             Report::Rejected { version, reason } => {
                 c.updates_rejected += 1;
-                ("rejected", version, Some(reason))
+                (EventKind::Rejected, version, Some(reason))
             }
             Report::RolledBack {
                 version, reason, ..
             } => {
                 c.updates_rolled_back += 1;
-                ("rolled-back", version, Some(reason))
+                (EventKind::RolledBack, version, Some(reason))
             }
             Report::Active { version, .. } => {
                 c.updates_active += 1;
-                ("active", version, None)
+                (EventKind::Active, version, None)
             }
         };
         self.event(kind, version, reason);

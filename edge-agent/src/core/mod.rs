@@ -18,10 +18,9 @@ use std::time::Instant;
 
 use kestrel_runtime::artifact::LoadedModel;
 use kestrel_shared::manifest::Manifest;
-use kestrel_shared::protocol::{
-    ArtifactOffer, Desired, DeviceEvent, ModelRef, Status, Target, Topics,
-};
-use kestrel_shared::topics::{DeviceTopic, Route};
+use kestrel_shared::protocol::{ArtifactOffer, Desired, DeviceEvent, ModelRef, Status, Target};
+use kestrel_shared::topics::{DeviceTopic, Route, Topics};
+use kestrel_shared::wire::EventKind;
 use serde::{Deserialize, Serialize};
 
 use crate::capture::CaptureState;
@@ -314,7 +313,7 @@ impl<M: Model> Core<M> {
         let status = Status {
             device: self.cfg.device_id.clone(),
             groups: self.cfg.groups.clone(),
-            state: u.phase.name().to_string(),
+            state: u.phase.device_state(),
             model: model.map(|m| m.name.clone()),
             active: u.active,
             previous: u.previous,
@@ -384,20 +383,19 @@ impl<M: Model> Core<M> {
     }
 
     /// A device event (durable), with a log line.
-    fn event(&mut self, kind: &str, version: u64, reason: Option<String>) {
+    fn event(&mut self, kind: EventKind, version: u64, reason: Option<String>) {
         let why = reason
             .as_deref()
             .map(|r| format!(": {r}"))
             .unwrap_or_default();
-        match kind {
-            "rejected" | "rolled-back" | "refused" => {
-                tracing::warn!("{}: v{version} {kind}{why}", self.id())
-            }
-            _ => tracing::info!("{}: v{version} {kind}{why}", self.id()),
+        if kind.is_failure() {
+            tracing::warn!("{}: v{version} {kind}{why}", self.id())
+        } else {
+            tracing::info!("{}: v{version} {kind}{why}", self.id())
         }
         let ev = DeviceEvent {
             device: self.cfg.device_id.clone(),
-            kind: kind.into(),
+            kind,
             version,
             reason,
             time: self.now.rfc3339(),

@@ -2,7 +2,8 @@
 //! a piece's chunks are taken wherever the offer lists it, and the subscriptions that fetch them.
 
 use kestrel_shared::manifest::Manifest;
-use kestrel_shared::protocol::{ArtifactOffer, Topics};
+use kestrel_shared::protocol::ArtifactOffer;
+use kestrel_shared::topics::Topics;
 
 use super::{Core, Effect, Lane, Model};
 use crate::update::{Offer, Phase};

@@ -3,6 +3,7 @@
 //! pursue.
 
 use kestrel_shared::protocol::{SignedDesired, SignedKeyList, Target, parse};
+use kestrel_shared::wire::EventKind;
 
 use super::{Core, Effect, Lane, Model};
 use crate::desired::Verdict;
@@ -105,7 +106,7 @@ impl<M: Model> Core<M> {
     /// and pursues whatever is now wanted.
     pub(super) fn on_verdict(&mut self, verdict: Verdict, version: u64) {
         if let Verdict::Refused(reason) = verdict {
-            self.event("refused", version, Some(reason.clone()));
+            self.event(EventKind::Refused, version, Some(reason.clone()));
             self.refused = Some(reason);
             self.publish_status();
             return;

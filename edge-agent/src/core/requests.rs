@@ -253,7 +253,7 @@ impl<M: Model> Core<M> {
             model: m.name.clone(),
             version: m.version,
             top: o.top.clone(),
-            reason: reason.into(),
+            reason,
             captured_at: self.now.rfc3339(),
             content: Capture::encode_content(&bytes),
         };

@@ -9,8 +9,10 @@
 use std::sync::Arc;
 
 use kestrel_shared::manifest::Manifest;
-use kestrel_shared::protocol::{ArtifactOffer, ModelRef, ShadowStatus, Topics};
+use kestrel_shared::protocol::{ArtifactOffer, ModelRef, ShadowStatus};
 use kestrel_shared::quality::{ShadowReport, ShadowTally};
+use kestrel_shared::topics::Topics;
+use kestrel_shared::wire::ShadowState;
 
 use super::delivery::Delivery;
 use super::{Core, Effect, Lane, Model, Now, ShadowJournal, ShadowRun};
@@ -66,18 +68,20 @@ impl<M> Shadow<M> {
                 .then(|| u.last_error.clone().unwrap_or_default())
         });
         let state = match (&failed, &u.phase) {
-            (Some(_), _) => "failed",
+            (Some(_), _) => ShadowState::Failed,
             // Checked and running beside the active model (loading again after a restart:
-            // still "verifying").
-            (None, Phase::Idle) if u.active == Some(w.version) && self.tally.is_some() => "running",
-            (None, Phase::Idle) if u.active == Some(w.version) => "verifying",
-            (None, Phase::Idle | Phase::Downloading { .. }) => "downloading",
-            (None, _) => "verifying",
+            // still verifying).
+            (None, Phase::Idle) if u.active == Some(w.version) && self.tally.is_some() => {
+                ShadowState::Running
+            }
+            (None, Phase::Idle) if u.active == Some(w.version) => ShadowState::Verifying,
+            (None, Phase::Idle | Phase::Downloading { .. }) => ShadowState::Downloading,
+            (None, _) => ShadowState::Verifying,
         };
         Some(ShadowStatus {
             name: w.name.clone(),
             version: w.version,
-            state: state.into(),
+            state,
             error: failed,
         })
     }

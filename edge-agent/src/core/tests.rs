@@ -12,9 +12,11 @@ use kestrel_shared::manifest::{Composition, Manifest, PartEntry};
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{
     ArtifactOffer, Class, Desired, DeviceEvent, InferReply, ModelRef, SignedDesired, Target,
-    Topics, sha256_hex,
+    sha256_hex,
 };
 use kestrel_shared::signing::{PayloadType, sign};
+use kestrel_shared::topics::Topics;
+use kestrel_shared::wire::ShadowState;
 
 use super::*;
 use crate::config::CapturePolicy;
@@ -312,7 +314,7 @@ impl Rig {
     fn events(&self) -> Vec<(String, u64)> {
         self.published(How::Durable)
             .map(|p| serde_json::from_str::<DeviceEvent>(p).unwrap())
-            .map(|e| (e.kind, e.version))
+            .map(|e| (e.kind.to_string(), e.version))
             .collect()
     }
 
@@ -603,7 +605,7 @@ fn a_shadow_of_another_name_fails_its_health_check_and_the_active_model_stays() 
     r.loads = Some(manifest("other", 2, 3000));
     r.publish(&key(), "faces-next", 2, 3000, false);
     let shadow = r.status().shadow.unwrap();
-    assert_eq!(shadow.state, "failed");
+    assert_eq!(shadow.state, ShadowState::Failed);
     assert!(shadow.error.unwrap().contains("the model is other"));
     assert!(
         !r.log
@@ -621,7 +623,7 @@ fn a_shadow_needs_quality_telemetry() {
     r.desired("faces", 1, Some(("faces-next", 2)));
     assert!(!r.subscribed().iter().any(|t| t.contains("faces-next")));
     let shadow = r.status().shadow.unwrap();
-    assert_eq!(shadow.state, "failed");
+    assert_eq!(shadow.state, ShadowState::Failed);
     assert!(shadow.error.unwrap().contains("quality telemetry"));
 }
 

@@ -19,7 +19,7 @@ use std::fmt::Write;
 use kestrel_shared::protocol::LATENCY_BUCKETS_S;
 
 use super::DeviceRow;
-use super::view::{DeviceFilter, FleetView};
+use super::view::{DeviceFilter, FleetView, RolloutStatus};
 
 /// A label value escaped as the format asks (backslash, double quote, newline).
 fn escape(v: &str) -> String {
@@ -157,7 +157,7 @@ fn fleet(out: &mut Exposition, devices: &[&DeviceRow]) {
     let mut sums = [0u64; 8];
     for d in devices {
         *states
-            .entry(d.state.as_deref().unwrap_or("unknown"))
+            .entry(d.state.as_ref().map_or("unknown", |s| s.as_str()))
             .or_default() += 1;
         if let (Some(m), Some(v)) = (&d.model, d.active) {
             *models.entry((m, v)).or_default() += 1;
@@ -468,7 +468,7 @@ fn rollouts(out: &mut Exposition, view: &FleetView) {
         "1 for the rollout's state (running, paused, completed, aborted), 0 for the others.",
     );
     for r in &rollouts {
-        let now = if r.paused && r.state == "running" {
+        let now = if r.paused && r.state == RolloutStatus::Running {
             "paused"
         } else {
             r.state.as_str()

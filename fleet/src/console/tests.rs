@@ -3,8 +3,9 @@
 use kestrel_shared::protocol::{DeviceCounters, LatencyHistogram, LatencyStats, Status};
 use kestrel_shared::quality::{DeviceQuality, Drift, QualityReport};
 
-use super::view::{DeviceFilter, FleetView};
+use super::view::{DeviceFilter, FleetView, RolloutStatus};
 use crate::rollout::{Controller, Plan};
+use kestrel_shared::wire::{DeviceState, EventKind};
 
 const NOW: &str = "2026-12-03T09:00:00Z";
 
@@ -12,7 +13,7 @@ fn status(id: &str, group: &str, active: Option<u64>, error: Option<&str>) -> Ve
     serde_json::to_vec(&Status {
         device: id.into(),
         groups: vec![group.into()],
-        state: "idle".into(),
+        state: DeviceState::Idle,
         model: active.map(|_| "lfw".into()),
         active,
         previous: None,
@@ -299,13 +300,34 @@ fn rollouts_show_phases_and_their_transitions_in_the_feed() {
     assert_eq!(r.phases[0].progress, "current");
     assert_eq!((r.phases[0].devices, r.phases[0].moved), (1, 1));
     assert_eq!(r.phases[1].waiting, 1);
+    // A fleet's chatter in between does not push the rollout's transitions out of the feed.
+    let chatter = super::view::EVENTS + 100;
+    for i in 0..chatter {
+        let e = kestrel_shared::protocol::DeviceEvent {
+            device: "a".into(),
+            kind: EventKind::Downloading,
+            version: i as u64,
+            reason: None,
+            time: NOW.into(),
+        };
+        v.apply("k/devices/a/events", &serde_json::to_vec(&e).unwrap(), NOW)
+            .unwrap();
+    }
     c.on_abort("operator", "console@test");
     v.apply(topic, &sealed(&c), NOW).unwrap();
     let r = v.rollout_row("r1").unwrap();
-    assert_eq!(r.state, "aborted");
+    assert_eq!(r.state, RolloutStatus::Aborted);
     assert_eq!(r.phases[0].rolled_back, 1);
-    let kinds: Vec<&str> = v.events(0).iter().map(|e| e.kind.as_str()).collect();
-    assert_eq!(kinds, ["seen", "aborted"]);
+    let events = v.events(0);
+    let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(kinds.len(), super::view::EVENTS + 2);
+    assert_eq!((kinds[0], kinds[kinds.len() - 1]), ("seen", "aborted"));
+    // The device ring kept the newest, and the merge is in order.
+    assert_eq!(
+        events[1].text,
+        format!("v{}", chatter - super::view::EVENTS)
+    );
+    assert!(events.windows(2).all(|w| w[0].seq < w[1].seq));
     let m = super::metrics::render(&v, true, super::metrics::PER_DEVICE_MAX);
     // A state set: every state a series of its own, so a state change keeps the series.
     for (state, on) in [

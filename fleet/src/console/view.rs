@@ -6,9 +6,10 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use kestrel_shared::capture::CaptureStats;
-use kestrel_shared::protocol::{DeviceCounters, DeviceEvent, LatencyHistogram, Status, Topics};
+use kestrel_shared::protocol::{DeviceCounters, DeviceEvent, LatencyHistogram, Status};
 use kestrel_shared::quality::DeviceQuality;
-use kestrel_shared::topics::{self, DeviceTopic, Route};
+use kestrel_shared::topics::{self, DeviceTopic, Route, Topics};
+use kestrel_shared::wire;
 use serde::Serialize;
 
 use crate::rollout::gates::Gate;
@@ -16,7 +17,8 @@ use crate::rollout::{Controller, DeviceState, Mode, RolloutState};
 
 /// Points kept per device for the confidence and drift sparklines.
 pub const HISTORY: usize = 30;
-/// Events kept for the feed.
+/// Events kept for the feed, per source: a fleet's device chatter never pushes a rollout's
+/// transitions out.
 pub const EVENTS: usize = 500;
 
 /// The topic filters the console subscribes to.
@@ -38,7 +40,7 @@ pub struct DeviceRow {
     /// From `P/devices/<id>/online` (None: never said).
     pub online: Option<bool>,
     /// The update machine's state (None: no status yet).
-    pub state: Option<String>,
+    pub state: Option<wire::DeviceState>,
     pub model: Option<String>,
     pub active: Option<u64>,
     pub previous: Option<u64>,
@@ -128,12 +130,19 @@ pub struct EventRow {
     pub seq: u64,
     /// RFC 3339 UTC (the device's clock for device events; the console's for the others).
     pub time: String,
-    /// `device` or `rollout`.
-    pub source: String,
+    pub source: EventSource,
     /// Device id or rollout name.
     pub subject: String,
     pub kind: String,
     pub text: String,
+}
+
+/// Who an event is about (`device` or `rollout` in JSON); each has its own [`EVENTS`] ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EventSource {
+    Device,
+    Rollout,
 }
 
 /// One phase of a rollout: its devices counted per state.
@@ -168,8 +177,7 @@ pub struct RolloutRow {
     pub name: String,
     pub model: String,
     pub version: u64,
-    /// `running`, `completed` or `aborted`.
-    pub state: String,
+    pub state: RolloutStatus,
     pub reason: Option<String>,
     pub phase: usize,
     /// Held in its phase by an operator (`trainer console --allow-actions`).
@@ -181,19 +189,45 @@ pub struct RolloutRow {
     pub seq: u64,
 }
 
+/// A rollout's state as the console shows it (`running`, `completed` or `aborted`; a held one is
+/// `running` with `paused`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RolloutStatus {
+    Running,
+    Completed,
+    Aborted,
+}
+
+impl RolloutStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Completed => "completed",
+            Self::Aborted => "aborted",
+        }
+    }
+}
+
+impl std::fmt::Display for RolloutStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
+    }
+}
+
 impl RolloutRow {
     fn new(c: &Controller, seq: u64) -> Self {
         let (state, reason) = match &c.state {
-            RolloutState::Running => ("running", None),
-            RolloutState::Completed => ("completed", None),
-            RolloutState::Aborted(r) => ("aborted", Some(r.clone())),
+            RolloutState::Running => (RolloutStatus::Running, None),
+            RolloutState::Completed => (RolloutStatus::Completed, None),
+            RolloutState::Aborted(r) => (RolloutStatus::Aborted, Some(r.clone())),
         };
         let phases = (0..c.plan.phases.len()).map(|i| phase_row(c, i)).collect();
         Self {
             name: c.name.clone(),
             model: c.model.clone(),
             version: c.version,
-            state: state.into(),
+            state,
             reason,
             phase: c.phase,
             paused: c.paused,
@@ -306,7 +340,7 @@ impl DeviceFilter {
             && self
                 .state
                 .as_ref()
-                .is_none_or(|s| d.state.as_deref() == Some(s.as_str()))
+                .is_none_or(|s| d.state == Some(wire::DeviceState::parse(s)))
             && self.version.as_deref().is_none_or(version_ok)
             && self.online.is_none_or(|o| d.online == Some(o))
             && self
@@ -322,7 +356,8 @@ pub struct FleetView {
     topics: Topics,
     devices: BTreeMap<String, DeviceRow>,
     rollouts: BTreeMap<String, RolloutRow>,
-    events: VecDeque<EventRow>,
+    /// Device events, then rollout transitions: one ring each, so neither evicts the other.
+    events: [VecDeque<EventRow>; 2],
     seq: u64,
 }
 
@@ -422,10 +457,11 @@ impl FleetView {
     fn push_event(&mut self, mut e: EventRow) {
         self.seq += 1;
         e.seq = self.seq;
-        if self.events.len() == EVENTS {
-            self.events.pop_front();
+        let ring = &mut self.events[e.source as usize];
+        if ring.len() == EVENTS {
+            ring.pop_front();
         }
-        self.events.push_back(e);
+        ring.push_back(e);
     }
 
     fn device_event(&mut self, e: DeviceEvent) {
@@ -436,9 +472,9 @@ impl FleetView {
         self.push_event(EventRow {
             seq: 0,
             time: e.time,
-            source: "device".into(),
+            source: EventSource::Device,
             subject: e.device,
-            kind: e.kind,
+            kind: e.kind.to_string(),
             text,
         });
     }
@@ -452,7 +488,7 @@ impl FleetView {
         let event = |kind: &str, text: String| EventRow {
             seq: 0,
             time: now.to_string(),
-            source: "rollout".into(),
+            source: EventSource::Rollout,
             subject: c.name.clone(),
             kind: kind.into(),
             text,
@@ -482,7 +518,7 @@ impl FleetView {
                 Some(r) => r.clone(),
                 None => format!("{} v{}", c.model, c.version),
             };
-            out.push(event(&row.state, text));
+            out.push(event(row.state.as_str(), text));
         }
         for e in out {
             self.push_event(e);
@@ -518,9 +554,16 @@ impl FleetView {
         self.rollouts.get(name)
     }
 
-    /// Events after `since`, oldest first.
+    /// Events after `since`, oldest first (the two rings merged by sequence number).
     pub fn events(&self, since: u64) -> Vec<&EventRow> {
-        self.events.iter().filter(|e| e.seq > since).collect()
+        let [devices, rollouts] = &self.events;
+        let mut out: Vec<&EventRow> = devices
+            .iter()
+            .chain(rollouts)
+            .filter(|e| e.seq > since)
+            .collect();
+        out.sort_unstable_by_key(|e| e.seq);
+        out
     }
 
     /// What changed after `since` (everything when `since` is 0). Forgotten devices and

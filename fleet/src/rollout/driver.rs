@@ -12,6 +12,7 @@ use kestrel_shared::protocol::{
 };
 use kestrel_shared::quality::DeviceQuality;
 use kestrel_shared::topics::{DeviceTopic, Route, from_device};
+use kestrel_shared::wire;
 use kestrel_shared::{issued_now, now_unix};
 
 use super::command::{Action, Command};
@@ -500,7 +501,7 @@ fn wait_rolled_back(
         if let Some((name, v)) = left.get(s.device.as_str())
             && s.active == Some(*v)
             && s.model.as_deref() == Some(name.as_str())
-            && s.state == "idle"
+            && s.state == wire::DeviceState::Idle
         {
             left.remove(s.device.as_str());
         }

@@ -33,6 +33,7 @@ use std::collections::BTreeMap;
 
 use kestrel_shared::protocol::{Status, sha256_hex};
 use kestrel_shared::quality::DeviceQuality;
+use kestrel_shared::wire::{self, ShadowState};
 use serde::{Deserialize, Serialize};
 
 use gates::{Gate, QualitySample};
@@ -390,7 +391,7 @@ impl Controller {
                 // A device sent back by an abort while it was installing may still fail its
                 // own health check: that failure is what it reports, and what is recorded.
                 DeviceState::Moved | DeviceState::RolledBack
-                    if s.failed_version == Some(version) && s.state == "idle" =>
+                    if s.failed_version == Some(version) && s.state == wire::DeviceState::Idle =>
                 {
                     Some(DeviceState::Failed(
                         s.last_error.clone().unwrap_or_else(|| "failed".into()),
@@ -648,9 +649,11 @@ fn shadow_state(
         .shadow
         .as_ref()
         .filter(|sh| sh.name == model && sh.version == version)?;
-    match (now, sh.state.as_str()) {
-        (DeviceState::Moved | DeviceState::TimedOut, "running") => Some(DeviceState::Shadowing),
-        (DeviceState::Moved, "failed") => Some(DeviceState::Failed(
+    match (now, &sh.state) {
+        (DeviceState::Moved | DeviceState::TimedOut, ShadowState::Running) => {
+            Some(DeviceState::Shadowing)
+        }
+        (DeviceState::Moved, ShadowState::Failed) => Some(DeviceState::Failed(
             sh.error.clone().unwrap_or_else(|| "shadow failed".into()),
         )),
         _ => None,

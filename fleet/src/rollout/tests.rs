@@ -1,5 +1,6 @@
 use super::*;
 use kestrel_shared::protocol::LatencyStats;
+use kestrel_shared::wire::{self, ShadowState};
 
 pub(super) fn status(
     id: &str,
@@ -10,7 +11,7 @@ pub(super) fn status(
     Status {
         device: id.into(),
         groups: groups.iter().map(|g| g.to_string()).collect(),
-        state: "idle".into(),
+        state: wire::DeviceState::Idle,
         model: active.map(|_| "m".into()),
         active,
         previous: None,
@@ -314,7 +315,7 @@ fn running_shadow(id: &str, version: u64) -> Status {
     s.shadow = Some(kestrel_shared::protocol::ShadowStatus {
         name: "m".into(),
         version,
-        state: "running".into(),
+        state: ShadowState::Running,
         error: None,
     });
     s

@@ -95,7 +95,7 @@ impl StorageType {
             "int64" | "long" => skip(Some(8)),
             "int32" | "int" => skip(Some(4)),
             "int16" | "short" => skip(Some(2)),
-            "int8" | "uint8" | "bool" => skip(Some(1)),
+            "int8" | "uint8" | "bool" => skip(Some(1)), // not-wire: PyTorch dtype names
             _ => skip(None),
         }
     }

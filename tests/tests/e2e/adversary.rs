@@ -18,6 +18,7 @@ use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::{
     Class, DEFAULT_VALIDITY_S, Desired, LatencyStats, SignedDesired, Status, Target,
 };
+use kestrel_shared::wire::{CaptureReason, DeviceState};
 use kestrel_shared::{issued_now, now_unix};
 use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config_on, desired, fixture, publish, publish_ok, publish_raw,
@@ -55,7 +56,7 @@ fn status(device: &str, active: Option<u64>, failed: Option<u64>) -> Vec<u8> {
     serde_json::to_vec(&Status {
         device: device.into(),
         groups: vec!["all".into()],
-        state: "idle".into(),
+        state: DeviceState::Idle,
         model: active.map(|_| "lfw".into()),
         active,
         previous: None,
@@ -124,7 +125,7 @@ fn a_compromised_device_cannot_promote_a_failing_model(kind: BrokerKind) {
 
     let others: Vec<String> = (0..10).map(|i| format!("ab-{i:03}")).collect();
     let evil = b.config_as(EVIL);
-    let topics = kestrel_shared::protocol::Topics::default();
+    let topics = kestrel_shared::topics::Topics::default();
     put(
         &evil,
         vec![(topics.status(EVIL), status(EVIL, Some(1), None), true)],
@@ -212,7 +213,7 @@ fn garbage_on_the_broker_is_skipped(kind: BrokerKind) {
     let w = Scratch::new();
     let b = broker(kind, &w.join("broker"));
     let _fleet = sim_fleet(&b, w.tmp.path(), "gs", 3);
-    let topics = kestrel_shared::protocol::Topics::default();
+    let topics = kestrel_shared::topics::Topics::default();
     put(
         &b.config_as(EVIL),
         vec![
@@ -304,12 +305,12 @@ fn a_forged_desired_state_does_not_cancel_an_update(kind: BrokerKind) {
     let _agent = start_agent_with(&conf, &[], &[]);
     publish_ok(&b, &f.v1, &f.key(), &format!("device/{device}"));
     wait_status(&b.config(), device, 120, "v1 active", |s| {
-        s.active == Some(1) && s.state == "idle"
+        s.active == Some(1) && s.state == DeviceState::Idle
     });
 
     let events = watch_events(b.config(), device, "active", Duration::from_secs(240));
     // The signed update: its desired state and offer now, its chunks once the forgery is in.
-    let topics = kestrel_shared::protocol::Topics::default();
+    let topics = kestrel_shared::topics::Topics::default();
     let bundle = Bundle::from_dir(&f.f32_v6, &f.signing(), 128 * 1024).unwrap();
     let (offer, chunks): (Vec<_>, Vec<_>) = bundle
         .messages(&topics)
@@ -317,7 +318,7 @@ fn a_forged_desired_state_does_not_cancel_an_update(kind: BrokerKind) {
         .partition(|(t, _, _)| t.ends_with("/manifest"));
     publish_raw(&b, offer, desired(device, 6, false));
     wait_status(&b.config(), device, 60, "downloading v6", |s| {
-        s.state == "downloading" && s.target == Some(6)
+        s.state == DeviceState::Downloading && s.target == Some(6)
     });
     let rogue = signing_key(&f.rogue_keys);
     let payload =
@@ -337,7 +338,7 @@ fn a_forged_desired_state_does_not_cancel_an_update(kind: BrokerKind) {
     });
     put(&b.config(), chunks);
     let st = wait_status(&b.config(), device, 180, "v6 active", |s| {
-        s.active == Some(6) && s.state == "idle"
+        s.active == Some(6) && s.state == DeviceState::Idle
     });
     let events = events.join().unwrap();
     let kinds: Vec<&str> = events.iter().map(|e| e["kind"].as_str().unwrap()).collect();
@@ -376,7 +377,7 @@ fn a_new_device_refuses_a_recorded_old_state(kind: BrokerKind) {
     let f = fixture();
     let w = Scratch::new();
     let b = broker(kind, &w.join("broker"));
-    let topic = kestrel_shared::protocol::Topics::default().desired(&Target::Group("late".into()));
+    let topic = kestrel_shared::topics::Topics::default().desired(&Target::Group("late".into()));
     let o = publish(&b, &f.v1, &f.key(), "group/late", &["--expires-in", "2"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let mut c = Conn::connect(&b.config_as(INTRUDER), "recorder").unwrap();
@@ -488,7 +489,7 @@ fn a_replayed_command_changes_nothing() {
             nonce: RolloutCommand::new_nonce(),
         };
         let payload = serde_json::to_vec(&cmd.sign(&key)).unwrap();
-        let topic = kestrel_shared::protocol::Topics::default().rollout_command("cmd");
+        let topic = kestrel_shared::topics::Topics::default().rollout_command("cmd");
         put(&b.config(), vec![(topic.clone(), payload.clone(), false)]);
         (topic, payload)
     };
@@ -540,9 +541,9 @@ fn the_agent_keeps_its_budgets(kind: BrokerKind) {
     let mut agent = start_agent_with(&conf, &[], &[]);
     publish_ok(&b, &f.v1, &f.key(), &format!("device/{device}"));
     wait_status(&b.config(), device, 120, "v1 active", |s| {
-        s.active == Some(1) && s.state == "idle"
+        s.active == Some(1) && s.state == DeviceState::Idle
     });
-    let topics = kestrel_shared::protocol::Topics::default();
+    let topics = kestrel_shared::topics::Topics::default();
     let intruder = b.config_as(INTRUDER);
 
     // Over the broker's payload limit (2 MiB): refused at the publisher, never delivered (the
@@ -684,13 +685,13 @@ fn collect_takes_the_device_from_the_topic(kind: BrokerKind) {
                 label: "face".into(),
                 score: 0.9,
             }],
-            reason: "random".into(),
+            reason: CaptureReason::Random,
             captured_at: "2026-12-04T00:00:00Z".into(),
             content: Capture::encode_content(&face),
         })
         .unwrap()
     };
-    let topics = kestrel_shared::protocol::Topics::default();
+    let topics = kestrel_shared::topics::Topics::default();
     put(
         &b.config_as(EVIL),
         vec![

@@ -17,6 +17,7 @@ use std::process::{Command, Output};
 
 use kestrel_fleet::{Bundle, Conn};
 use kestrel_shared::protocol::sha256_hex;
+use kestrel_shared::wire::DeviceState;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, desired, fixture, killed_mid_download, publish_ok,
     publish_raw, wait_status,
@@ -630,7 +631,7 @@ fn aarch64_agent_under_qemu_installs_serves_rejects_rolls_back_and_resumes() {
     );
     let mut agent = arm.start_agent(&conf, &[]);
     let st = wait_status(&cfg, "pi-a", 300, "v1 active after resume", |s| {
-        s.active == Some(1) && s.state == "idle"
+        s.active == Some(1) && s.state == DeviceState::Idle
     });
     assert_eq!(st.last_error, None, "{}", agent.output());
 
@@ -667,7 +668,7 @@ fn aarch64_agent_under_qemu_installs_serves_rejects_rolls_back_and_resumes() {
         s.last_error
             .as_deref()
             .is_some_and(|e| e.contains("health check failed"))
-            && s.state == "idle"
+            && s.state == DeviceState::Idle
     });
     assert_eq!(st.active, Some(1));
     let store = dir.join("pi-a/store");
@@ -892,7 +893,7 @@ fn aarch64_ort_engine_under_qemu_checks_predicts_and_serves() {
     let agent = arm.start_agent(&conf, &[]);
     publish_ok(&b, &f.v1, &f.key(), "device/pi-o");
     let st = wait_status(&b.config(), "pi-o", 300, "v1 active on ort", |s| {
-        s.active == Some(1) && s.state == "idle"
+        s.active == Some(1) && s.state == DeviceState::Idle
     });
     assert_eq!(st.last_error, None, "{}", agent.output());
     infer_matches_x86(&b.url(), "pi-o", &f.v1, &agent, 6);

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use kestrel_shared::capture::{Capture, CaptureStats};
 use kestrel_shared::protocol::Class;
+use kestrel_shared::wire::CaptureReason;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, agent_config, fixture, publish_ok, start_agent_with, wait_status,
 };
@@ -153,11 +154,11 @@ fn limits_hold_and_nothing_is_stored_twice(kind: BrokerKind) {
             label: "face".into(),
             score: 0.4,
         }],
-        reason: "low-confidence".into(),
+        reason: CaptureReason::LowConfidence,
         captured_at: "2026-12-02T10:00:00Z".into(),
         content: Capture::encode_content(&std::fs::read(faces.join("000.png")).unwrap()),
     };
-    let topic = kestrel_shared::protocol::Topics::new("kestrel").capture("other", &dup.id);
+    let topic = kestrel_shared::topics::Topics::new("kestrel").capture("other", &dup.id);
     let msg = (topic, serde_json::to_vec(&dup).unwrap(), false);
     let mut conn = kestrel_fleet::Conn::connect(&b.config(), "test").unwrap();
     conn.publish_all(vec![msg.clone(), msg], None).unwrap();

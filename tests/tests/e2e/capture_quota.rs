@@ -12,7 +12,9 @@ use std::process::{Child, Command, Stdio};
 
 use kestrel_fleet::Conn;
 use kestrel_shared::capture::{Capture, CaptureAck, CaptureStats};
-use kestrel_shared::protocol::{Class, Status, Topics};
+use kestrel_shared::protocol::{Class, Status};
+use kestrel_shared::topics::Topics;
+use kestrel_shared::wire::CaptureReason;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, agent_config_on, fixture, publish_ok, start_agent_with, wait_status,
 };
@@ -63,7 +65,7 @@ fn flood_capture(i: usize) -> (String, Vec<u8>) {
             label: "face".into(),
             score: 0.3,
         }],
-        reason: "low-confidence".into(),
+        reason: CaptureReason::LowConfidence,
         captured_at: "2026-12-02T10:00:00Z".into(),
         content: Capture::encode_content(&image),
     };

@@ -11,6 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kestrel_shared::time::now_ms;
+use kestrel_shared::wire::DeviceState;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, fixture, start_agent, wait_status,
 };
@@ -177,7 +178,7 @@ fn agent_killed_at_random_moments_restarts_onto_a_complete_model() {
     let p = publish_in_background(b.url(), &f.v1, &f.key(), target.clone()).join();
     assert!(p.unwrap().status.success());
     wait_status(&b.config(), device, 120, "v1 active", |st| {
-        st.active == Some(1) && st.state == "idle"
+        st.active == Some(1) && st.state == DeviceState::Idle
     });
     let mut moments: BTreeMap<String, u64> = BTreeMap::new();
     for i in 0..kills {
@@ -197,7 +198,7 @@ fn agent_killed_at_random_moments_restarts_onto_a_complete_model() {
         assert!(o.status.success(), "publish v{version}: {}", stderr(&o));
         agent = start_agent(&cfg, &[]);
         wait_status(&b.config(), device, 120, "the new version active", |st| {
-            st.started >= killed_at && st.active == Some(version) && st.state == "idle"
+            st.started >= killed_at && st.active == Some(version) && st.state == DeviceState::Idle
         });
         check_store(&store, &f.keys, version);
     }
@@ -317,7 +318,7 @@ fn agent_under_paced_load_answers_every_request(kind: BrokerKind) {
     let p = publish_in_background(b.url(), &f.v1, &f.key(), format!("device/{device}")).join();
     assert!(p.unwrap().status.success());
     wait_status(&b.config(), device, 120, "v1 active", |st| {
-        st.active == Some(1) && st.state == "idle"
+        st.active == Some(1) && st.state == DeviceState::Idle
     });
     let (_, rss_before) = rss_mb(agent.child.id());
     let url = b.url();
@@ -436,7 +437,7 @@ fn a_store_that_fills_up_during_a_download() {
         device,
         120,
         "v6 active after space returned",
-        |st| st.active == Some(6) && st.state == "idle" && st.last_error.is_none(),
+        |st| st.active == Some(6) && st.state == DeviceState::Idle && st.last_error.is_none(),
     );
     check_store(&store, &f.keys, 6);
     drop(agent);

@@ -21,6 +21,7 @@ use kestrel_tests::{run, s, stderr};
 use serde_json::{Value, json};
 
 use super::console::{start_console, start_console_with_actions, workdir_and_broker};
+use kestrel_shared::wire::DeviceState;
 
 /// Device ids and rollout names come from topics, where only safe names are taken
 /// (`check_name`); a hostile one is skipped before the page ([`HOSTILE_ID`]).
@@ -102,7 +103,7 @@ fn status(device: &str) -> Status {
     Status {
         device: device.into(),
         groups: vec!["g".into()],
-        state: "idle".into(),
+        state: DeviceState::Idle,
         model: Some("m".into()),
         active: Some(1),
         previous: Some(0),

@@ -15,7 +15,9 @@ use kestrel_fleet::Conn;
 use kestrel_shared::capture::Capture;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::now_unix;
-use kestrel_shared::protocol::{Class, DEFAULT_KEYS_VALIDITY_S, Status, Topics};
+use kestrel_shared::protocol::{Class, DEFAULT_KEYS_VALIDITY_S, Status};
+use kestrel_shared::topics::Topics;
+use kestrel_shared::wire::{CaptureReason, DeviceState};
 use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, fixture, publish_ok, start_agent,
 };
@@ -135,7 +137,7 @@ fn a_withheld_key_list_stops_being_trusted(kind: BrokerKind) {
     let target = format!("device/{device}");
     publish_ok(&b, &art_v1, &key_a, &target);
     wait(&b.config(), device, &agent, 120, "v1 active", |st| {
-        st.active == Some(1) && st.state == "idle"
+        st.active == Some(1) && st.state == DeviceState::Idle
     });
 
     // v2 expires soon, and nothing newer comes.
@@ -261,7 +263,7 @@ fn a_withheld_key_list_stops_being_trusted(kind: BrokerKind) {
         120,
         "v2 active under key list v3 (the retained desired state it refused during the lapse, \
          read again once a newer list is in force)",
-        |st| st.keys_version == Some(3) && st.active == Some(2) && st.state == "idle",
+        |st| st.keys_version == Some(3) && st.active == Some(2) && st.state == DeviceState::Idle,
     );
     assert_eq!(st.previous, Some(1), "{st:?}");
 }
@@ -361,7 +363,7 @@ fn label_export_escapes_formulas_from_devices() {
                 label: h.predicted.into(),
                 score: h.score,
             }],
-            reason: h.reason.into(),
+            reason: CaptureReason::parse(h.reason),
             captured_at: "2026-12-04T00:00:00Z".into(),
             content: Capture::encode_content(&face),
         })

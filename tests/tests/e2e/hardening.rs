@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use kestrel_fleet::Conn;
 use kestrel_shared::protocol::{KeyList, SignedKeyList, Status};
+use kestrel_shared::wire::DeviceState;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, desired, fixture, publish, publish_ok, publish_raw,
     start_agent, wait_status,
@@ -38,7 +39,7 @@ fn refused_desired_states(kind: BrokerKind) {
     let target = format!("device/{device}");
     let on = |v: u64, what: &str| {
         wait_status(&b.config(), device, 90, what, |st| {
-            st.active == Some(v) && st.state == "idle"
+            st.active == Some(v) && st.state == DeviceState::Idle
         })
     };
     publish_ok(&b, &f.v1, &f.key(), &target);

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use kestrel_shared::wire::DeviceState;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, fixture, free_port, start_agent, wait_status,
 };
@@ -521,7 +522,7 @@ fn published_from_registry(w: &Scratch, uri: &str) {
         "pi-ml",
         60,
         "registry version active",
-        |s| s.active == Some(1) && s.state == "idle",
+        |s| s.active == Some(1) && s.state == DeviceState::Idle,
     );
     assert_eq!(st.source.as_deref(), Some("models:/lfw/1"));
     let table = kestrel_tests::trainer_ok(&["status", "--broker", &broker.url()]);

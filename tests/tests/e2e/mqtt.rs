@@ -5,7 +5,9 @@ use std::path::Path;
 use std::process::Output;
 
 use kestrel_fleet::{Bundle, Conn};
-use kestrel_shared::protocol::{ArtifactOffer, Topics, sha256_hex};
+use kestrel_shared::protocol::{ArtifactOffer, sha256_hex};
+use kestrel_shared::topics::Topics;
+use kestrel_shared::wire::DeviceState;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, Proc, agent_config, desired, fixture, killed_mid_download, publish,
     publish_ok, publish_raw, start_agent, start_agent_with, trainer_ok, wait_status,
@@ -65,7 +67,7 @@ fn v1_published_before_the_device_infers_like_evaluate(b: &Broker, dir: &Path) -
     );
     let agent = start_agent(&conf, &[]);
     let st = wait_status(&cfg, "pi-1", 120, "v1 active", |s| {
-        s.active == Some(1) && s.state == "idle"
+        s.active == Some(1) && s.state == DeviceState::Idle
     });
     assert_eq!(st.model.as_deref(), Some("lfw"));
     assert_eq!(st.last_error, None);
@@ -98,7 +100,7 @@ fn v2_replaces_v1_kept_as_previous(b: &Broker, dir: &Path) {
     let p = publish_ok(b, &f.v2, &f.key(), "device/pi-1");
     assert_eq!(p["replaced"].as_u64(), Some(1));
     wait_status(&b.config(), "pi-1", 120, "v2 active, v1 previous", |s| {
-        s.active == Some(2) && s.previous == Some(1) && s.state == "idle"
+        s.active == Some(2) && s.previous == Some(1) && s.state == DeviceState::Idle
     });
     let store = dir.join("pi-1/store");
     assert_eq!(
@@ -114,7 +116,7 @@ fn v2_replaces_v1_kept_as_previous(b: &Broker, dir: &Path) {
 /// pi-1 rejected an update (`text` in its status' last error) and v2 keeps serving.
 fn rejected(b: &Broker, what: &str, text: &str) {
     let st = wait_status(&b.config(), "pi-1", 120, what, |s| {
-        s.last_error.as_deref().is_some_and(|e| e.contains(text)) && s.state == "idle"
+        s.last_error.as_deref().is_some_and(|e| e.contains(text)) && s.state == DeviceState::Idle
     });
     assert_eq!((st.active, st.previous), (Some(2), Some(1)), "{what}");
     let (lines, _, o) = infer(
@@ -184,7 +186,7 @@ fn downgrades_and_unknown_keys_are_rejected(b: &Broker, topics: &Topics) {
 /// nothing of it acted on (no failed install, no error of an update), and v2 keeps serving.
 fn refused_unverified(b: &Broker, what: &str, text: &str) {
     let st = wait_status(&b.config(), "pi-1", 120, what, |s| {
-        s.refused.as_deref().is_some_and(|e| e.contains(text)) && s.state == "idle"
+        s.refused.as_deref().is_some_and(|e| e.contains(text)) && s.state == DeviceState::Idle
     });
     assert_eq!((st.active, st.previous), (Some(2), Some(1)), "{what}");
     assert_eq!(
@@ -227,7 +229,7 @@ fn bad_files_are_rejected(b: &Broker, topics: &Topics, dir: &Path) {
                 .as_deref()
                 .is_some_and(|e| e.contains("chunk 3 of v4 failed its sha256 check"))
     });
-    assert_eq!(st.state, "downloading", "{st:?}");
+    assert_eq!(st.state, DeviceState::Downloading, "{st:?}");
     assert_ne!(st.failed_version, Some(4), "{st:?}");
     assert_eq!(st.active, Some(2), "{st:?}");
 
@@ -352,7 +354,7 @@ fn sigkill_during_download_and_during_activation_then_resume() {
     });
     let agent = start_agent(&conf, &[]);
     wait_status(&cfg, "pi-k", 120, "v1 active after resume", |s| {
-        s.active == Some(1) && s.state == "idle"
+        s.active == Some(1) && s.state == DeviceState::Idle
     });
     assert!(agent.output().contains("loading") || agent.output().contains("v1 active"));
     agent.kill();
@@ -363,7 +365,9 @@ fn sigkill_during_download_and_during_activation_then_resume() {
         s.active == Some(1)
     });
     publish_ok(&b, &f.v2, &f.key(), "device/pi-k");
-    wait_status(&cfg, "pi-k", 120, "activating", |s| s.state == "activating");
+    wait_status(&cfg, "pi-k", 120, "activating", |s| {
+        s.state == DeviceState::Activating
+    });
     agent.kill();
     let store = dir.join("pi-k/store");
     assert_eq!(
@@ -372,7 +376,7 @@ fn sigkill_during_download_and_during_activation_then_resume() {
     );
     let agent = start_agent(&conf, &[]);
     wait_status(&cfg, "pi-k", 120, "v2 active after resume", |s| {
-        s.active == Some(2) && s.previous == Some(1) && s.state == "idle"
+        s.active == Some(2) && s.previous == Some(1) && s.state == DeviceState::Idle
     });
     let (lines, _, o) = infer(
         &b,
@@ -396,14 +400,14 @@ fn mosquitto_late_device_update_and_broker_restart() {
     let conf = agent_config(&dir.join("pi-m"), "pi-m", &b.url(), &f.keys, "");
     let agent = start_agent(&conf, &[]);
     wait_status(&cfg, "pi-m", 120, "v1 active", |s| {
-        s.active == Some(1) && s.state == "idle"
+        s.active == Some(1) && s.state == DeviceState::Idle
     });
     answers_like_edge_agent_predict(&b, "pi-m", &f.v1);
 
     // v2 to the group; v1 kept as previous.
     publish_ok(&b, &f.v2, &f.key(), "group/all");
     wait_status(&cfg, "pi-m", 120, "v2 active", |s| {
-        s.active == Some(2) && s.previous == Some(1) && s.state == "idle"
+        s.active == Some(2) && s.previous == Some(1) && s.state == DeviceState::Idle
     });
     agent.kill();
 
@@ -417,7 +421,7 @@ fn mosquitto_late_device_update_and_broker_restart() {
         "pi-n",
         120,
         "v2 active on a device that came after a broker restart",
-        |s| s.active == Some(2) && s.state == "idle",
+        |s| s.active == Some(2) && s.state == DeviceState::Idle,
     );
     // The first device's status survived the restart too (retained, persisted).
     let all = kestrel_fleet::statuses(&cfg, Some("pi-m")).unwrap();

@@ -23,6 +23,7 @@ use kestrel_tests::{Scratch, fetched, json_lines, read_json, run, s, stderr, std
 use serde_json::Value;
 
 use super::parts::{export, runs, sha};
+use kestrel_shared::wire::DeviceState;
 
 /// LFW v1..v4 of `lfw`, int8 weights on the shared backbone: v1, v2 new heads (runs h1, h2);
 /// v3, v4 the last block fine-tuned too (ft1, ft2).
@@ -118,7 +119,7 @@ fn forged(version: u64, base: u64, head_from: u64) -> Vec<(String, Vec<u8>, bool
         chunks: vec![],
         pieces: cut,
     };
-    b.messages(&kestrel_shared::protocol::Topics::default())
+    b.messages(&kestrel_shared::topics::Topics::default())
 }
 
 /// `trainer publish` of `version` to each device; the last one's JSON.
@@ -143,7 +144,7 @@ fn active(b: &Broker, devices: &[&str], version: u64) -> Vec<Status> {
     (devices.iter())
         .map(|d| {
             wait_status(&b.config(), d, 240, &what, |s| {
-                s.active == Some(version) && s.state == "idle"
+                s.active == Some(version) && s.state == DeviceState::Idle
             })
         })
         .collect()
@@ -291,7 +292,7 @@ fn fine_tuned_blocks(r: &Rig, kind: BrokerKind) {
     let m3 = manifest(3);
     let block = m3.composition.as_ref().unwrap().parts[2].clone();
     assert!(block.role.starts_with("block:"), "{:?}", block.role);
-    let topics = kestrel_shared::protocol::Topics::default();
+    let topics = kestrel_shared::topics::Topics::default();
     let genuine_topic = topics.part_chunk(&block.sha256, 128 << 10, 0);
     let v3 = Bundle::from_dir(&art(3), &f.signing(), 128 << 10).unwrap();
     let mut msgs = v3.messages(&topics);
@@ -383,7 +384,7 @@ fn damaged_part(r: &Rig, agent: kestrel_tests::fleet::Proc) {
     std::fs::write(&part, bytes).unwrap();
     let agent = start_agent_with(&r.conf, &[], &["--simulate", "2"]);
     let st = wait_status(&b.config(), "hd-000", 120, "v4 installed again", |s| {
-        s.started != before[0] && s.active == Some(4) && s.state == "idle"
+        s.started != before[0] && s.active == Some(4) && s.state == DeviceState::Idle
     });
     assert_fetched("the damaged part", st.counters.bytes_fetched, head.size);
     let other = wait_status(&b.config(), "hd-001", 60, "v4", |s| {

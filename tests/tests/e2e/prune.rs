@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use kestrel_fleet::Conn;
+use kestrel_shared::wire::DeviceState;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, agent_config, fixture, publish_ok, start_agent, wait_status,
 };
@@ -68,7 +69,7 @@ fn prune_keeps_what_the_fleet_needs(kind: BrokerKind) {
     let conf = agent_config(&dir.join(device), device, &b.url(), &f.keys, "");
     let agent = start_agent(&conf, &[]);
     wait_status(&b.config(), device, 120, "v3 active after the prune", |s| {
-        s.active == Some(3) && s.state == "idle"
+        s.active == Some(3) && s.state == DeviceState::Idle
     });
     agent.kill();
 

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use kestrel_fleet::Conn;
 use kestrel_shared::mqtt::BrokerConfig;
 use kestrel_shared::protocol::Target;
+use kestrel_shared::wire::DeviceState;
 use kestrel_tests::fleet::{Proc, fixture, free_port, start_agent_with, wait_status};
 use kestrel_tests::tls::{client_cert, test_ca};
 use kestrel_tests::{run, s, stderr};
@@ -157,7 +158,7 @@ fn a_device_with_tls_and_credentials_installs_a_model(
     );
     assert!(o.status.success(), "{}", stderr(&o));
     wait_status(trainer, "pi-a", 120, "v1 active over TLS", |s| {
-        s.active == Some(1) && s.state == "idle"
+        s.active == Some(1) && s.state == DeviceState::Idle
     });
     assert!(
         agent.output().contains("connected to mqtts://"),
@@ -316,7 +317,7 @@ fn client_certificates_on_mosquitto() {
         "pi-c",
         120,
         "v1 active with a client certificate",
-        |s| s.active == Some(1) && s.state == "idle",
+        |s| s.active == Some(1) && s.state == DeviceState::Idle,
     );
     assert!(
         agent.output().contains("connected to mqtts://"),

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use kestrel_fleet::{Bundle, Conn};
 use kestrel_shared::protocol::{Desired, ModelRef, Status};
+use kestrel_shared::wire::{DeviceState, ShadowState};
 use kestrel_tests::fleet::{
     Broker, BrokerKind, agent_config, desired, fixture, publish_ok, publish_raw, start_agent,
     wait_status,
@@ -34,7 +35,7 @@ fn with_shadow(device: &str, shadow: u64) -> Desired {
     }
 }
 
-fn shadow_is(s: &Status, version: u64, state: &str) -> bool {
+fn shadow_is(s: &Status, version: u64, state: ShadowState) -> bool {
     s.shadow
         .as_ref()
         .is_some_and(|sh| sh.version == version && sh.state == state)
@@ -56,7 +57,7 @@ fn shadow_keeps_the_rules(kind: BrokerKind) {
     let agent = start_agent(&conf, &[]);
     publish_ok(&b, &f.v2, &f.key(), &format!("device/{device}"));
     wait_status(&b.config(), device, 120, "v2 active", |s| {
-        s.active == Some(2) && s.state == "idle"
+        s.active == Some(2) && s.state == DeviceState::Idle
     });
     let topics = Conn::connect(&b.config(), "t").unwrap().topics.clone();
 
@@ -75,7 +76,7 @@ fn shadow_keeps_the_rules(kind: BrokerKind) {
     publish_raw(&b, msgs, with_shadow(device, 4));
     let store = dir.join(device).join("store");
     let st = wait_status(&b.config(), device, 120, "shadow v4 downloading", |s| {
-        shadow_is(s, 4, "downloading") && s.counters.chunks_corrupt >= 2
+        shadow_is(s, 4, ShadowState::Downloading) && s.counters.chunks_corrupt >= 2
     });
     assert_eq!(st.shadow.unwrap().error, None, "not failed for garbage");
     assert_eq!(
@@ -87,14 +88,14 @@ fn shadow_keeps_the_rules(kind: BrokerKind) {
     publisher.publish_all(vec![genuine], None).unwrap();
     publisher.disconnect();
     wait_status(&b.config(), device, 120, "shadow v4 running", |s| {
-        shadow_is(s, 4, "running")
+        shadow_is(s, 4, ShadowState::Running)
     });
 
     // A good shadow runs beside v2.
     let v5 = Bundle::from_dir(&f.variant(&f.v2, 5, |_| {}), &f.signing(), 128 * 1024).unwrap();
     publish_raw(&b, v5.messages(&topics), with_shadow(device, 5));
     let st = wait_status(&b.config(), device, 120, "shadow v5 running", |s| {
-        shadow_is(s, 5, "running")
+        shadow_is(s, 5, ShadowState::Running)
     });
     assert_eq!(st.active, Some(2));
     assert!(store.join("shadow/versions/5/manifest.json").is_file());
@@ -109,7 +110,7 @@ fn shadow_keeps_the_rules(kind: BrokerKind) {
     remove_chunks(&store.join("shadow/downloads/5/chunks"));
     let agent = start_agent(&conf, &[]);
     let st = wait_status(&b.config(), device, 120, "shadow v5 running again", |s| {
-        shadow_is(s, 5, "running") && s.started != st.started
+        shadow_is(s, 5, ShadowState::Running) && s.started != st.started
     });
     assert_eq!(st.active, Some(2));
     let log = agent.output();

@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 use kestrel_fleet::rollout::{Controller, Plan, saved};
 use kestrel_fleet::{Bundle, Conn};
 use kestrel_shared::mqtt::BrokerConfig;
-use kestrel_shared::protocol::{SignedDesired, Status, Topics};
+use kestrel_shared::protocol::{SignedDesired, Status};
 use kestrel_shared::quality::{DeviceQuality, ShadowReport};
+use kestrel_shared::topics::Topics;
 use kestrel_tests::fleet::{
     Broker, BrokerKind, agent_config_on, desired, fixture, publish_ok, publish_raw,
     rollout_command, start_agent_with, wait_fleet, wait_status,
@@ -27,6 +28,7 @@ use serde_json::Value;
 
 use super::adversary::{EVIL, INTRUDER, SIM, broker, plan, put, sim_fleet};
 use super::quality::{candidates, gate, held_out};
+use kestrel_shared::wire::ShadowState;
 
 /// The device's latest retained status, as the fleet reads it.
 fn status_of(cfg: &BrokerConfig, device: &str) -> Status {
@@ -78,7 +80,7 @@ fn liar(cfg: BrokerConfig, honest: Status, stop: Arc<AtomicBool>) -> std::thread
                 .map(|m| kestrel_shared::protocol::ShadowStatus {
                     name: m.name.clone(),
                     version: m.version,
-                    state: "running".into(),
+                    state: ShadowState::Running,
                     error: None,
                 });
             let mut msgs = vec![(topics.status(EVIL), serde_json::to_vec(&me).unwrap(), true)];

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use crate::distributed::{Job, JobOpts};
-use crate::export::{ExportOpts, QuantForm};
+use crate::export::{ExportOpts, Quantize};
 use crate::track::registry::version_uri;
 use crate::track::{Registration, TrackedExport, tracked_export};
 use anyhow::{Result, bail};
@@ -27,7 +27,7 @@ pub struct Args {
     /// none: f32; int8-weights: int8 per-channel weights, float activations (rollout default);
     /// int8: static int8 (weights + calibrated activations, QDQ).
     #[arg(long, value_enum, default_value = "none")]
-    quantize: QuantForm,
+    quantize: Quantize,
     /// Training samples for calibration: activation ranges (int8) and bias correction (both
     /// quantized forms).
     #[arg(long, default_value_t = 200)]

@@ -11,7 +11,7 @@ use kestrel_models::quant::{Quant, float_layer, quantize_per_channel_to};
 use kestrel_models::weights::FoldedConv;
 
 use super::trained::Trained;
-use super::{ExportError, ExportOpts, QuantForm};
+use super::{ExportError, ExportOpts, Quantize};
 use crate::data::Split;
 
 /// The network as it is lowered: the quantization and the (bias-corrected) weights it applies to.
@@ -31,7 +31,7 @@ pub(super) fn quantize(
     log: &mut dyn FnMut(String),
 ) -> Result<Quantized, ExportError> {
     let (folded, head) = (&run.folded, &run.head);
-    if o.quantize == QuantForm::None {
+    if o.quantize == Quantize::None {
         return Ok(Quantized {
             quant: Quant::None,
             folded: folded.clone(),
@@ -41,11 +41,11 @@ pub(super) fn quantize(
     if run.pp.backbone.graph.is_some() {
         // An ONNX backbone: int8 weights written into its graph at lowering (no calibration, no
         // bias correction: Kestrel does not know its layers).
-        if o.quantize != QuantForm::Int8Weights {
+        if o.quantize != Quantize::Int8Weights {
             return Err(ExportError::Unsupported(format!(
                 "--quantize {} of an ONNX backbone: its graph is exported as it is (none) or with \
                  int8 weights (int8-weights); static int8 needs Kestrel's own layers",
-                o.quantize.name()
+                o.quantize.form()
             )));
         }
         log("int8 weights of the ONNX backbone's Conv and Gemm layers (no bias correction)".into());
@@ -68,7 +68,7 @@ pub(super) fn quantize(
     // Static int8: activation ranges of the float network. Both forms: bias correction from
     // the inputs the quantized network sees.
     let quant = match o.quantize {
-        QuantForm::Int8 => {
+        Quantize::Int8 => {
             let mut ranges =
                 calibrate(&run.pp, folded, head, &Quant::None, &samples, threads)?.ranges;
             // The layers nearest the input keep float activations (their weights stay int8):

@@ -64,7 +64,7 @@ pub(super) fn lower(
             "kestrel.preprocess",
             serde_json::to_string(&net.preprocess).expect("json"),
         ),
-        ("kestrel.quantization", o.quantize.name().to_string()),
+        ("kestrel.quantization", o.quantize.form().to_string()),
         ("kestrel.input", onnx::INPUT_NAME.to_string()),
         ("kestrel.output", opts.output_name.clone()),
         ("kestrel.features", FEATURES_OUTPUT.to_string()),

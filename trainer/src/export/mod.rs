@@ -13,6 +13,7 @@
 use std::path::Path;
 
 use kestrel_shared::manifest::Manifest;
+use kestrel_shared::wire::QuantForm;
 
 mod calibrate;
 mod evaluate;
@@ -30,27 +31,30 @@ use crate::data::cache::CacheError;
 use crate::distributed::Job;
 use crate::train::TrainError;
 
+/// The quantization `trainer export --quantize` asks for (the manifest records it as a
+/// [`QuantForm`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum QuantForm {
+pub enum Quantize {
     None,
     Int8Weights,
     Int8,
 }
 
-impl QuantForm {
-    pub fn name(self) -> &'static str {
+impl Quantize {
+    /// The form the artifact's manifest records.
+    pub fn form(self) -> QuantForm {
         match self {
-            QuantForm::None => "none",
-            QuantForm::Int8Weights => "int8-weights",
-            QuantForm::Int8 => "int8",
+            Quantize::None => QuantForm::None,
+            Quantize::Int8Weights => QuantForm::Int8Weights,
+            Quantize::Int8 => QuantForm::Int8,
         }
     }
 }
 
 #[derive(Debug, Clone)]
 pub struct ExportOpts {
-    pub quantize: QuantForm,
+    pub quantize: Quantize,
     /// Training samples used to calibrate activation ranges (static int8).
     pub calibration: usize,
     /// Static int8: the stem and this many leading blocks keep float activations.
@@ -129,7 +133,7 @@ pub enum ExportError {
         "{form} form loses {drop:.2} accuracy points in {runtime} (f32 {f32_accuracy:.4} → {accuracy:.4}), more than --max-accuracy-drop {max_drop}"
     )]
     AccuracyDrop {
-        form: &'static str,
+        form: QuantForm,
         runtime: String,
         drop: f64,
         f32_accuracy: f64,
@@ -185,7 +189,7 @@ fn artifact_name(run_dir: &Path, o: &ExportOpts) -> String {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or("model".into()),
-            o.quantize.name()
+            o.quantize.form()
         )
     })
 }

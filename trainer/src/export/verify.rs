@@ -13,7 +13,7 @@ use kestrel_shared::quality::QualityReference;
 
 use super::lower::Lowered;
 use super::trained::Trained;
-use super::{ExportError, ExportOpts, QuantForm};
+use super::{ExportError, ExportOpts, Quantize};
 use crate::data::Split;
 
 /// The runtimes that verify the model, by name; tract first.
@@ -123,7 +123,7 @@ fn gate(
     scale: f64,
     o: &ExportOpts,
 ) -> Result<(), ExportError> {
-    if o.quantize == QuantForm::None && c.max_abs_logit_diff > o.tolerance * scale {
+    if o.quantize == Quantize::None && c.max_abs_logit_diff > o.tolerance * scale {
         return Err(ExportError::Disagrees {
             runtime: c.runtime.clone(),
             max_diff: c.max_abs_logit_diff,
@@ -134,7 +134,7 @@ fn gate(
     let drop = (f32_accuracy - c.accuracy) * 100.0;
     if drop > o.max_accuracy_drop {
         return Err(ExportError::AccuracyDrop {
-            form: o.quantize.name(),
+            form: o.quantize.form(),
             runtime: c.runtime.clone(),
             drop,
             f32_accuracy,

@@ -21,7 +21,7 @@ use super::golden::GoldenSamples;
 use super::lower::Lowered;
 use super::trained::Trained;
 use super::verify::Verification;
-use super::{ExportError, ExportOpts, QuantForm};
+use super::{ExportError, ExportOpts, Quantize};
 use crate::data::cache::write_atomic;
 use kestrel_shared::protocol::sha256_hex;
 
@@ -86,7 +86,7 @@ fn write_files(
         "model.safetensors".into(),
         "head.safetensors".into(),
     ];
-    if o.quantize != QuantForm::None {
+    if o.quantize != Quantize::None {
         // The int8 weights and the (bias-corrected) biases that model.onnx carries.
         let int8 = int8_entries(run.net(), &q.folded, &q.head);
         write_tensors(&dir.join("model.int8.safetensors"), int8, meta.clone())?;
@@ -150,7 +150,7 @@ fn manifest(
         }
         _ => {}
     }
-    if o.quantize == QuantForm::Int8 {
+    if o.quantize == Quantize::Int8 {
         int8_ops.push(
             "onnxruntime: integer kernels (QLinearConv, QLinearAdd, QGemm); tract: the              QuantizeLinear/DequantizeLinear pairs run in float, slower than the f32 form              (roll int8-weights out to tract devices)"
                 .into(),
@@ -174,9 +174,9 @@ fn manifest(
             shape: shape(&lowered.output_shape),
         },
         quantization: Quantization {
-            form: o.quantize.name().into(),
+            form: o.quantize.form(),
             int8_ops,
-            calibration_samples: if o.quantize == QuantForm::Int8 {
+            calibration_samples: if o.quantize == Quantize::Int8 {
                 o.calibration
             } else {
                 0

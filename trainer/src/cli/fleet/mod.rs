@@ -24,7 +24,7 @@ use anyhow::{Context, Result, bail};
 use super::args::MlflowArgs;
 use clap::Subcommand;
 use kestrel_shared::mqtt::BrokerConfig;
-use kestrel_shared::protocol::DEFAULT_PREFIX;
+use kestrel_shared::topics::DEFAULT_PREFIX;
 
 /// Which artifact to deliver: a directory, or a version in the MLflow model registry.
 #[derive(clap::Args, Clone)]

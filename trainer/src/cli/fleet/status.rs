@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::Result;
 use kestrel_shared::protocol::Status;
 use kestrel_shared::quality::DeviceQuality;
+use kestrel_shared::wire::DeviceState;
 
 use super::BrokerArgs;
 
@@ -51,7 +52,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let timeout = Duration::from_secs(args.timeout);
     let list = match (&args.device, args.wait_active, &args.wait_error) {
         (Some(d), Some(v), _) => vec![kestrel_fleet::wait_status(&cfg, d, timeout, |s| {
-            s.active == Some(v) && s.state == "idle"
+            s.active == Some(v) && s.state == DeviceState::Idle
         })?],
         (Some(d), None, Some(text)) => vec![kestrel_fleet::wait_status(&cfg, d, timeout, |s| {
             [&s.last_error, &s.refused]
