@@ -391,4 +391,86 @@ mod tests {
                 .unwrap();
         assert!(old.unacked.is_empty());
     }
+
+    #[test]
+    fn the_hourly_window_slides_capture_by_capture_across_a_journaled_restart() {
+        let mut c = capturer(CapturePolicy::Random, |c| c.max_per_hour = 2);
+        let t0 = 10_000_000;
+        assert!(c.admit(t0).is_some());
+        assert!(c.admit(t0 + HOUR_MS / 2).is_some());
+        // Restarted from the state as written to disk (JSON).
+        let json = serde_json::to_string(&c.state).unwrap();
+        let mut c = Capturer::new(c.cfg.clone(), serde_json::from_str(&json).unwrap(), 3);
+        assert_eq!(c.admit(t0 + HOUR_MS - 1), None, "both within the hour");
+        assert!(
+            c.admit(t0 + HOUR_MS).is_some(),
+            "the first has left the window"
+        );
+        assert_eq!(c.admit(t0 + HOUR_MS + 1), None, "the second has not");
+        assert_eq!((c.state.stats.taken, c.state.stats.rate_limited), (3, 2));
+    }
+
+    #[test]
+    fn making_room_gives_up_the_oldest_waiting_captures_until_the_new_one_fits() {
+        let mut c = capturer(CapturePolicy::Random, |c| c.max_disk_bytes = 250);
+        for id in ["1-000001", "2-000002", "3-000003"] {
+            assert!(c.delivered(id, 100, 0).is_empty());
+        }
+        let (dropped, room) = c.make_room(100);
+        assert_eq!(dropped, ["1-000001", "2-000002"]);
+        assert_eq!(room, 150);
+        assert_eq!(c.state.unacked_totals(), (1, 100));
+        assert_eq!(c.state.stats.unacked_dropped, 2);
+        // Larger than the whole budget: everything waiting goes, and no more than that.
+        let (dropped, room) = c.make_room(300);
+        assert_eq!((dropped, room), (vec!["3-000003".to_string()], 250));
+        assert_eq!(c.state.stats.unacked_dropped, 3);
+    }
+
+    #[test]
+    fn acknowledging_the_capture_being_resent_deletes_it_and_lets_the_next_resend_go() {
+        let mut c = capturer(CapturePolicy::Random, |c| c.resend_after_s = 10);
+        c.delivered("1-000001", 10, 0);
+        c.delivered("2-000002", 10, 0);
+        assert_eq!(c.next_due(10_000), Some(Due::Resend("1-000001".into())));
+        assert_eq!(c.next_due(10_000), None, "one resend on its way at a time");
+        let acked = c.acked(&["1-000001".to_string(), "9-000009".to_string()]);
+        assert_eq!(
+            acked,
+            vec!["1-000001".to_string()],
+            "only what waits is deleted"
+        );
+        assert_eq!(c.next_due(10_000), Some(Due::Resend("2-000002".into())));
+        assert_eq!(c.state.unacked_totals(), (1, 10));
+        assert_eq!((c.state.stats.acked, c.state.stats.resent), (1, 2));
+    }
+
+    #[test]
+    fn with_no_resends_allowed_a_due_capture_is_given_up_at_once() {
+        let mut c = capturer(CapturePolicy::Random, |c| {
+            c.resend_after_s = 10;
+            c.max_resends = 0;
+        });
+        c.delivered("1-000001", 10, 0);
+        assert_eq!(c.next_due(9_999), None, "not due yet");
+        assert_eq!(c.next_due(10_000), Some(Due::GiveUp("1-000001".into())));
+        assert_eq!(c.state.unacked_totals(), (0, 0));
+        assert_eq!(
+            (c.state.stats.resent, c.state.stats.unacked_dropped),
+            (0, 1)
+        );
+        assert_eq!(c.next_due(u64::MAX), None);
+    }
+
+    #[test]
+    fn beyond_max_unacked_the_oldest_waiting_capture_is_given_up() {
+        let mut c = capturer(CapturePolicy::Random, |_| {});
+        for i in 0..MAX_UNACKED {
+            assert!(c.delivered(&format!("{i}-000001"), 1, 0).is_empty());
+        }
+        assert_eq!(c.delivered("new-1", 1, 0), vec!["0-000001".to_string()]);
+        assert_eq!(c.state.unacked.len(), MAX_UNACKED);
+        assert_eq!(c.state.unacked.back().map(|u| u.id.as_str()), Some("new-1"));
+        assert_eq!(c.state.stats.unacked_dropped, 1);
+    }
 }

@@ -207,4 +207,91 @@ mod tests {
         s.receive(OWN, d(3, 50), 0);
         assert_eq!(s.pick(OWN, 0).map(|d| d.version), Some(3));
     }
+
+    #[test]
+    fn a_state_issued_exactly_at_the_clock_skew_limit_is_accepted() {
+        let mut s = DesiredStates::default();
+        let now = 1_800_000_000; // seconds
+        let edge = now * 1000 + MAX_CLOCK_SKEW_MS;
+        assert_eq!(s.receive(OWN, d(1, edge), now), Verdict::Accepted);
+        assert_eq!(s.newest.get(OWN), Some(&edge));
+    }
+
+    #[test]
+    fn an_expired_state_refused_does_not_raise_the_replay_mark() {
+        let mut s = DesiredStates::default();
+        assert_eq!(s.receive(OWN, d(1, 100), 5), Verdict::Accepted);
+        let mut late = d(3, 300);
+        late.expires = Some(5);
+        assert!(matches!(s.receive(OWN, late, 5), Verdict::Refused(r) if r.contains("expired")));
+        assert_eq!(s.newest.get(OWN), Some(&100));
+        // Issued after the state held and before the refused one: still taken.
+        assert_eq!(s.receive(OWN, d(2, 200), 5), Verdict::Accepted);
+        assert_eq!(s.pick(OWN, 5).map(|d| d.version), Some(2));
+    }
+
+    #[test]
+    fn a_clear_older_than_the_state_held_is_refused_and_the_state_stays() {
+        let mut s = DesiredStates::default();
+        s.receive(OWN, d(2, 200), 0);
+        let mut clear = d(0, 150);
+        clear.clear = true;
+        let v = s.receive(OWN, clear, 0);
+        assert!(
+            matches!(&v, Verdict::Refused(r) if r.contains("replayed")),
+            "{v:?}"
+        );
+        assert_eq!(s.pick(OWN, 0).map(|d| d.version), Some(2));
+        assert_eq!(s.newest.get(OWN), Some(&200));
+    }
+
+    #[test]
+    fn clearing_the_own_topic_falls_back_to_the_newest_group_state() {
+        let mut s = DesiredStates::default();
+        s.receive(GROUP, d(1, 100), 0);
+        s.receive(OWN, d(2, 200), 0);
+        assert_eq!(s.pick(OWN, 0).map(|d| d.version), Some(2));
+        let mut clear = d(0, 300);
+        clear.clear = true;
+        assert_eq!(s.receive(OWN, clear, 0), Verdict::Cleared);
+        assert_eq!(s.pick(OWN, 0).map(|d| d.version), Some(1));
+        assert_eq!(
+            s.newest.get(OWN),
+            Some(&300),
+            "the clear is the topic's new replay mark"
+        );
+    }
+
+    #[test]
+    fn the_same_signed_clear_delivered_again_is_still_a_clear() {
+        let mut s = DesiredStates::default();
+        s.receive(OWN, d(1, 100), 0);
+        let mut clear = d(0, 150);
+        clear.clear = true;
+        assert_eq!(s.receive(OWN, clear.clone(), 0), Verdict::Cleared);
+        // The retained clear again after a reconnect: same `issued`, not a replay.
+        assert_eq!(s.receive(OWN, clear, 0), Verdict::Cleared);
+        assert_eq!(s.pick(OWN, 0), None);
+    }
+
+    #[test]
+    fn an_expired_state_yields_to_the_newest_live_one() {
+        let mut s = DesiredStates::default();
+        let mut own = d(3, 300);
+        own.expires = Some(500);
+        let mut newer_group = d(2, 200);
+        newer_group.expires = Some(1000);
+        assert_eq!(s.receive(GROUP, d(1, 100), 0), Verdict::Accepted);
+        assert_eq!(
+            s.receive("k/groups/h/desired", newer_group, 0),
+            Verdict::Accepted
+        );
+        assert_eq!(s.receive(OWN, own, 0), Verdict::Accepted);
+        let picked = |t| s.pick(OWN, t).map(|d| d.version);
+        // Own while live; then the newest live group state; then the older group state.
+        assert_eq!(
+            (picked(499), picked(500), picked(1000)),
+            (Some(3), Some(2), Some(1))
+        );
+    }
 }

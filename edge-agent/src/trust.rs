@@ -400,4 +400,96 @@ mod tests {
             assert_eq!(t.version(), Some(4));
         }
     }
+
+    #[test]
+    fn a_saved_list_is_the_version_floor_after_a_restart() {
+        let (root, a, b) = (key(1), key(2), key(3));
+        let saved = list(&root, 3, &[&b]);
+        let mut t = Trust::new(
+            Some(root.verifying_key()),
+            vec![a.verifying_key()],
+            Some(saved),
+        )
+        .unwrap();
+        assert_eq!(
+            ids(&t),
+            vec![key_id(&b.verifying_key())],
+            "the saved list, not the bootstrap keys"
+        );
+        let v = t.receive(list(&root, 2, &[&a]), "k/keys", NOW);
+        assert!(
+            matches!(&v, KeysVerdict::Refused(r) if r.contains("v3 is already in force (a downgrade)")),
+            "{v:?}"
+        );
+        assert_eq!(
+            (t.version(), ids(&t)),
+            (Some(3), vec![key_id(&b.verifying_key())])
+        );
+    }
+
+    #[test]
+    fn a_list_signed_by_a_trusted_publishing_key_instead_of_the_root_is_refused() {
+        let (root, b) = (key(1), key(3));
+        let mut t = Trust::new(Some(root.verifying_key()), vec![], None).unwrap();
+        assert_eq!(
+            t.receive(list(&root, 1, &[&b]), "k/keys", NOW),
+            KeysVerdict::Updated(1)
+        );
+        // b is trusted to sign desired states and offers, never key lists.
+        let v = t.receive(list(&b, 2, &[&b]), "k/keys", NOW);
+        assert!(
+            matches!(&v, KeysVerdict::Refused(r) if r.starts_with("k/keys: key list refused")),
+            "{v:?}"
+        );
+        assert_eq!(
+            (t.version(), ids(&t)),
+            (Some(1), vec![key_id(&b.verifying_key())])
+        );
+    }
+
+    #[test]
+    fn a_newer_list_refused_as_expired_leaves_the_held_keys_in_force() {
+        let (root, a, b, c) = (key(1), key(2), key(3), key(4));
+        let mut t = Trust::new(Some(root.verifying_key()), vec![a.verifying_key()], None).unwrap();
+        assert_eq!(
+            t.receive(list(&root, 1, &[&b]), "k/keys", NOW),
+            KeysVerdict::Updated(1)
+        );
+        let v = t.receive(expiring(&root, 2, &[&c], Some(NOW)), "k/keys", NOW);
+        assert!(
+            matches!(&v, KeysVerdict::Refused(r) if r.contains("key list v2 refused: it expired at")),
+            "{v:?}"
+        );
+        assert_eq!(
+            (t.in_force(), ids(&t)),
+            (Some(1), vec![key_id(&b.verifying_key())])
+        );
+    }
+
+    #[test]
+    fn the_lapsed_list_delivered_again_stays_lapsed() {
+        let (root, a, b) = (key(1), key(2), key(3));
+        let mut t = Trust::new(Some(root.verifying_key()), vec![a.verifying_key()], None).unwrap();
+        let v2 = list(&root, 2, &[&b]);
+        assert_eq!(
+            t.receive(v2.clone(), "k/keys", NOW),
+            KeysVerdict::Updated(2)
+        );
+        assert!(t.lapse(EXPIRES).is_some());
+        // The retained list again (a reconnect): the same list, not a revival of its keys.
+        assert_eq!(t.receive(v2, "k/keys", EXPIRES), KeysVerdict::Same);
+        assert!(t.keys().is_empty());
+        assert_eq!(t.in_force(), None);
+        assert!(t.lapsed().is_some());
+    }
+
+    #[test]
+    fn without_a_root_the_configured_keys_never_lapse() {
+        let a = key(2);
+        let mut t = Trust::new(None, vec![a.verifying_key()], None).unwrap();
+        assert!(!t.has_root());
+        assert_eq!(t.lapse(u64::MAX), None);
+        assert_eq!((t.version(), t.in_force(), t.lapsed()), (None, None, None));
+        assert_eq!(ids(&t), vec![key_id(&a.verifying_key())]);
+    }
 }

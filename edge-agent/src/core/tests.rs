@@ -16,7 +16,7 @@ use kestrel_shared::protocol::{
 };
 use kestrel_shared::signing::{PayloadType, sign};
 use kestrel_shared::topics::Topics;
-use kestrel_shared::wire::ShadowState;
+use kestrel_shared::wire::{DeviceState, ShadowState};
 
 use super::*;
 use crate::config::CapturePolicy;
@@ -1073,4 +1073,172 @@ fn a_parts_check_whose_desired_state_moved_back_starts_nothing() {
         1,
         "v2's journaled offer removed"
     );
+}
+
+/// A new session subscribes to everything the state calls for again, the download in progress
+/// included, says it is online (retained), and publishes the status last.
+#[test]
+fn a_new_session_subscribes_again_to_the_download_in_progress_and_republishes_online() {
+    let mut r = Rig::new(config());
+    r.outcome = Outcome::FailWrite; // chunks never land: the download stays in progress
+    r.desired("faces", 1, None);
+    r.publish(&key(), "faces", 1, 3000, false);
+    assert_eq!(r.status().state, DeviceState::Downloading);
+    r.log.clear();
+    r.input(Input::Connected);
+    let subs = r.subscribed();
+    for t in [
+        r.topics.desired(&Target::Device(DEVICE.into())),
+        r.topics.infer_filter(DEVICE),
+        r.topics.artifact_manifest("faces", 1),
+        r.topics.chunks_filter("faces", 1),
+    ] {
+        assert!(subs.contains(&t.as_str()), "{t} not in {subs:?}");
+    }
+    let online = r.topics.online(DEVICE);
+    assert!(r.log.iter().any(|e| matches!(
+        e,
+        Effect::Publish(How::Latest, m) if m.topic == online && m.retain && m.payload == "1"
+    )));
+    assert!(
+        matches!(r.log.last(), Some(Effect::Status)),
+        "the status goes last"
+    );
+}
+
+#[test]
+fn with_a_root_key_the_key_list_is_subscribed_before_any_desired_state() {
+    let mut r = Rig::new(config());
+    let root = SigningKey::from_bytes(&[11; 32]);
+    r.core.trust = crate::trust::Trust::new(
+        Some(root.verifying_key()),
+        vec![key().verifying_key()],
+        None,
+    )
+    .unwrap();
+    r.input(Input::Connected);
+    let subs = r.subscribed();
+    assert_eq!(subs[0], r.topics.keys().as_str());
+    assert_eq!(
+        subs[1],
+        r.topics.desired(&Target::Device(DEVICE.into())).as_str()
+    );
+}
+
+#[test]
+fn a_damaged_active_model_asks_for_its_offer_now_and_on_the_next_session_only() {
+    let mut r = Rig::new(config());
+    r.desired("faces", 1, None);
+    r.publish(&key(), "faces", 1, 3000, false);
+    assert_eq!(r.core.updater().active, Some(1));
+    let offer = r.topics.artifact_manifest("faces", 1);
+    r.log.clear();
+    r.input(Input::ActiveLoadFailed {
+        version: 1,
+        reason: "model.onnx: truncated".into(),
+    });
+    assert_eq!(r.resubscribed(), [offer.as_str()], "at once");
+    assert_eq!(r.core.updater().active, None);
+    r.input(Input::Connected);
+    assert_eq!(
+        r.resubscribed(),
+        [offer.as_str(), offer.as_str()],
+        "once connected"
+    );
+    r.input(Input::Connected);
+    assert_eq!(r.resubscribed().len(), 2, "not on every later session");
+}
+
+/// The shadow runs on every `shadow_every`-th request, and only its own comparisons count: a
+/// turn it skipped is counted as skipped, a result for another shadow version is ignored.
+#[test]
+fn the_shadow_runs_every_kth_request_and_counts_only_its_own_comparisons() {
+    let mut cfg = config();
+    cfg.quality.shadow_every = 5;
+    let mut r = Rig::new(cfg);
+    r.desired("faces", 1, Some(("faces-next", 2)));
+    r.publish(&key(), "faces", 1, 3000, false);
+    r.publish(&key(), "faces-next", 2, 3000, false);
+    let runs = r.log.iter().find_map(|e| match e {
+        Effect::RunShadow(Some((m, every))) => Some((m.0.version, *every)),
+        _ => None,
+    });
+    assert_eq!(runs, Some((2, 5)));
+    let active = r.manifests[0].clone();
+    r.answered("r1", &active, 0.9);
+    let run = || ShadowRun {
+        active: (vec![1.0, 0.0], 4.0),
+        shadow: (vec![0.0, 1.0], 5.0),
+    };
+    r.input(Input::ShadowRan {
+        version: 3,
+        run: Some(run()),
+    }); // not this shadow's
+    r.input(Input::ShadowRan {
+        version: 2,
+        run: None,
+    }); // not its turn
+    r.input(Input::ShadowRan {
+        version: 2,
+        run: Some(run()),
+    });
+    r.now.mono += Duration::from_secs(config().quality.period_s + 1);
+    r.input(Input::Tick);
+    let q = r.published(How::Latest).last().unwrap().to_string();
+    let q: kestrel_shared::quality::DeviceQuality = serde_json::from_str(&q).unwrap();
+    let s = q.shadow.expect("a shadow report");
+    assert_eq!((s.version, s.compared, s.skipped), (2, 1, 1));
+    assert_eq!(s.agreement, 0.0, "the one comparison disagreed");
+}
+
+#[test]
+fn a_desired_state_naming_its_own_model_as_shadow_runs_no_shadow() {
+    let mut r = Rig::new(config());
+    r.desired("faces", 1, Some(("faces", 1)));
+    assert!(r.status().shadow.is_none());
+    assert_eq!(
+        r.subscribed(),
+        [r.topics.artifact_manifest("faces", 1).as_str()],
+        "the offer once, for the install lane"
+    );
+    r.publish(&key(), "faces", 1, 3000, false);
+    assert_eq!(r.core.updater().active, Some(1));
+    let shadow_work = r.count(|e| {
+        matches!(
+            e,
+            Effect::WriteChunk {
+                lane: Lane::Shadow,
+                ..
+            } | Effect::RunShadow(Some(_))
+        )
+    });
+    assert_eq!(shadow_work, 0);
+}
+
+#[test]
+fn a_replayed_desired_state_is_refused_with_an_event_and_the_newer_one_stays_pursued() {
+    let mut r = Rig::new(config());
+    let target = Target::Device(DEVICE.into());
+    let old = Desired {
+        target: target.clone(),
+        name: "faces".into(),
+        version: 1,
+        rollback: false,
+        issued: r.now.unix_ms,
+        expires: None,
+        clear: false,
+        rollout: None,
+        source: None,
+        shadow: None,
+    };
+    let old = serde_json::to_vec(&SignedDesired::new(&key(), &old)).unwrap();
+    r.send(r.topics.desired(&target), old.clone());
+    r.desired("faces", 2, None); // issued 1 ms later
+    r.log.clear();
+    r.send(r.topics.desired(&target), old);
+    assert_eq!(r.events(), [("refused".to_string(), 1)]);
+    assert!(r.status().refused.unwrap().contains("replayed"));
+    assert_eq!(r.core.pursued.as_ref().map(|p| p.version), Some(2));
+    let resubscribed = r.count(|e| matches!(e, Effect::Subscribe(_) | Effect::Unsubscribe(_)));
+    assert_eq!(resubscribed, 0, "nothing is fetched for the replay");
 }

@@ -451,3 +451,255 @@ fn a_damaged_active_version_is_installed_again_and_keeps_its_previous() {
     );
     assert_eq!(u.active, Some(2));
 }
+
+#[test]
+fn chunks_of_a_superseded_download_do_not_count_toward_the_new_one() {
+    let mut u = Updater::new(MB);
+    u.handle(Event::Offered(offer(1, 2)));
+    u.handle(Event::ChunkStored {
+        version: 1,
+        index: 0,
+    });
+    let a = u.handle(Event::Offered(offer(2, 2)));
+    assert_eq!(a[0], Action::Discard { version: 1 });
+    // A late chunk of v1 (same index range as v2's) is not one of v2's.
+    assert_eq!(
+        u.handle(Event::ChunkStored {
+            version: 1,
+            index: 1
+        }),
+        vec![]
+    );
+    assert_eq!(
+        u.resume(),
+        vec![Action::Fetch {
+            version: 2,
+            chunks: vec![0, 1]
+        }],
+        "v2 still lacks both of its chunks"
+    );
+}
+
+#[test]
+fn a_second_offer_while_verifying_discards_the_first_and_its_late_verification_is_ignored() {
+    let mut u = Updater::new(MB);
+    install(&mut u, 1, 1);
+    u.handle(Event::Offered(offer(2, 1)));
+    u.handle(Event::ChunkStored {
+        version: 2,
+        index: 0,
+    });
+    assert_eq!(u.phase, Phase::Verifying { version: 2 });
+    assert_eq!(
+        u.handle(Event::Offered(offer(3, 2))),
+        vec![
+            Action::Discard { version: 2 },
+            Action::Fetch {
+                version: 3,
+                chunks: vec![0, 1]
+            },
+            Action::Report(Report::Downloading { version: 3 }),
+        ]
+    );
+    assert_eq!(u.handle(Event::Verified { version: 2 }), vec![]);
+    assert!(matches!(&u.phase, Phase::Downloading { offer, .. } if offer.version == 3));
+    assert_eq!(
+        (u.active, u.last_failed),
+        (Some(1), None),
+        "superseded is not failed"
+    );
+}
+
+#[test]
+fn a_downgrade_with_rollback_makes_the_version_it_leaves_the_previous() {
+    let mut u = Updater::new(MB);
+    install(&mut u, 1, 1);
+    install(&mut u, 2, 1);
+    let a = u.handle(Event::Offered(Offer {
+        rollback: true,
+        ..offer(1, 1)
+    }));
+    assert!(matches!(a[0], Action::Fetch { version: 1, .. }), "{a:?}");
+    u.handle(Event::ChunkStored {
+        version: 1,
+        index: 0,
+    });
+    u.handle(Event::Verified { version: 1 });
+    u.handle(Event::Staged { version: 1 });
+    assert_eq!(
+        u.handle(Event::HealthPassed { version: 1 }),
+        vec![Action::Activate { version: 1 }]
+    );
+    assert_eq!(
+        u.handle(Event::Activated { version: 1 }),
+        vec![Action::Report(Report::Active {
+            version: 1,
+            previous: Some(2)
+        })]
+    );
+    assert_eq!(
+        (u.active, u.previous, &u.phase),
+        (Some(1), Some(2), &Phase::Idle)
+    );
+}
+
+#[test]
+fn a_failed_health_check_keeps_active_and_previous_and_the_version_may_be_offered_again() {
+    let mut u = Updater::new(MB);
+    install(&mut u, 1, 1);
+    install(&mut u, 2, 1);
+    u.handle(Event::Offered(offer(3, 1)));
+    u.handle(Event::ChunkStored {
+        version: 3,
+        index: 0,
+    });
+    u.handle(Event::Verified { version: 3 });
+    u.handle(Event::Staged { version: 3 });
+    let a = u.handle(Event::HealthFailed {
+        version: 3,
+        reason: "golden".into(),
+    });
+    assert_eq!(
+        a[1],
+        Action::Report(Report::RolledBack {
+            version: 3,
+            active: Some(2),
+            reason: "health check failed: golden".into(),
+        })
+    );
+    assert_eq!(
+        (u.active, u.previous, u.last_failed),
+        (Some(2), Some(1), Some(3))
+    );
+    // A failed version is not barred: offered again, it is fetched afresh.
+    let a = u.handle(Event::Offered(offer(3, 1)));
+    assert_eq!(
+        a[0],
+        Action::Fetch {
+            version: 3,
+            chunks: vec![0]
+        }
+    );
+}
+
+#[test]
+fn resume_during_the_health_check_verifies_the_staged_files_again() {
+    let mut u = Updater::new(MB);
+    install(&mut u, 1, 1);
+    u.handle(Event::Offered(offer(2, 2)));
+    for index in 0..2 {
+        u.handle(Event::ChunkStored { version: 2, index });
+    }
+    u.handle(Event::Verified { version: 2 });
+    u.handle(Event::Staged { version: 2 });
+    assert_eq!(u.phase, Phase::Checking { version: 2 });
+    let mut j: Updater = serde_json::from_str(&serde_json::to_string(&u).unwrap()).unwrap();
+    assert_eq!(j.resume(), vec![Action::Verify { version: 2 }]);
+    assert_eq!(j.phase, Phase::Verifying { version: 2 });
+    // A health result from before the restart is stale now.
+    assert_eq!(j.handle(Event::HealthPassed { version: 2 }), vec![]);
+    assert_eq!(
+        (j.active, &j.phase),
+        (Some(1), &Phase::Verifying { version: 2 })
+    );
+}
+
+#[test]
+fn a_refusal_discards_only_when_it_names_the_version_being_downloaded() {
+    let mut u = Updater::new(MB);
+    install(&mut u, 1, 1);
+    u.handle(Event::Offered(offer(2, 3)));
+    let a = u.handle(Event::Refused {
+        version: 9,
+        reason: "bad signature".into(),
+    });
+    assert!(
+        matches!(
+            &a[..],
+            [Action::Report(Report::Rejected { version: 9, .. })]
+        ),
+        "{a:?}"
+    );
+    assert_eq!(u.phase.target(), Some(2), "the download of v2 goes on");
+    let a = u.handle(Event::Refused {
+        version: 2,
+        reason: "staging v2: disk full".into(),
+    });
+    assert_eq!(
+        a,
+        vec![
+            Action::Discard { version: 2 },
+            Action::Report(Report::Rejected {
+                version: 2,
+                reason: "staging v2: disk full".into()
+            }),
+        ]
+    );
+    assert_eq!(
+        (u.active, &u.phase, u.last_failed),
+        (Some(1), &Phase::Idle, Some(2))
+    );
+}
+
+#[test]
+fn the_corrupt_chunk_refetch_budget_starts_again_with_each_download() {
+    let mut u = Updater::new(MB);
+    u.handle(Event::Offered(offer(1, 2)));
+    for _ in 0..MAX_CORRUPT_REFETCHES {
+        u.handle(Event::ChunkCorrupt {
+            version: 1,
+            index: 0,
+        });
+    }
+    assert_eq!(
+        u.handle(Event::ChunkCorrupt {
+            version: 1,
+            index: 0
+        }),
+        vec![],
+        "v1's budget spent"
+    );
+    u.handle(Event::Offered(offer(2, 2)));
+    assert_eq!(
+        u.handle(Event::ChunkCorrupt {
+            version: 2,
+            index: 1
+        }),
+        vec![Action::Fetch {
+            version: 2,
+            chunks: vec![1]
+        }]
+    );
+}
+
+#[test]
+fn each_phase_reports_its_device_state_and_target() {
+    let mut u = Updater::new(MB);
+    let mut seen = vec![(u.phase.device_state(), u.phase.target())];
+    for ev in [
+        Event::Offered(offer(4, 1)),
+        Event::ChunkStored {
+            version: 4,
+            index: 0,
+        },
+        Event::Verified { version: 4 },
+        Event::Staged { version: 4 },
+        Event::HealthPassed { version: 4 },
+        Event::Activated { version: 4 },
+    ] {
+        u.handle(ev);
+        seen.push((u.phase.device_state(), u.phase.target()));
+    }
+    assert_eq!(
+        seen,
+        vec![
+            (DeviceState::Idle, None),
+            (DeviceState::Downloading, Some(4)),
+            (DeviceState::Verifying, Some(4)),
+            (DeviceState::Staged, Some(4)),
+            (DeviceState::HealthCheck, Some(4)),
+            (DeviceState::Activating, Some(4)),
+            (DeviceState::Idle, None),
+        ]
+    );
+}
