@@ -1,19 +1,14 @@
-//! Kestrel edge agent as a library: the sans-IO update state machine ([`update`]) and desired-state
-//! rules (replay, expiry, signed clears: [`desired`]), the trusted keys (root-signed key lists:
-//! [`trust`]), the model
-//! store with atomic activation ([`store`]), the durable outbox ([`outbox`]), the configuration
-//! ([`config`]), the agent's decisions as a pure core ([`core`]), the MQTT shell that carries
-//! them out ([`agent`]) and the command line ([`cli`]).
+//! Kestrel edge agent as a library: every decision in a pure core ([`core`]: the update machine,
+//! the desired-state rules, the trusted keys, the capture policy, and the settings they decide
+//! with, as plain values), and the shell that carries them out: the model store with atomic
+//! activation ([`store`]), the durable outbox ([`outbox`]), reading the configuration files
+//! ([`config`]), the MQTT event loop ([`agent`]) and the command line ([`cli`]).
 
 pub mod agent;
-pub mod capture;
 pub mod cli;
 pub mod config;
 pub mod core;
-pub mod desired;
 pub mod models;
 pub mod outbox;
 pub mod replies;
 pub mod store;
-pub mod trust;
-pub mod update;

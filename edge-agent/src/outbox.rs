@@ -11,14 +11,7 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Message {
-    pub topic: String,
-    pub retain: bool,
-    pub payload: String,
-}
+use crate::core::Message;
 
 #[derive(Debug)]
 struct Item {

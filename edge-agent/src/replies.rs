@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 
-use crate::outbox::Message;
+use crate::core::Message;
 
 /// Inference replies waiting for the MQTT client, bounded in bytes (the oldest go first).
 #[derive(Debug, Default)]

@@ -4,8 +4,8 @@
 #![no_main]
 
 use ed25519_dalek::SigningKey;
-use edge_agent::desired::DesiredStates;
-use edge_agent::trust::Trust;
+use edge_agent::core::desired::DesiredStates;
+use edge_agent::core::trust::Trust;
 use kestrel_shared::protocol::{SignedDesired, SignedKeyList, parse};
 use kestrel_shared::signing::{PayloadType, sign};
 use libfuzzer_sys::fuzz_target;

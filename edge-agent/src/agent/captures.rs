@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use kestrel_shared::fsutil::write_atomic;
 use kestrel_shared::topics::{DeviceTopic, Route, Topics};
 
-use crate::outbox::{Message, Outbox};
+use crate::core::Message;
+use crate::outbox::Outbox;
 
 /// The capture queue and where its state is kept.
 pub(super) struct CaptureQueue {

@@ -18,15 +18,16 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
 use super::{Agent, CaptureQueue, InferJob, Inputs, KEYS_FILE};
-use crate::capture::CaptureState;
 use crate::config::Config;
+use crate::core::Message;
+use crate::core::capture::CaptureState;
+use crate::core::trust::Trust;
+use crate::core::update::Updater;
 use crate::core::{Core, Input, Now, Observed, Saved, ShadowRun};
 use crate::models::{ModelCache, ModelSlot, ShadowModel};
-use crate::outbox::{Message, Outbox};
+use crate::outbox::Outbox;
 use crate::replies::Replies;
 use crate::store::Store;
-use crate::trust::Trust;
-use crate::update::Updater;
 
 /// How `[inference] threads` cores are used: (requests run at once, threads each request's
 /// engine gets). ONNX Runtime, and tract built with its multithreaded matrix products

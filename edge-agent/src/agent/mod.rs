@@ -24,9 +24,10 @@ use rumqttc::{AsyncClient, Event as MqttEvent, Outgoing, Packet, QoS};
 use tokio::sync::mpsc;
 
 use crate::config::Config;
+use crate::core::Message;
 use crate::core::{Core, Effect, How, Input, Lane, Now};
 use crate::models::{ModelCache, ModelSlot, ShadowModel};
-use crate::outbox::{Message, Outbox};
+use crate::outbox::Outbox;
 use crate::replies::Replies;
 use crate::store::Store;
 

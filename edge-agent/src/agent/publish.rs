@@ -8,7 +8,7 @@ use rumqttc::QoS;
 
 use super::Agent;
 use crate::core::Input;
-use crate::outbox::Message;
+use crate::core::Message;
 
 impl Agent {
     /// Publishes the next message of the outbox and of the capture queue (within its upload

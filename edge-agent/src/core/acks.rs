@@ -10,7 +10,7 @@ use kestrel_shared::capture::{CaptureAck, MAX_ACK_IDS};
 
 use super::requests::capture_state_bytes;
 use super::{Core, Effect, Model};
-use crate::capture::Due;
+use crate::core::capture::Due;
 
 impl<M: Model> Core<M> {
     /// A collector's acknowledgement on our own `capture-ack` topic: what it names and we hold is

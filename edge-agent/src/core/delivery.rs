@@ -15,8 +15,8 @@ use kestrel_shared::wire::EventKind;
 
 use super::pieces::{Pending, piece_fetches};
 use super::{Core, Effect, Lane, Model, Now};
-use crate::desired::Verdict;
-use crate::update::{Action, Event, MAX_CORRUPT_REFETCHES, Offer, Phase, Report, Updater};
+use crate::core::desired::Verdict;
+use crate::core::update::{Action, Event, MAX_CORRUPT_REFETCHES, Offer, Phase, Report, Updater};
 
 /// One lane's download and checks.
 pub(super) struct Delivery<M> {

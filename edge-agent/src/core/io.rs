@@ -6,8 +6,17 @@ use ed25519_dalek::VerifyingKey;
 use kestrel_shared::manifest::Manifest;
 use kestrel_shared::protocol::{ArtifactOffer, Class, InferReply};
 
+use serde::{Deserialize, Serialize};
+
 use super::Lane;
-use crate::outbox::Message;
+
+/// A message to publish: its topic, whether the broker keeps it, and its text.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Message {
+    pub topic: String,
+    pub retain: bool,
+    pub payload: String,
+}
 
 /// What the shell observed or finished.
 pub enum Input<M> {

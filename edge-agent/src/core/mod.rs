@@ -7,8 +7,12 @@
 //! clock, so every path (install, rollback, shadow, refusal, capture, busy) is unit-tested
 //! without a broker (`core/tests.rs`).
 //!
-//! Here: the state, routing and status; [`io`]: the inputs and effects; [`delivery`]: the two lanes of
-//! downloads (the update of the active model and the shadow), each an [`Updater`];
+//! Here: the state, routing and status; [`io`]: the inputs and effects; the machines the core
+//! drives: [`update`] (one download, verification, health check and activation), [`desired`]
+//! (replay, expiry and signed clears), [`trust`] (root-signed key lists), [`capture`] (the capture
+//! policy and its limits); [`config`]: the settings as plain values (the shell reads the files);
+//! [`delivery`]: the two lanes of downloads (the update of the active model and the shadow), each an
+//! [`Updater`];
 //! [`pursue`]: desired states and key lists; [`shadow`]: the shadow model's choice and its
 //! comparison; [`requests`]: inference requests, telemetry and capture; [`acks`]: captures kept
 //! until a collector acknowledges them.
@@ -23,15 +27,17 @@ use kestrel_shared::topics::{DeviceTopic, Route, Topics};
 use kestrel_shared::wire::EventKind;
 use serde::{Deserialize, Serialize};
 
-use crate::capture::CaptureState;
-use crate::config::Config;
-use crate::desired::DesiredStates;
-use crate::outbox::Message;
-use crate::trust::Trust;
-use crate::update::{Event, Phase, Updater};
+use crate::core::capture::CaptureState;
+use crate::core::config::Config;
+use crate::core::desired::DesiredStates;
+use crate::core::trust::Trust;
+use crate::core::update::{Event, Phase, Updater};
 
 mod acks;
+pub mod capture;
+pub mod config;
 mod delivery;
+pub mod desired;
 mod io;
 mod pieces;
 mod pursue;
@@ -39,9 +45,11 @@ mod requests;
 mod shadow;
 #[cfg(test)]
 mod tests;
+pub mod trust;
+pub mod update;
 
 use delivery::Delivery;
-pub use io::{Effect, How, Input, Observed, ShadowRun};
+pub use io::{Effect, How, Input, Message, Observed, ShadowRun};
 use requests::Requests;
 use shadow::Shadow;
 
@@ -228,7 +236,10 @@ impl<M: Model> Core<M> {
             } => self.shadow_loaded(version, result),
             Input::Activated { version } => {
                 self.active_manifest = self.install.manifest_sha256(version);
-                self.step(Lane::Install, crate::update::Event::Activated { version })
+                self.step(
+                    Lane::Install,
+                    crate::core::update::Event::Activated { version },
+                )
             }
             Input::ActiveLoadFailed { version, reason } => {
                 self.active_load_failed(version, &reason)
@@ -532,7 +543,7 @@ impl<M: Model> Core<M> {
         let stall = std::time::Duration::from_secs(self.cfg.limits.download_stall_s);
         for lane in [Lane::Install, Lane::Shadow] {
             if let Some((version, chunks)) = self.delivery(lane).stalled(self.now, stall) {
-                let action = crate::update::Action::Fetch { version, chunks };
+                let action = crate::core::update::Action::Fetch { version, chunks };
                 self.act_all(lane, vec![action]);
             }
         }

@@ -6,7 +6,7 @@ use kestrel_shared::protocol::ArtifactOffer;
 use kestrel_shared::topics::Topics;
 
 use super::{Core, Effect, Lane, Model};
-use crate::update::{Offer, Phase};
+use crate::core::update::{Offer, Phase};
 
 /// A checked offer in pieces, and whether it may go below the active version.
 pub(super) struct Pending {

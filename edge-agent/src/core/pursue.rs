@@ -1,14 +1,14 @@
 //! What the device is told to run: desired states and key lists through the replay, expiry,
-//! clear and trust rules ([`crate::desired`], [`crate::trust`]), and the choice of the state to
+//! clear and trust rules ([`crate::core::desired`], [`crate::core::trust`]), and the choice of the state to
 //! pursue.
 
 use kestrel_shared::protocol::{SignedDesired, SignedKeyList, Target, parse};
 use kestrel_shared::wire::EventKind;
 
 use super::{Core, Effect, Lane, Model};
-use crate::desired::Verdict;
-use crate::trust::KeysVerdict;
-use crate::update::Phase;
+use crate::core::desired::Verdict;
+use crate::core::trust::KeysVerdict;
+use crate::core::update::Phase;
 
 impl<M: Model> Core<M> {
     /// A desired state arrived on one of our desired topics, for `target` (an empty payload is
@@ -91,7 +91,7 @@ impl<M: Model> Core<M> {
     }
 
     /// At every input: once the key list held expires, its publishing keys are no longer
-    /// trusted ([`crate::trust`]). Reported like a refusal (status, event, log), and the key
+    /// trusted ([`crate::core::trust`]). Reported like a refusal (status, event, log), and the key
     /// list is asked for again (a newer one may be retained).
     pub(super) fn expire_keys(&mut self) {
         let Some(why) = self.trust.lapse(self.now.unix_s()) else {

@@ -15,9 +15,9 @@ use kestrel_shared::quality::{DeviceQuality, QualityWindow};
 use kestrel_shared::stats::quantile;
 
 use super::{Core, Effect, How, Model, Now, Observed};
-use crate::capture::{CaptureState, Capturer};
-use crate::config::Config;
-use crate::outbox::Message;
+use crate::core::Message;
+use crate::core::capture::{CaptureState, Capturer};
+use crate::core::config::Config;
 
 /// Recent latencies the status's percentiles are taken over.
 const LATENCIES: usize = 1000;

@@ -16,7 +16,7 @@ use kestrel_shared::wire::ShadowState;
 
 use super::delivery::Delivery;
 use super::{Core, Effect, Lane, Model, Now, ShadowJournal, ShadowRun};
-use crate::update::{Event, Phase, Report, Updater};
+use crate::core::update::{Event, Phase, Report, Updater};
 
 /// Why a shadow cannot run on a device without quality telemetry.
 const QUALITY_OFF: &str = "shadow models need quality telemetry ([quality] enabled = false)";

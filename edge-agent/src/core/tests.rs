@@ -19,7 +19,7 @@ use kestrel_shared::topics::Topics;
 use kestrel_shared::wire::{DeviceState, ShadowState};
 
 use super::*;
-use crate::config::CapturePolicy;
+use crate::core::config::CapturePolicy;
 
 /// A model as the fake shell loads it: its manifest only.
 struct Fake(Manifest);
@@ -95,7 +95,8 @@ struct Rig {
 
 impl Rig {
     fn new(cfg: Config) -> Self {
-        let trust = crate::trust::Trust::new(None, vec![key().verifying_key()], None).unwrap();
+        let trust =
+            crate::core::trust::Trust::new(None, vec![key().verifying_key()], None).unwrap();
         let now = Now {
             mono: Instant::now(),
             unix_ms: 1_796_000_000_000,
@@ -743,7 +744,8 @@ fn key_list(root: &SigningKey, version: u64, expires: u64) -> Vec<u8> {
 fn an_expired_key_list_is_refused_and_one_that_expires_while_held_drops_its_keys() {
     let mut r = Rig::new(config());
     let root = SigningKey::from_bytes(&[11; 32]);
-    r.core.trust = crate::trust::Trust::new(Some(root.verifying_key()), vec![], None).unwrap();
+    r.core.trust =
+        crate::core::trust::Trust::new(Some(root.verifying_key()), vec![], None).unwrap();
     let (topic, now_s) = (r.topics.keys(), r.now.unix_ms / 1000);
     r.send(topic.clone(), key_list(&root, 1, now_s));
     let s = r.status();
@@ -1110,7 +1112,7 @@ fn a_new_session_subscribes_again_to_the_download_in_progress_and_republishes_on
 fn with_a_root_key_the_key_list_is_subscribed_before_any_desired_state() {
     let mut r = Rig::new(config());
     let root = SigningKey::from_bytes(&[11; 32]);
-    r.core.trust = crate::trust::Trust::new(
+    r.core.trust = crate::core::trust::Trust::new(
         Some(root.verifying_key()),
         vec![key().verifying_key()],
         None,
