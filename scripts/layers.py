@@ -7,7 +7,10 @@ Three rules:
    layers below it, never a module of its own layer or above.
 2. No two files of a crate in the workspace use each other (a two-file import circle), unless one
    is the other's parent module (`mod.rs` and its children, a file and its `tests`).
-3. No wire value of `shared/src/wire.rs` is compared as a string outside `shared`
+3. The agent's core (`edge-agent/src/core/`) does no IO: it uses none of the agent's modules that
+   do (the shell, the store, the outbox, the configuration files, loaded models, replies, the
+   command line), and no clock, file, socket or MQTT API.
+4. No wire value of `shared/src/wire.rs` is compared as a string outside `shared`
    (`x == "idle"`, `"idle" =>` in a match): code compares the enums. A line whose comment says
    `not-wire: WHY` is the same word meaning something else (a PyTorch dtype named `int8`).
 
@@ -239,6 +242,31 @@ def wire_comparisons(workspace: Path):
                 )
 
 
+CORE = "edge-agent/src/core"
+SHELL_MODULES = ("agent", "store", "outbox", "config", "models", "replies", "cli")
+IO_APIS = re.compile(
+    r"\b(?:Instant::now|SystemTime::now|std::fs|std::net|tokio|rumqttc|now_ms\(\)|now_unix\(\)|now_rfc3339\(\))"
+)
+
+
+def impure_core(workspace: Path):
+    """A file of the agent's core that uses a module of the shell, or an IO API."""
+    core = workspace / CORE
+    src = core.parent
+    if not core.is_dir():
+        return
+    for file in sorted(core.rglob("*.rs")):
+        if is_test_file(file.relative_to(src)):
+            continue
+        for line, target in sorted(set(uses(src, file)), key=lambda t: (t[0], str(t[1]))):
+            if target is not None and target.relative_to(src).parts[0].removesuffix(".rs") in SHELL_MODULES:
+                yield f"{file}:{line}: the core uses {target.relative_to(src)}, a module that does IO"
+        text = code_of(file)
+        for m in IO_APIS.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            yield f"{file}:{line}: the core calls `{m.group(0)}` (IO belongs to the shell: pass the value in)"
+
+
 def self_test(root: Path) -> int:
     """The check fails on a copy of `root` given one upward use (and not for a comment)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -276,19 +304,26 @@ def self_test_workspace(workspace: Path) -> int:
                 "        _ => 0,\n    }\n}\n"
             ),
         }
+        files["edge-agent/src/lib.rs"] = "pub mod core;\npub mod store;\n"
+        files["edge-agent/src/store.rs"] = "pub struct Store;\n"
+        files["edge-agent/src/core/mod.rs"] = (
+            "use crate::store::Store;\nfn t() -> std::time::Instant {\n    std::time::Instant::now()\n}\n"
+        )
         for name, text in files.items():
             (ws / name).parent.mkdir(parents=True, exist_ok=True)
             (ws / name).write_text(text)
-        found = list(circles(ws)) + list(wire_comparisons(ws))
+        found = list(circles(ws)) + list(impure_core(ws)) + list(wire_comparisons(ws))
     ok = (
-        len(found) == 2
+        len(found) == 4
         and "a/src/x.rs:1: uses y.rs" in found[0]
-        and "b/src/lib.rs:2: `== \"idle\"`" in found[1]
+        and "core/mod.rs:1: the core uses store.rs" in found[1]
+        and "core/mod.rs:3: the core calls `Instant::now`" in found[2]
+        and "b/src/lib.rs:2: `== \"idle\"`" in found[3]
     )
     if not ok:
-        print(f"layers self-test: expected one circle and one wire comparison, found {found}", file=sys.stderr)
+        print(f"layers self-test: expected a circle, an impure core and a wire comparison, found {found}", file=sys.stderr)
         return 1
-    print("layers self-test: a two-file circle and a wire value compared as a string are caught")
+    print("layers self-test: a two-file circle, IO in the agent's core and a wire value compared as a string are caught")
     return 0
 
 
@@ -303,11 +338,13 @@ def main() -> int:
         return 1
     found = list(violations(args.root))
     found += list(circles(args.workspace))
+    found += list(impure_core(args.workspace))
     found += list(wire_comparisons(args.workspace))
     if not found:
         print(
             f"layers: {args.root}: every module uses only the layers below it; "
-            f"{args.workspace}: no two files use each other, no wire value is compared as a string"
+            f"{args.workspace}: no two files use each other, the agent's core does no IO, "
+            "no wire value is compared as a string"
         )
         return 0
     print("\n".join(found))

@@ -23,7 +23,7 @@ use crate::core::Message;
 use crate::core::capture::CaptureState;
 use crate::core::trust::Trust;
 use crate::core::update::Updater;
-use crate::core::{Core, Input, Now, Observed, Saved, ShadowRun};
+use crate::core::{Core, Input, Observed, Saved, ShadowRun};
 use crate::models::{ModelCache, ModelSlot, ShadowModel};
 use crate::outbox::Outbox;
 use crate::replies::Replies;
@@ -455,7 +455,7 @@ impl Agent {
         let core = Core::new(
             cfg.clone(),
             saved(&cfg, &store, &shadow_store)?,
-            Now::read(),
+            super::clock(),
         );
         let topics = Topics::new(&cfg.broker.prefix);
         let mut opts = cfg
@@ -515,7 +515,7 @@ impl Agent {
     /// Loads the active model and continues a journaled update and shadow (re-fetch missing
     /// chunks, re-verify, redo activation).
     async fn resume(&mut self) -> Result<()> {
-        let effects = self.core.resume(Now::read());
+        let effects = self.core.resume(super::clock());
         self.carry_out(effects).await
     }
 

@@ -82,7 +82,7 @@ impl Agent {
     /// Hands one input to the core and carries out its effects, and those of the inputs they
     /// produce, to completion.
     async fn apply(&mut self, input: Input<LoadedModel>) -> Result<()> {
-        let effects = self.core.handle(input, Now::read());
+        let effects = self.core.handle(input, clock());
         self.carry_out(effects).await
     }
 
@@ -96,7 +96,7 @@ impl Agent {
             let Some(input) = inputs.pop_front() else {
                 return Ok(());
             };
-            effects.extend(self.core.handle(input, Now::read()));
+            effects.extend(self.core.handle(input, clock()));
         }
     }
 
@@ -429,5 +429,13 @@ impl Agent {
             _ => {}
         }
         Ok(())
+    }
+}
+
+/// The clock, read for one input to the core (the core never reads it).
+pub(crate) fn clock() -> Now {
+    Now {
+        mono: std::time::Instant::now(),
+        unix_ms: kestrel_shared::time::now_ms(),
     }
 }

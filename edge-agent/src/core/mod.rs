@@ -81,13 +81,6 @@ pub struct Now {
 }
 
 impl Now {
-    pub fn read() -> Self {
-        Self {
-            mono: Instant::now(),
-            unix_ms: kestrel_shared::time::now_ms(),
-        }
-    }
-
     fn unix_s(&self) -> u64 {
         self.unix_ms / 1000
     }
@@ -338,7 +331,7 @@ impl<M: Model> Core<M> {
                 .or_else(|| u.last_error.clone()),
             failed_version: u.last_failed,
             latency: self.requests.latency(),
-            updated: kestrel_shared::now_rfc3339(),
+            updated: self.now.rfc3339(),
             started: kestrel_shared::time::process_started_ms(),
             seq: self.status_seq,
             source: model.and_then(|m| m.registry.clone()),
