@@ -47,7 +47,15 @@ def test_ctrl_c_stops_kestrel_fit_within_a_batch(lfw_dir, tmp_path):
             print("INTERRUPTED", flush=True)
         """
     )
-    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C as a terminal sends it: a test command started in the background of a shell without
+    # job control inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it.
+    p = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         wait_until("the first epoch", lambda: epochs_done(run) >= 1 or p.poll() is not None, timeout=300)
         assert p.poll() is None, p.communicate()

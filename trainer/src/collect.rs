@@ -224,3 +224,89 @@ impl Pending {
             .insert(id.to_string());
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kestrel_shared::wire::{CaptureReason, Class};
+
+    fn capture(top: Vec<Class>, captured_at: &str) -> Capture {
+        Capture {
+            id: "1700000000000-000001".into(),
+            device: "cam-1".into(),
+            request: "r1".into(),
+            model: "gate".into(),
+            version: 7,
+            top,
+            reason: CaptureReason::LowConfidence,
+            captured_at: captured_at.into(),
+            content: String::new(),
+        }
+    }
+
+    fn class(label: &str, score: f32) -> Class {
+        Class {
+            class: 0,
+            label: label.into(),
+            score,
+        }
+    }
+
+    #[test]
+    fn a_capture_becomes_a_row_of_its_top_class_at_its_utc_microsecond() {
+        let c = capture(
+            vec![class("cat", 0.75), class("dog", 0.25)],
+            "1970-01-01T02:00:00.000002+02:00",
+        );
+        let want = CaptureRow {
+            content: vec![1, 2, 3],
+            path: "cam-1/1700000000000-000001".into(),
+            device: "cam-1".into(),
+            model: "gate".into(),
+            version: 7,
+            predicted: "cat".into(),
+            score: 0.75,
+            reason: "low-confidence".into(),
+            captured_at: 2,
+            label: None,
+        };
+        assert_eq!(row(&c, vec![1, 2, 3]).unwrap(), want);
+        let none = capture(vec![], "1970-01-01T00:00:00Z");
+        assert_eq!(row(&none, vec![]).unwrap_err(), "no top-k scores");
+        let e = row(&capture(vec![class("cat", 0.5)], "yesterday"), vec![]).unwrap_err();
+        assert!(e.starts_with("captured_at `yesterday`: "), "{e}");
+    }
+
+    #[test]
+    fn admit_stores_new_captures_acknowledges_duplicates_and_holds_back_those_over_quota() {
+        let quota = Quota {
+            captures_per_hour: 1,
+            bytes_per_hour: 1 << 20,
+            max_seen: 10,
+        };
+        let mut gate = Gate::new(quota, ["cam/1-1".to_string()]);
+        let (mut p, mut s) = (Pending::default(), CollectSummary::default());
+        let capture_row = |path: &str| CaptureRow {
+            path: path.into(),
+            device: "cam".into(),
+            ..row(
+                &capture(vec![class("cat", 0.5)], "1970-01-01T00:00:00Z"),
+                vec![0; 4],
+            )
+            .unwrap()
+        };
+        admit(capture_row("cam/1-1"), 10, &mut gate, &mut p, &mut s); // stored by an earlier run
+        admit(capture_row("cam/2-1"), 10, &mut gate, &mut p, &mut s); // new
+        admit(capture_row("cam/3-1"), 10, &mut gate, &mut p, &mut s); // the hour's second: over quota
+        assert_eq!((s.duplicates, s.over_quota, s.stored), (1, 1, 0));
+        let pending: Vec<&str> = p.rows.iter().map(|r| r.path.as_str()).collect();
+        assert_eq!(pending, ["cam/2-1"]);
+        let acked: Vec<&str> = p.acks["cam"].iter().map(String::as_str).collect();
+        assert_eq!(
+            acked,
+            ["1-1", "2-1"],
+            "a capture over quota is not acknowledged to its device"
+        );
+        assert_eq!(gate.over_quota.get("cam"), Some(&1));
+    }
+}

@@ -534,3 +534,6 @@ impl TrackArgs {
         })
     }
 }
+
+#[cfg(test)]
+mod tests;

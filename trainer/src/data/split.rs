@@ -153,4 +153,62 @@ mod tests {
         assert_eq!(local_part(&b[0], 0, 3), &b[0][0..1]);
         assert_eq!(local_part(&b[0], 2, 3), &b[0][2..4]);
     }
+
+    #[test]
+    fn every_class_keeps_a_training_sample_whatever_the_fractions() {
+        // Class 0: one sample; class 1: four; class 2: three; class 3: none at all.
+        let labels = [0, 1, 1, 1, 1, 2, 2, 2];
+        let splits = stratified(&labels, 4, 0.5, 0.5, 7);
+        assert_eq!(splits.len(), labels.len());
+        let counts = |c: usize| {
+            let n = |s: Split| {
+                labels
+                    .iter()
+                    .zip(&splits)
+                    .filter(|(l, x)| **l == c && **x == s)
+                    .count()
+            };
+            (n(Split::Train), n(Split::Val), n(Split::Test))
+        };
+        // round(n * 0.5), half away from zero, each capped so that one sample stays in train.
+        assert_eq!(counts(0), (1, 0, 0));
+        assert_eq!(counts(1), (1, 2, 1));
+        assert_eq!(counts(2), (1, 2, 0));
+    }
+
+    #[test]
+    fn count_table_truncates_class_names_to_fifteen_characters_and_totals_each_split() {
+        let labels = [0, 0, 0, 1];
+        let splits = [Split::Train, Split::Val, Split::Test, Split::Train];
+        let names = ["a_very_long_class_name".to_string(), "b".to_string()];
+        assert_eq!(
+            count_table(&labels, &splits, &names),
+            "class              train     val    test\n\
+             a_very_long_cla        1       1       1\n\
+             b                      1       0       0\n\
+             total                  2       1       1\n"
+        );
+    }
+
+    #[test]
+    fn the_last_batch_wraps_around_to_the_start_of_the_shuffled_order() {
+        let idx: Vec<usize> = (10..15).collect();
+        let b = epoch_batches(&idx, 2, 9, 3);
+        assert_eq!(b.len(), 3);
+        assert_eq!(
+            b[2][1], b[0][0],
+            "5 samples in batches of 2: the sixth slot is the first again"
+        );
+        let mut order = b.concat()[..5].to_vec();
+        order.sort();
+        assert_eq!(order, idx);
+        // A batch larger than the split repeats the shuffled order within the one batch.
+        let small = [4usize, 5, 6];
+        let one = epoch_batches(&small, 8, 9, 0);
+        assert_eq!((one.len(), one[0].len()), (1, 8));
+        assert!((0..8).all(|k| one[0][k] == one[0][k % 3]), "{one:?}");
+        let mut first = one[0][..3].to_vec();
+        first.sort();
+        assert_eq!(first, small);
+    }
 }

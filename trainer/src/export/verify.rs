@@ -173,3 +173,130 @@ fn engine_outputs(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::export::artifact_name;
+    use kestrel_shared::wire::QuantForm;
+    use std::path::Path;
+
+    fn opts(quantize: Quantize) -> ExportOpts {
+        ExportOpts {
+            quantize,
+            calibration: 200,
+            float_blocks: 1,
+            shared_backbone: false,
+            f16: false,
+            max_accuracy_drop: 1.0,
+            tolerance: 1e-3,
+            name: None,
+            version: 1,
+            golden: 4,
+            registry: None,
+        }
+    }
+
+    fn check(runtime: &str, accuracy: f64, max_abs_logit_diff: f64) -> RuntimeCheck {
+        RuntimeCheck {
+            runtime: runtime.into(),
+            samples: 10,
+            accuracy,
+            max_abs_logit_diff,
+            golden_top1_match: true,
+        }
+    }
+
+    #[test]
+    fn the_tolerance_gate_scales_with_the_logits_and_judges_the_f32_form_only() {
+        let f32_form = opts(Quantize::None);
+        // A diff of 0.05 is within 1e-3 of a logit scale of 100, not of 10.
+        assert!(matches!(
+            gate(&check("ort", 0.9, 0.05), 0.9, 100.0, &f32_form),
+            Ok(())
+        ));
+        let e = gate(&check("ort", 0.9, 0.05), 0.9, 10.0, &f32_form).unwrap_err();
+        assert!(
+            matches!(&e, ExportError::Disagrees { runtime, scale, tolerance, .. }
+                if runtime == "ort" && *scale == 10.0 && *tolerance == 1e-3),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "ort disagrees with the trainer: max |logit diff| 5.000e-2 > --tolerance 1e-3 x logit scale 10.000"
+        );
+        // A quantized form's logits may differ: only its accuracy is gated.
+        let int8_weights = opts(Quantize::Int8Weights);
+        assert!(matches!(
+            gate(&check("ort", 0.9, 0.05), 0.9, 10.0, &int8_weights),
+            Ok(())
+        ));
+    }
+
+    #[test]
+    fn the_accuracy_gate_refuses_a_drop_beyond_the_limit_in_points() {
+        let int8 = opts(Quantize::Int8);
+        let e = gate(&check("tract", 0.88, 0.5), 0.9, 1.0, &int8).unwrap_err();
+        let ExportError::AccuracyDrop {
+            form,
+            runtime,
+            drop,
+            max_drop,
+            ..
+        } = &e
+        else {
+            panic!("not an accuracy drop: {e}");
+        };
+        assert_eq!(
+            (form, runtime.as_str(), *max_drop),
+            (&QuantForm::Int8, "tract", 1.0)
+        );
+        assert!((drop - 2.0).abs() < 1e-9, "{drop}");
+        assert_eq!(
+            e.to_string(),
+            "int8 form loses 2.00 accuracy points in tract (f32 0.9000 → 0.8800), more than --max-accuracy-drop 1"
+        );
+        // Half a point lost, or accuracy gained: within the gate.
+        assert!(matches!(
+            gate(&check("tract", 0.895, 0.5), 0.9, 1.0, &int8),
+            Ok(())
+        ));
+        assert!(matches!(
+            gate(&check("tract", 0.95, 0.5), 0.9, 1.0, &int8),
+            Ok(())
+        ));
+    }
+
+    #[test]
+    fn artifact_names_default_to_the_run_directory_and_the_form() {
+        let name = |dir: &str, quantize: Quantize, given: Option<&str>| {
+            let o = ExportOpts {
+                name: given.map(String::from),
+                ..opts(quantize)
+            };
+            artifact_name(Path::new(dir), &o)
+        };
+        assert_eq!(
+            name("runs/cats", Quantize::Int8Weights, None),
+            "cats-int8-weights"
+        );
+        assert_eq!(name("runs/cats/", Quantize::Int8, None), "cats-int8");
+        assert_eq!(name("/", Quantize::None, None), "model-none");
+        assert_eq!(
+            name("runs/cats", Quantize::Int8, Some("gate-cam")),
+            "gate-cam"
+        );
+        // The flag's three values are the manifest's three forms, spelled alike.
+        let all = [Quantize::None, Quantize::Int8Weights, Quantize::Int8];
+        assert_eq!(
+            all.map(Quantize::form),
+            [QuantForm::None, QuantForm::Int8Weights, QuantForm::Int8]
+        );
+        for q in all {
+            assert_eq!(
+                serde_json::to_string(&q).unwrap(),
+                format!("\"{}\"", q.form())
+            );
+        }
+    }
+}

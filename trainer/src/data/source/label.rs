@@ -290,4 +290,96 @@ mod tests {
         assert_eq!(apply_labels(&mut rows, &filled, true).unwrap(), 1);
         assert_eq!(rows[0].label.as_deref(), Some("cat"));
     }
+
+    #[test]
+    fn apply_labels_fills_labelled_lines_and_leaves_empty_cells_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let csv = dir.path().join("labels.csv");
+        let mut rows = vec![
+            row("cam/1-1", "m", "cat", "random"),
+            row("cam/1-2", "m", "dog", "random"),
+            row("cam/1-3", "m", "cat", "random"),
+        ];
+        // Columns found by name among others; cells trimmed.
+        std::fs::write(
+            &csv,
+            "label,path,note\ndog,cam/1-1,x\n,cam/1-2,y\ncat , cam/1-3 ,z\n",
+        )
+        .unwrap();
+        assert_eq!(apply_labels(&mut rows, &csv, false).unwrap(), 2);
+        let labels: Vec<Option<&str>> = rows.iter().map(|r| r.label.as_deref()).collect();
+        assert_eq!(labels, [Some("dog"), None, Some("cat")]);
+    }
+
+    #[test]
+    fn an_unknown_class_or_row_is_refused_with_its_line_and_nothing_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let csv = dir.path().join("labels.csv");
+        let mut rows = vec![
+            row("cam/1-1", "m", "cat", "random"),
+            row("cam/1-2", "m", "dog", "random"),
+        ];
+        rows[1].label = Some("bird".into());
+        std::fs::write(&csv, "path,label\ncam/1-1,dog\ncam/1-2,zebra\n").unwrap();
+        let e = apply_labels(&mut rows, &csv, false).unwrap_err();
+        assert!(
+            matches!(&e, LabelError::NotAClass { line: 3, label, known, .. }
+                if label == "zebra" && known == "bird, cat, dog"),
+            "{e}"
+        );
+        assert!(
+            e.to_string().ends_with(
+                "line 3: `zebra` is not a class (known: bird, cat, dog); --add-classes adds it"
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            rows[0].label, None,
+            "the valid line 2 is not applied either"
+        );
+        assert_eq!(apply_labels(&mut rows, &csv, true).unwrap(), 2);
+        assert_eq!(rows[1].label.as_deref(), Some("zebra"));
+        std::fs::write(&csv, "path,label\ncam/9-9,cat\n").unwrap();
+        let e = apply_labels(&mut rows, &csv, true).unwrap_err();
+        assert!(
+            matches!(&e, LabelError::NoRow { line: 2, row: r, .. } if r == "cam/9-9"),
+            "{e}"
+        );
+        std::fs::write(&csv, "path,class\ncam/1-1,cat\n").unwrap();
+        let e = apply_labels(&mut rows, &csv, true).unwrap_err();
+        assert!(
+            matches!(&e, LabelError::NoColumn { name: "label", columns, .. } if columns == "path, class"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn export_todo_writes_unlabelled_rows_and_their_images_under_device_and_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let csv = dir.path().join("todo.csv");
+        let png = b"\x89PNG\r\n\x1a\nrest".to_vec();
+        let mut a = row("cam-1/170-1", "m", "cat", "random");
+        a.content = png.clone();
+        let mut b = row("cam-1/170-2", "m", "dog", "random");
+        b.label = Some("dog".into());
+        let c = row("../x/170-3", "m", "cat", "random"); // device `..` is no name: hashed under `_/`
+        assert_eq!(export_todo(&[a, b, c.clone()], &csv).unwrap(), 2);
+        let images = dir.path().join("todo-images");
+        assert_eq!(std::fs::read(images.join("cam-1/170-1.png")).unwrap(), png);
+        let hashed = format!("_/{}.bin", &sha256_hex(c.path.as_bytes())[..16]);
+        assert_eq!(std::fs::read(images.join(&hashed)).unwrap(), vec![0u8; 4]);
+        let mut reader = csv::Reader::from_path(&csv).unwrap();
+        let got: Vec<csv::StringRecord> = reader.records().map(Result::unwrap).collect();
+        assert_eq!(got.len(), 2, "the labelled row is not exported");
+        let cells = |i: usize| [1, 8, 9].map(|k| got[i][k].to_string());
+        assert_eq!(
+            cells(0),
+            [
+                "todo-images/cam-1/170-1.png",
+                "1970-01-01T00:00:00+00:00",
+                ""
+            ]
+        );
+        assert_eq!(cells(1)[0], format!("todo-images/{hashed}"));
+    }
 }

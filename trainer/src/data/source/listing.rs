@@ -146,3 +146,108 @@ fn fetch(entries: Vec<(Image, String)>, base: &Base) -> Result<Rows, DataError> 
     }
     Ok(rows)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kestrel_shared::protocol::sha256_hex;
+    use std::collections::HashMap;
+
+    #[test]
+    fn relative_paths_resolve_against_the_listing_directory_in_row_order() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::create_dir(dir.path().join("sub")).unwrap();
+        fs::write(dir.path().join("a.png"), b"aaa").unwrap();
+        fs::write(dir.path().join("sub/b.png"), b"bb").unwrap();
+        // Other column names, in another order, with spaces around the cells.
+        let opts = SourceOpts {
+            path_column: "file".into(),
+            label_column: "class".into(),
+            ..SourceOpts::default()
+        };
+        let text = b" class , file \n dog , sub/b.png \ncat,a.png\n";
+        let origin = dir.path().join("list.csv");
+        let (rows, unlabelled) = read_csv(text, &origin, &Base::Local(dir.path()), &opts).unwrap();
+        assert_eq!(unlabelled, 0);
+        let labels: Vec<String> = rows.labels().map(String::from).collect();
+        assert_eq!(labels, ["dog", "cat"]);
+        let index = HashMap::from([("cat".to_string(), 0), ("dog".to_string(), 1)]);
+        let samples = rows.into_samples(&index);
+        let ids: Vec<&str> = samples.iter().map(|s| s.id.as_str()).collect();
+        let want = [dir.path().join("sub/b.png"), dir.path().join("a.png")];
+        assert_eq!(ids, want.map(|p| p.display().to_string()));
+        assert_eq!((samples[0].label, samples[1].label), (1, 0));
+        assert_eq!(samples[0].bytes().unwrap().into_owned(), b"bb".to_vec());
+        assert_eq!(samples[0].sha256, sha256_hex(b"bb"));
+    }
+
+    #[test]
+    fn object_urls_are_kept_and_relative_paths_join_an_object_listings_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let origin = dir.path().join("list.csv");
+        let Ok(Image::Object(u)) = locate(
+            "s3://bucket/img/1.jpg",
+            2,
+            &origin,
+            &Base::Local(dir.path()),
+        ) else {
+            panic!("an object URL in a local listing is an object");
+        };
+        assert_eq!(u.as_str(), "s3://bucket/img/1.jpg");
+        let loc = Location::local(dir.path()).unwrap();
+        let Ok(Image::Object(u)) = locate("img/1.png", 3, &origin, &Base::Object(&loc)) else {
+            panic!("a relative path of an object listing is an object");
+        };
+        assert_eq!(u, loc.url.join("img/1.png").unwrap());
+        // An empty path in a local listing is a missing file (never the listing's directory).
+        let Err(DataError::MissingFile { line, .. }) =
+            locate("", 4, &origin, &Base::Local(dir.path()))
+        else {
+            panic!("an empty local path is no image");
+        };
+        assert_eq!(line, 4);
+    }
+
+    #[test]
+    fn bad_rows_are_csv_errors_and_skipped_rows_are_never_looked_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let origin = dir.path().join("list.csv");
+        let loc = Location::local(dir.path()).unwrap();
+        let opts = SourceOpts::default();
+        let e = read_csv(b"path,label\n,cat\n", &origin, &Base::Object(&loc), &opts)
+            .err()
+            .expect("an empty path");
+        assert!(
+            matches!(&e, DataError::Csv { message, .. } if message == "line 2: empty path"),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_string(),
+            format!("{}: line 2: empty path", origin.display())
+        );
+        let local = Base::Local(dir.path());
+        let e = read_csv(b"path,label\na.png,cat,extra\n", &origin, &local, &opts)
+            .err()
+            .expect("a ragged row");
+        assert!(
+            matches!(&e, DataError::Csv { message, .. }
+                if message.contains("found record with 3 fields, but the previous record has 2 fields")),
+            "{e}"
+        );
+        // --skip-unlabelled: a row without a label is counted, and its (missing) file not checked.
+        fs::write(dir.path().join("a.png"), b"a").unwrap();
+        let skip = SourceOpts {
+            skip_unlabelled: true,
+            ..SourceOpts::default()
+        };
+        let (rows, unlabelled) = read_csv(
+            b"path,label\ngone.png,\na.png,cat\n",
+            &origin,
+            &local,
+            &skip,
+        )
+        .unwrap();
+        assert_eq!(rows.labels().collect::<Vec<_>>(), ["cat"]);
+        assert_eq!(unlabelled, 1);
+    }
+}

@@ -237,3 +237,59 @@ impl Location {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+
+    #[test]
+    fn every_object_scheme_is_recognised_and_extensions_come_from_the_last_segment() {
+        for (url, scheme) in [
+            ("s3a://b/t", "s3a"),
+            ("azure://c/t", "azure"),
+            ("abfs://c@a.dfs.core.windows.net/t", "abfs"),
+            ("adl://a/t", "adl"),
+            ("S3://b/t", "s3"),
+        ] {
+            let got = object_url(Path::new(url)).map(|u| u.scheme().to_string());
+            assert_eq!(got.as_deref(), Some(scheme), "{url}");
+        }
+        for not_object in ["ftp://h/t", "hdfs://nn/t", "s3"] {
+            assert!(object_url(Path::new(not_object)).is_none(), "{not_object}");
+        }
+        let ext = |s: &str| extension(&Url::parse(s).unwrap());
+        assert_eq!(ext("s3://b/t/Part-0.PARQUET").as_deref(), Some("parquet"));
+        assert_eq!(ext("gs://b/x.tar.gz").as_deref(), Some("gz"));
+        assert_eq!(
+            ext("s3://b/dir.v2/table"),
+            None,
+            "only the last segment counts"
+        );
+        assert_eq!(ext("s3://b/t/"), None);
+    }
+
+    #[test]
+    fn a_local_directory_is_a_directory_url_and_paths_join_beside_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let file = dir.path().join("List.CSV");
+        fs::write(&file, "path,label\n").unwrap();
+        let d = Location::local(dir.path()).unwrap();
+        assert!(d.is_dir());
+        assert_eq!(d.url, Url::from_directory_path(&root).unwrap());
+        assert_eq!((d.origin.as_path(), d.extension()), (dir.path(), None));
+        let f = Location::local(&file).unwrap();
+        assert!(!f.is_dir());
+        assert_eq!(f.extension().as_deref(), Some("csv"));
+        // Relative to a directory: inside it; relative to a file: beside it.
+        let inside = Url::from_file_path(root.join("img/1.png")).unwrap();
+        assert_eq!(d.join("img/1.png").unwrap(), inside);
+        assert_eq!(f.join("img/1.png").unwrap(), inside);
+        let missing = dir.path().join("absent");
+        assert!(matches!(
+            Location::local(&missing).err(),
+            Some(DataError::Io { path, .. }) if path == missing
+        ));
+    }
+}

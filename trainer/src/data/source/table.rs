@@ -305,3 +305,178 @@ pub(crate) fn hive_part(rel: &str) -> Option<Vec<(String, String)>> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{BinaryArray, StringArray};
+    use arrow::datatypes::Field;
+    use std::sync::Arc;
+
+    fn schema(fields: &[(&str, DataType)]) -> Schema {
+        Schema::new(
+            fields
+                .iter()
+                .map(|(n, t)| Field::new(*n, t.clone(), true))
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    #[test]
+    fn hive_values_split_at_the_first_equals_and_keep_the_null_marker() {
+        assert_eq!(
+            hive_part("expr=a=b/p.parquet"),
+            Some(vec![("expr".into(), "a=b".into())])
+        );
+        assert_eq!(
+            hive_part(&format!("label={HIVE_NULL}/p.parquet")),
+            Some(vec![("label".into(), HIVE_NULL.into())])
+        );
+        // Percent escapes are decoded; `+` is no space.
+        assert_eq!(
+            hive_part("label=a+b%20c/p.parquet"),
+            Some(vec![("label".into(), "a+b c".into())])
+        );
+        assert_eq!(
+            hive_part("label=/p.parquet"),
+            Some(vec![("label".into(), String::new())])
+        );
+        for skipped in [
+            "_label=x/p.parquet",
+            ".label=x/p.parquet",
+            "a=1/b/p.parquet",
+            "a=1/.parquet",
+            "p",
+        ] {
+            assert_eq!(hive_part(skipped), None, "{skipped}");
+        }
+    }
+
+    #[test]
+    fn roles_take_the_label_column_else_the_deepest_partition_value() {
+        let opts = SourceOpts::default();
+        let origin = Path::new("t/part-0.parquet");
+        let parts: Vec<(String, String)> = [("label", "outer"), ("split", "0"), ("label", "inner")]
+            .map(|(c, v)| (c.to_string(), v.to_string()))
+            .into();
+        let r = Roles::resolve(
+            &schema(&[("content", DataType::Binary)]),
+            &parts,
+            &opts,
+            origin,
+        )
+        .unwrap();
+        assert!(matches!(r.label, Label::Partition("inner")));
+        assert_eq!(r.read, [0]);
+        assert!(!r.has_path);
+        let by_path: HashMap<String, String> = HashMap::new();
+        let e = r
+            .with_labels(&by_path, &opts, origin)
+            .err()
+            .expect("no path column");
+        assert!(
+            matches!(&e, DataError::MissingColumn { role: "path (the labels table's key)", column, .. } if column == "path"),
+            "{e}"
+        );
+        // A dictionary label column wins over the partition; the columns read are in schema order.
+        let dict = DataType::Dictionary(Box::new(DataType::Int32), Box::new(DataType::Utf8));
+        let full = schema(&[
+            ("label", dict),
+            ("score", DataType::Float64),
+            ("path", DataType::Utf8View),
+            ("content", DataType::LargeBinary),
+        ]);
+        let r = Roles::resolve(&full, &parts, &opts, origin).unwrap();
+        assert!(matches!(r.label, Label::Column));
+        assert_eq!((r.read, r.has_path), (vec![0, 2, 3], true));
+        let bad_path = schema(&[
+            ("content", DataType::Binary),
+            ("label", DataType::Utf8),
+            ("path", DataType::Int64),
+        ]);
+        let e = Roles::resolve(&bad_path, &[], &opts, origin)
+            .err()
+            .expect("an integer path");
+        assert_eq!(
+            e.to_string(),
+            "t/part-0.parquet: column `path` has type Int64, expected string"
+        );
+    }
+
+    #[test]
+    fn labels_by_path_override_the_label_column_and_an_empty_one_unlabels_the_row() {
+        let opts = SourceOpts {
+            skip_unlabelled: true,
+            ..SourceOpts::default()
+        };
+        let origin = Path::new("captures");
+        let paths = StringArray::from(vec![Some("p1"), Some("p2"), None, Some("p4"), Some("p5")]);
+        let labels = StringArray::from(vec![Some("a"), Some("b"), Some("c"), None, Some("e")]);
+        let batch = RecordBatch::try_from_iter([
+            ("path", Arc::new(paths) as ArrayRef),
+            (
+                "content",
+                Arc::new(BinaryArray::from_iter_values([
+                    b"1", b"2", b"3", b"4", b"5",
+                ])) as ArrayRef,
+            ),
+            ("label", Arc::new(labels) as ArrayRef),
+        ])
+        .unwrap();
+        let by_path: HashMap<String, String> = [("p1", "zebra"), ("p4", "yak"), ("p5", "")]
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .into();
+        let roles = Roles::resolve(&batch.schema(), &[], &opts, origin)
+            .unwrap()
+            .with_labels(&by_path, &opts, origin)
+            .unwrap();
+        let (mut row, mut rows, mut unlabelled) = (0, Rows::new().unwrap(), 0);
+        roles
+            .batch_rows(&batch, &opts, origin, &mut row, &mut rows, &mut unlabelled)
+            .unwrap();
+        assert_eq!((row, unlabelled), (5, 1), "p5's empty label leaves it out");
+        let names: Vec<String> = rows.labels().map(String::from).collect();
+        assert_eq!(names, ["zebra", "b", "c", "yak"]);
+        let index: HashMap<String, usize> = names
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (l.clone(), i))
+            .collect();
+        let ids: Vec<String> = rows
+            .into_samples(&index)
+            .into_iter()
+            .map(|s| s.id)
+            .collect();
+        assert_eq!(ids, ["p1", "p2", "captures#row 2", "p4"]);
+    }
+
+    #[test]
+    fn a_partition_value_labels_every_row_and_the_hive_null_marker_is_no_label() {
+        let skip = SourceOpts {
+            skip_unlabelled: true,
+            ..SourceOpts::default()
+        };
+        let origin = Path::new("t/label=x/part-0.parquet");
+        let content = BinaryArray::from_iter_values([b"1", b"2"]);
+        let batch =
+            RecordBatch::try_from_iter([("content", Arc::new(content) as ArrayRef)]).unwrap();
+        let read = |value: &str| {
+            let partition = vec![("label".to_string(), value.to_string())];
+            let roles = Roles::resolve(&batch.schema(), &partition, &skip, origin).unwrap();
+            let (mut row, mut rows, mut unlabelled) = (0, Rows::new().unwrap(), 0);
+            roles
+                .batch_rows(&batch, &skip, origin, &mut row, &mut rows, &mut unlabelled)
+                .unwrap();
+            (
+                rows.labels().map(String::from).collect::<Vec<_>>(),
+                row,
+                unlabelled,
+            )
+        };
+        assert_eq!(
+            read("cat"),
+            (vec!["cat".to_string(), "cat".to_string()], 2, 0)
+        );
+        assert_eq!(read(HIVE_NULL), (Vec::<String>::new(), 2, 2));
+    }
+}
