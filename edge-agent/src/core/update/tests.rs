@@ -25,6 +25,15 @@ fn install(u: &mut Updater, version: u64, chunks: u32) -> Vec<Vec<Action>> {
     steps
 }
 
+/// Offers `version` in one chunk and takes it through storing, verification and staging (the
+/// health check is next).
+fn stage(u: &mut Updater, version: u64) {
+    u.handle(Event::Offered(offer(version, 1)));
+    u.handle(Event::ChunkStored { version, index: 0 });
+    u.handle(Event::Verified { version });
+    u.handle(Event::Staged { version });
+}
+
 #[test]
 fn happy_path_then_upgrade_keeps_previous() {
     let mut u = Updater::new(MB);
@@ -194,13 +203,7 @@ fn failed_verification_is_rejected() {
 fn failed_health_check_rolls_back() {
     let mut u = Updater::new(MB);
     install(&mut u, 1, 1);
-    u.handle(Event::Offered(offer(2, 1)));
-    u.handle(Event::ChunkStored {
-        version: 2,
-        index: 0,
-    });
-    u.handle(Event::Verified { version: 2 });
-    u.handle(Event::Staged { version: 2 });
+    stage(&mut u, 2);
     let a = u.handle(Event::HealthFailed {
         version: 2,
         reason: "golden/0.png: top-1 1 (expected 0)".into(),
@@ -548,13 +551,7 @@ fn a_failed_health_check_keeps_active_and_previous_and_the_version_may_be_offere
     let mut u = Updater::new(MB);
     install(&mut u, 1, 1);
     install(&mut u, 2, 1);
-    u.handle(Event::Offered(offer(3, 1)));
-    u.handle(Event::ChunkStored {
-        version: 3,
-        index: 0,
-    });
-    u.handle(Event::Verified { version: 3 });
-    u.handle(Event::Staged { version: 3 });
+    stage(&mut u, 3);
     let a = u.handle(Event::HealthFailed {
         version: 3,
         reason: "golden".into(),
