@@ -8,7 +8,7 @@ use kestrel_runtime::EngineKind;
 use kestrel_shared::error::Cause;
 use kestrel_shared::protocol::check_name;
 
-pub use crate::core::config::*;
+pub use crate::core::settings::*;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {

@@ -232,8 +232,8 @@ pub fn write_parquet(out: &Path, rows: &[Row]) -> Result<(), PredictError> {
         parquet::arrow::ArrowWriter::try_new(&mut buf, schema, None).map_err(|e| err(e.into()))?;
     w.write(&batch).map_err(|e| err(e.into()))?;
     w.close().map_err(|e| err(e.into()))?;
-    if let Some(url) = crate::data::source::store::object_url(out) {
-        return Ok(crate::data::source::store::put(&url, buf)?);
+    if let Some(url) = crate::data::source::location::object_url(out) {
+        return Ok(crate::data::source::location::put(&url, buf)?);
     }
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| err(e.into()))?;

@@ -34,7 +34,7 @@ use crate::store::Store;
 mod captures;
 mod hooks;
 mod lifecycle;
-mod publish;
+mod sending;
 
 use captures::CaptureQueue;
 

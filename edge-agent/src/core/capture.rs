@@ -11,7 +11,7 @@ use kestrel_shared::capture::CaptureStats;
 use kestrel_shared::wire::{CaptureReason, Class};
 use serde::{Deserialize, Serialize};
 
-use crate::core::config::{Capture as CaptureConfig, CapturePolicy};
+use crate::core::settings::{Capture as CaptureConfig, CapturePolicy};
 
 const HOUR_MS: u64 = 3_600_000;
 /// Captures waiting for a collector's acknowledgement at most (the oldest are given up beyond).

@@ -10,7 +10,7 @@
 //! Here: the state, routing and status; [`io`]: the inputs and effects; the machines the core
 //! drives: [`update`] (one download, verification, health check and activation), [`desired`]
 //! (replay, expiry and signed clears), [`trust`] (root-signed key lists), [`capture`] (the capture
-//! policy and its limits); [`config`]: the settings as plain values (the shell reads the files);
+//! policy and its limits); [`settings`]: the settings as plain values (the shell reads the files);
 //! [`delivery`]: the two lanes of downloads (the update of the active model and the shadow), each an
 //! [`Updater`];
 //! [`pursue`]: desired states and key lists; [`shadow`]: the shadow model's choice and its
@@ -28,20 +28,20 @@ use kestrel_shared::wire::EventKind;
 use serde::{Deserialize, Serialize};
 
 use crate::core::capture::CaptureState;
-use crate::core::config::Config;
 use crate::core::desired::DesiredStates;
+use crate::core::settings::Config;
 use crate::core::trust::Trust;
 use crate::core::update::{Event, Phase, Updater};
 
 mod acks;
 pub mod capture;
-pub mod config;
 mod delivery;
 pub mod desired;
 mod io;
 mod pieces;
 mod pursue;
 mod requests;
+pub mod settings;
 mod shadow;
 #[cfg(test)]
 mod tests;

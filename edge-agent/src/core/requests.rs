@@ -17,7 +17,7 @@ use kestrel_shared::stats::quantile;
 use super::{Core, Effect, How, Model, Now, Observed};
 use crate::core::Message;
 use crate::core::capture::{CaptureState, Capturer};
-use crate::core::config::Config;
+use crate::core::settings::Config;
 
 /// Recent latencies the status's percentiles are taken over.
 const LATENCIES: usize = 1000;

@@ -19,7 +19,7 @@ use kestrel_shared::topics::Topics;
 use kestrel_shared::wire::{DeviceState, ShadowState};
 
 use super::*;
-use crate::core::config::CapturePolicy;
+use crate::core::settings::CapturePolicy;
 
 /// A model as the fake shell loads it: its manifest only.
 struct Fake(Manifest);

@@ -1,6 +1,6 @@
 use super::cache::features;
-use super::source::table::{self, HIVE_NULL};
-use super::source::{delta, store};
+use super::source::columns::{self, HIVE_NULL};
+use super::source::{delta, location};
 use super::*;
 use arrow::array::{
     ArrayRef, BinaryArray, Float64Array, Int32Array, Int64Array, RecordBatch, StringArray,
@@ -785,7 +785,7 @@ fn data_delta_fixtures_written_by_spark_read_their_rows() {
     use arrow::datatypes::{Int32Type, Int64Type};
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/delta");
     let values = |table: &str, column: &str| -> Vec<i64> {
-        let loc = store::Location::local(&root.join(table)).unwrap();
+        let loc = location::Location::local(&root.join(table)).unwrap();
         let mut out = Vec::new();
         delta::scan(
             &loc,
@@ -823,7 +823,7 @@ fn data_delta_fixtures_written_by_spark_read_their_rows() {
     assert_eq!(ids.len(), 7, "{ids:?}");
     assert_eq!(ids[2..], [5, 6, 7, 8, 9]);
     for mode in ["none", "id", "name"] {
-        let loc = store::Location::local(&root.join("partition_cm").join(mode)).unwrap();
+        let loc = location::Location::local(&root.join("partition_cm").join(mode)).unwrap();
         let (mut rows, mut columns) = (0, Vec::new());
         delta::scan(
             &loc,
@@ -843,7 +843,7 @@ fn data_delta_fixtures_written_by_spark_read_their_rows() {
 
 #[test]
 fn data_hive_part_paths() {
-    let part = |rel: &str| table::hive_part(rel);
+    let part = |rel: &str| columns::hive_part(rel);
     assert_eq!(part("part-0.parquet"), Some(vec![]));
     assert_eq!(
         part("label=a%3Ab/day=1/p.PARQUET"),
@@ -871,9 +871,9 @@ fn data_object_urls_are_recognised() {
         "abfss://c@a.dfs.core.windows.net/t",
         "gs://b/x.parquet",
     ] {
-        assert!(store::object_url(Path::new(url)).is_some(), "{url}");
+        assert!(location::object_url(Path::new(url)).is_some(), "{url}");
     }
     for local in ["data/t", "/abs/t", "C:/t", "file:///t", "http://h/t"] {
-        assert!(store::object_url(Path::new(local)).is_none(), "{local}");
+        assert!(location::object_url(Path::new(local)).is_none(), "{local}");
     }
 }

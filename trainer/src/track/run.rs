@@ -102,9 +102,10 @@ pub fn dataset_inputs(pp: &TrainingData) -> Vec<Value> {
                     serde_json::json!({ "path": t.location, "delta_table_version": v }),
                 ),
                 _ => {
-                    let scheme =
-                        crate::data::source::store::object_url(std::path::Path::new(&t.location))
-                            .map_or("local".to_string(), |u| u.scheme().to_string());
+                    let scheme = crate::data::source::location::object_url(std::path::Path::new(
+                        &t.location,
+                    ))
+                    .map_or("local".to_string(), |u| u.scheme().to_string());
                     (scheme, serde_json::json!({ "uri": t.location }))
                 }
             };

@@ -19,9 +19,9 @@ use delta_kernel::engine::arrow_data::ArrowEngineData;
 use delta_kernel::history_manager;
 use delta_kernel::snapshot::Snapshot;
 
+use super::columns::Roles;
+use super::location::Location;
 use super::spool::Rows;
-use super::store::Location;
-use super::table::Roles;
 use super::{DataError, SourceOpts, TableRef};
 
 /// A read Delta table: its rows and the snapshot's version.

@@ -44,7 +44,7 @@ use serde_json::json;
 use url::Url;
 
 use super::delta::{LABELS_TABLE, LABELS_TABLE_KEY, scan_snapshot};
-use super::{DataError, io_err, store};
+use super::{DataError, io_err, location};
 
 /// One row of a capture table.
 #[derive(Debug, Clone, PartialEq)]
@@ -305,12 +305,12 @@ struct Table {
 impl Table {
     fn open(dir: &Path, kind: &'static Kind) -> Result<Table, DataError> {
         let err = |e: &dyn std::fmt::Display| delta_err(dir, e);
-        let (url, store): (Url, Arc<DynObjectStore>) = match store::object_url(dir) {
+        let (url, store): (Url, Arc<DynObjectStore>) = match location::object_url(dir) {
             Some(mut url) => {
                 if !url.path().ends_with('/') {
                     url.set_path(&format!("{}/", url.path()));
                 }
-                let store = store::object_store(&url)?;
+                let store = location::object_store(&url)?;
                 (url, store)
             }
             None => {

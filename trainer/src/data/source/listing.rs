@@ -8,9 +8,9 @@ use std::path::Path;
 
 use url::Url;
 
+use super::columns::UNLABELLED_HINT;
+use super::location::{self, Location};
 use super::spool::Rows;
-use super::store::{self, Location};
-use super::table::UNLABELLED_HINT;
 use super::{DataError, SourceOpts, io_err};
 
 /// Where a manifest's relative paths point.
@@ -81,7 +81,7 @@ pub(super) fn read_csv(
 
 /// Where the manifest's `rel` (on line `line`) is; a local file must exist.
 fn locate(rel: &str, line: u64, origin: &Path, base: &Base) -> Result<Image, DataError> {
-    if let Some(url) = store::object_url(Path::new(rel)) {
+    if let Some(url) = location::object_url(Path::new(rel)) {
         return Ok(Image::Object(url));
     }
     match base {

@@ -9,17 +9,17 @@ use std::path::{Path, PathBuf};
 
 use super::{DataError, Dataset, Sample, SourceOpts, TableRef, io_err, pq_err};
 
+pub(super) mod columns;
 pub mod delta;
 pub mod delta_write;
 pub mod label;
 mod listing;
+pub mod location;
 pub mod spool;
-pub mod store;
-pub(super) mod table;
 
+use columns::{PartFile, hive_part, read_parquet, read_parquet_rows};
+use location::Location;
 use spool::Rows;
-use store::Location;
-use table::{PartFile, hive_part, read_parquet, read_parquet_rows};
 
 const IMAGE_EXTENSIONS: [&str; 4] = ["png", "jpg", "jpeg", "bmp"];
 
@@ -98,7 +98,7 @@ struct Read {
 /// [`load`] without its check for labelled rows: a source of only unlabelled rows (left out with
 /// `--skip-unlabelled`) loads with no samples.
 fn load_source(path: &Path, opts: &SourceOpts) -> Result<Dataset, DataError> {
-    let read = match store::object_url(path) {
+    let read = match location::object_url(path) {
         Some(url) => read_object(&Location::object(&url)?, opts)?,
         None => match read_local(path, opts)? {
             Some(read) => read,
@@ -332,7 +332,7 @@ fn hidden(p: &Path) -> bool {
         .is_some_and(|n| n.starts_with('.') || n.starts_with('_'))
 }
 
-/// The Parquet part files of a local table directory ([`table::hive_part`]), in path order; only
+/// The Parquet part files of a local table directory ([`columns::hive_part`]), in path order; only
 /// `column=value/` directories are descended into.
 fn parquet_parts(dir: &Path) -> Result<Vec<PartFile>, DataError> {
     let mut rels = Vec::new();

@@ -53,12 +53,12 @@ fn store_err(url: &Url) -> impl FnOnce(delta_kernel::object_store::Error) -> Dat
 }
 
 /// The kernel's default engine over `store`, its reads bounded for image rows: batches of
-/// [`super::table::BATCH_ROWS`] rows and a few files read ahead (its defaults, 1,000 of each, would
+/// [`super::columns::BATCH_ROWS`] rows and a few files read ahead (its defaults, 1,000 of each, would
 /// hold a whole table of images in memory).
 fn engine(store: Arc<DynObjectStore>) -> Arc<dyn Engine> {
     let n = |v: usize| std::num::NonZero::new(v).expect("not zero");
     let builder = DefaultEngineBuilder::new(store)
-        .with_batch_size(n(super::table::BATCH_ROWS))
+        .with_batch_size(n(super::columns::BATCH_ROWS))
         .with_buffer_size(n(4));
     Arc::new(builder.build())
 }
