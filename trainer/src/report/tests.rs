@@ -35,11 +35,7 @@ fn report_evaluate_three_classes() {
         e.confusion,
         vec![vec![2, 1, 0], vec![1, 1, 0], vec![1, 1, 2]]
     );
-    let named: Vec<(&str, &str, usize)> = e
-        .most_confused
-        .iter()
-        .map(|c| (c.truth.as_str(), c.predicted.as_str(), c.count))
-        .collect();
+    let named = confused(&e);
     assert_eq!(
         named,
         [
@@ -317,11 +313,7 @@ fn most_confused_keeps_the_five_commonest_mistakes_ties_in_matrix_order() {
     let e = evaluate(&pred, &truth, &labels(&["a", "b", "c", "d"]), None);
     assert_eq!(e.samples, 15);
     assert!(close(e.accuracy, 1.0 / 15.0));
-    let named: Vec<(&str, &str, usize)> = e
-        .most_confused
-        .iter()
-        .map(|c| (c.truth.as_str(), c.predicted.as_str(), c.count))
-        .collect();
+    let named = confused(&e);
     assert_eq!(
         named,
         [
@@ -362,4 +354,12 @@ fn the_table_s_macro_average_is_the_plain_mean_over_classes() {
     // Precision (1/2 + 1/3 + 1)/3, recall (2/3 + 1/2 + 1/2)/3, F1 (4/7 + 2/5 + 2/3)/3;
     // support: all samples.
     assert_eq!(cells, ["0.6111", "0.5556", "0.5460", "9"], "{t}");
+}
+
+/// An evaluation's most confused pairs as (truth, predicted, count).
+fn confused(e: &Evaluation) -> Vec<(&str, &str, usize)> {
+    e.most_confused
+        .iter()
+        .map(|c| (c.truth.as_str(), c.predicted.as_str(), c.count))
+        .collect()
 }
