@@ -23,6 +23,10 @@ for arg in "$@"; do
 done
 mkdir -p "$KESTREL_HOME"/{wheels,onnxruntime,photos}
 SECONDS=0
+# A fresh clone stamps every file "now", and cargo would rebuild every crate (and relink the ARM
+# agents) though $KESTREL_HOME/target holds a build of the same sources: unchanged files get back
+# the time their content was first seen here (scripts/keep-mtimes.py; keyed by content).
+python3 "$here/keep-mtimes.py" || log "WARNING: file times not kept (not a git checkout?): cargo rebuilds all"
 
 # Debian packages: the font for the text in training-curve PNGs (plotters + ab_glyph read it at run
 # time; no fontconfig); for the tests, Mosquitto (the production broker; each test starts its own

@@ -52,6 +52,7 @@ if [ "${KESTREL_SKIP_FUZZ:-0}" != 1 ]; then
 fi
 log "layers: no trainer module uses one that builds on it, no two files use each other, no wire value compared as a string (scripts/layers.py)"
 python3 "$here/layers.py" --self-test
+python3 "$here/keep-mtimes.py" --self-test
 log "function length: no function over 120 lines without a written reason"
 python3 "$here/long-functions.py" --max 120 --top 5
 # The trainer's CUDA build compiles on these CPU machines (docs/gpu.md): candle's CUDA backend with its

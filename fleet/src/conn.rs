@@ -98,6 +98,10 @@ impl Drop for Events {
 /// well under a second on loopback).
 pub const RETAINED_MAX_WAIT: Duration = Duration::from_secs(20);
 
+/// The most retained messages the embedded broker (rumqttd, `max_outgoing_packet_count` in
+/// fleet/broker) hands one new subscription: a read that gets this many may have been cut short.
+pub const EMBEDDED_RETAINED_CAP: usize = 20_000;
+
 /// A connected blocking MQTT client; its connection is driven by [`Events`].
 pub struct Conn {
     client: Client,
@@ -311,6 +315,14 @@ impl Conn {
         self.client
             .unsubscribe(filter)
             .map_err(|e| self.client_err(e))?;
+        if out.len() >= EMBEDDED_RETAINED_CAP {
+            tracing::warn!(
+                "{} retained messages under {filter}: the embedded broker hands a subscription at \
+                 most {EMBEDDED_RETAINED_CAP}, so there may be more (a fleet this size wants \
+                 Mosquitto: docs/fleet.md, Fleet size and brokers)",
+                out.len()
+            );
+        }
         Ok(out)
     }
 

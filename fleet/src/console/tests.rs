@@ -313,11 +313,18 @@ fn rollouts_show_phases_and_their_transitions_in_the_feed() {
         v.apply("k/devices/a/events", &serde_json::to_vec(&e).unwrap(), NOW)
             .unwrap();
     }
+    let late: Status = serde_json::from_slice(&status("z-late", "east", Some(1), None)).unwrap();
+    c.on_status(&late, 101);
     c.on_abort("operator", "console@test");
     v.apply(topic, &sealed(&c), NOW).unwrap();
     let r = v.rollout_row("r1").unwrap();
     assert_eq!(r.state, RolloutStatus::Aborted);
     assert_eq!(r.phases[0].rolled_back, 1);
+    assert_eq!(
+        (r.phases[1].late, r.phases[1].late_devices.as_slice()),
+        (1, ["z-late".to_string()].as_slice()),
+        "which devices joined late"
+    );
     let events = v.events(0);
     let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
     assert_eq!(kinds.len(), super::view::EVENTS + 2);

@@ -159,8 +159,10 @@ pub struct PhaseRow {
     pub active: usize,
     pub failed: usize,
     pub rolled_back: usize,
-    /// Devices that joined after the rollout began.
+    /// Devices that joined after the rollout began...
     pub late: usize,
+    /// ...the first 20 of them (in id order).
+    pub late_devices: Vec<String>,
     /// Devices whose agent is offline.
     pub offline: usize,
     pub timeout_s: u64,
@@ -260,6 +262,7 @@ fn phase_row(c: &Controller, i: usize) -> PhaseRow {
         failed: 0,
         rolled_back: 0,
         late: 0,
+        late_devices: Vec::new(),
         offline: 0,
         timeout_s: spec.timeout_s,
         soak_s: spec.soak_s,
@@ -269,6 +272,9 @@ fn phase_row(c: &Controller, i: usize) -> PhaseRow {
     for d in c.phase_devices(i) {
         row.devices += 1;
         row.late += usize::from(d.late);
+        if d.late && row.late_devices.len() < 20 {
+            row.late_devices.push(d.id.clone());
+        }
         row.offline += usize::from(d.offline);
         if let Some(why) = d.quality.as_ref().and_then(|q| q.excluded.as_ref())
             && row.excluded.len() < 20

@@ -31,7 +31,7 @@ mod tests_scale;
 
 use std::collections::BTreeMap;
 
-use kestrel_shared::protocol::{Status, sha256_hex};
+use kestrel_shared::protocol::Status;
 use kestrel_shared::quality::DeviceQuality;
 use kestrel_shared::wire::{self, ShadowState};
 use serde::{Deserialize, Serialize};
@@ -203,7 +203,7 @@ impl Controller {
         }
         // A stable pseudo-random order, different per rollout.
         let mut order: Vec<&Status> = fleet.iter().collect();
-        order.sort_by_key(|s| sha256_hex(format!("{name}/{}", s.device).as_bytes()));
+        order.sort_by_cached_key(|s| pace::order_key(name, &s.device));
         let n = fleet.len();
         let mut devices = BTreeMap::new();
         let mut assigned = 0usize;
@@ -217,7 +217,8 @@ impl Controller {
                     .copied()
                     .collect(),
                 (None, Some(p)) => {
-                    let upto = ((p / 100.0 * n as f64).ceil() as usize).clamp(1, n);
+                    // p·n first: 7 / 100 · 100 is 7.000000000000001, and its ceiling 8.
+                    let upto = ((p * n as f64 / 100.0).ceil() as usize).clamp(1, n);
                     order
                         .iter()
                         .filter(|s| !devices.contains_key(&s.device))
@@ -461,14 +462,15 @@ impl Controller {
         out
     }
 
-    /// (active, failed, pending) in a phase; offline devices not yet done are left out.
+    /// (active, failed, pending) in a phase; devices offline before they were given the model
+    /// are left out (one given it that went offline is pending until it reports or times out).
     pub fn counts(&self, phase: usize) -> (usize, usize, usize) {
         let mut c = (0, 0, 0);
         for d in self.phase_devices(phase) {
             match d.state {
                 DeviceState::Active | DeviceState::Shadowing => c.0 += 1,
                 DeviceState::Failed(_) | DeviceState::TimedOut => c.1 += 1,
-                _ if d.offline => {}
+                DeviceState::Waiting if d.offline => {}
                 _ => c.2 += 1,
             }
         }
@@ -501,12 +503,27 @@ impl Controller {
                 self.phase, spec.name
             ));
         }
-        let ok = active as f64 >= spec.success * n as f64 - 1e-9;
+        // A phase with devices passes on what some of them did, never on none: a canary whose
+        // devices are all offline holds the rollout until they are back or its time is up.
+        let members = self.phase_devices(self.phase).count();
+        if members > 0 && finished == 0 && pending == 0 {
+            if self.deadline().is_some_and(|t| now >= t) {
+                return self.abort(format!(
+                    "phase {} `{}`: none of its {members} devices was online to take the model \
+                     within {} s",
+                    self.phase, spec.name, spec.timeout_s
+                ));
+            }
+            return vec![];
+        }
+        let ok = active as f64 >= spec.success() * n as f64 - 1e-9;
         if !ok {
             if pending == 0 {
                 return self.abort(format!(
                     "phase {} `{}`: {active} of {n} devices active, below the success threshold {}",
-                    self.phase, spec.name, spec.success
+                    self.phase,
+                    spec.name,
+                    spec.success()
                 ));
             }
             return vec![];

@@ -22,7 +22,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Controller, DeviceState, Output, PhaseSpec, RolloutState};
+use super::{Controller, Device, DeviceState, Output, PhaseSpec, RolloutState};
 
 /// Devices downloading or installing at once when a phase does not say: at 3.6 MB (a whole
 /// int8-weights MobileNetV2 artifact) the broker queues at most ~360 MB of chunks for them.
@@ -96,17 +96,39 @@ impl Credit {
     }
 }
 
+/// The highest rate a ramp reaches, in devices a minute: a ramp with no `max_per_minute` stops
+/// here rather than at infinity (which a saved state could not hold).
+pub const MAX_RATE: f64 = 1_000_000.0;
+
 /// A phase's rate now, in devices a minute (`None`: no limit), after `succeeded` of its devices
 /// have the new model.
 pub fn rate(spec: &PhaseSpec, succeeded: usize) -> Option<f64> {
     let ramped = spec.ramp.as_ref().map(|r| {
         let steps = (succeeded / r.every).min(1_000) as i32;
-        r.start_per_minute * r.factor.powi(steps)
+        (r.start_per_minute * r.factor.powi(steps)).min(MAX_RATE)
     });
     match (ramped, spec.max_per_minute) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }
+}
+
+/// The strict form of a rate of `r` devices a minute: at most `count` devices given the model
+/// in any `window_s` seconds. At 1 or more a minute, ⌊r⌋ in any minute; below that, one device
+/// in any 60/r seconds (0.5 a minute: one every two minutes).
+pub fn window(r: f64) -> (usize, u64) {
+    if r >= 1.0 {
+        (r.floor() as usize, 60)
+    } else {
+        (1, (60.0 / r).ceil() as u64)
+    }
+}
+
+/// The order devices are given the model in: stable and pseudo-random per rollout (the same
+/// order [`Controller::new`] assigns phases in), so the first devices to finish are not all of
+/// one site whose ids sort together.
+pub(super) fn order_key(rollout: &str, device: &str) -> String {
+    kestrel_shared::wire::sha256_hex(format!("{rollout}/{device}").as_bytes())
 }
 
 impl Controller {
@@ -133,30 +155,39 @@ impl Controller {
             .count();
         let rate = rate(&spec, succeeded);
         self.pace = std::mem::take(&mut self.pace).refilled(rate, now);
+        // A device given the model that went offline is still in progress: it may come back
+        // to fetch, and a model that crashes its device must not free the device's place.
         let in_progress = self
             .devices
             .values()
-            .filter(|d| d.state == DeviceState::Moved && !d.offline)
+            .filter(|d| d.state == DeviceState::Moved)
             .count();
         let mut allowed = spec
             .max_in_progress
             .unwrap_or(DEFAULT_MAX_IN_PROGRESS)
             .saturating_sub(in_progress);
         if let Some(r) = rate {
-            // Strictly at most `r` in any minute, whatever the bucket holds.
-            let last_minute = self
+            // Strictly at most `count` in any `window_s`, whatever the bucket holds.
+            let (count, window_s) = window(r);
+            let recent = self
                 .devices
                 .values()
-                .filter(|d| d.moved_at.is_some_and(|t| t + 60 > now))
+                .filter(|d| d.moved_at.is_some_and(|t| t + window_s > now))
                 .count();
             allowed = allowed
                 .min(self.pace.devices.floor() as usize)
-                .min((r.floor() as usize).saturating_sub(last_minute));
+                .min(count.saturating_sub(recent));
         }
-        let chosen: Vec<String> = self
+        let mut waiting: Vec<&Device> = self
             .devices
             .values()
             .filter(|d| d.state == DeviceState::Waiting && !d.offline && d.phase <= phase)
+            .collect();
+        if waiting.len() > allowed {
+            waiting.sort_by_cached_key(|d| order_key(&self.name, &d.id));
+        }
+        let chosen: Vec<String> = waiting
+            .into_iter()
             .take(allowed)
             .map(|d| d.id.clone())
             .collect();
@@ -184,8 +215,10 @@ impl Controller {
         out
     }
 
-    /// Devices in progress for longer than their phase's device timeout count as timed out
-    /// (offline ones wait: their clock restarts when they are back).
+    /// Devices in progress for longer than their phase's device timeout count as timed out,
+    /// offline or not: a device that went offline after it was given the model (a model that
+    /// crashes it, a power cut) has not succeeded, and a late success still counts when it
+    /// reports one.
     pub(super) fn time_out(&mut self, now: u64) -> Vec<Output> {
         let phases = &self.plan.phases;
         let since = self.phase_started;
@@ -194,10 +227,7 @@ impl Controller {
             let limit = phases[d.phase]
                 .device_timeout_s
                 .unwrap_or(phases[d.phase].timeout_s);
-            if d.state == DeviceState::Moved
-                && !d.offline
-                && now >= d.moved_at.unwrap_or(since) + limit
-            {
+            if d.state == DeviceState::Moved && now >= d.moved_at.unwrap_or(since) + limit {
                 d.state = DeviceState::TimedOut;
                 out.push(Output::Log(format!("{}: timed out", d.id)));
             }

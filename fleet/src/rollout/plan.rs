@@ -14,9 +14,6 @@ pub enum PlanError {
     Invalid { path: String, reason: String },
 }
 
-fn one() -> f64 {
-    1.0
-}
 fn default_timeout() -> u64 {
     300
 }
@@ -44,16 +41,18 @@ pub struct PhaseSpec {
     /// order keyed by the rollout name).
     #[serde(default)]
     pub percent: Option<f64>,
-    /// Fraction of the phase's devices that must report the new model active to promote.
-    #[serde(default = "one")]
-    pub success: f64,
+    /// Fraction of the phase's devices that must report the new model active to promote
+    /// [default: 1, or 1 − abort_failure_rate when that is given; filled in by `Plan::parse`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub success: Option<f64>,
     /// Failures (rejected, rolled back, timed out) tolerated: a fraction of the phase's devices...
     #[serde(default)]
     pub failure: Option<f64>,
     /// ...or a count (default 0: the first failure aborts).
     #[serde(default)]
     pub max_failures: Option<usize>,
-    /// Seconds the phase may take; devices still pending then count as timed out.
+    /// Seconds the phase may take once every online device of it was given the model; its
+    /// devices still pending then fail the phase's success threshold.
     #[serde(default = "default_timeout")]
     pub timeout_s: u64,
     /// Seconds to watch a successful phase before promoting (bake time).
@@ -108,6 +107,12 @@ pub struct PhaseSpec {
 }
 
 impl PhaseSpec {
+    /// The share of the phase's devices that must have the new model active to promote.
+    pub fn success(&self) -> f64 {
+        self.success
+            .unwrap_or_else(|| self.abort_failure_rate.map_or(1.0, |r| 1.0 - r))
+    }
+
     pub(super) fn allowed_failures(&self, n: usize) -> usize {
         match (self.failure, self.max_failures) {
             (Some(f), _) => (f * n as f64).floor() as usize,
@@ -147,7 +152,7 @@ impl Plan {
             path: path.to_string(),
             reason,
         };
-        let p: Plan = toml::from_str(text).map_err(|e| bad(e.to_string()))?;
+        let mut p: Plan = toml::from_str(text).map_err(|e| bad(e.to_string()))?;
         if p.phases.is_empty() {
             return Err(bad("no [[phases]]".into()));
         }
@@ -162,7 +167,7 @@ impl Plan {
                 _ => return Err(bad(format!("{what}: give exactly one of group or percent"))),
             }
             let fractions = [
-                Some(ph.success),
+                ph.success,
                 ph.failure,
                 ph.min_shadow_agreement,
                 ph.max_drift_devices,
@@ -200,6 +205,10 @@ impl Plan {
                     "{what}: min_shadow_agreement needs mode = \"shadow\""
                 )));
             }
+        }
+        for ph in &mut p.phases {
+            // Written out, so the saved state says what was judged.
+            ph.success = Some(ph.success());
         }
         if p.phases.last().is_some_and(|ph| ph.mode == Mode::Shadow) {
             return Err(bad(

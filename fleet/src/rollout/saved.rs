@@ -152,20 +152,24 @@ pub fn open(
     }
     let mut c = c;
     if &c.plan != plan {
-        if !only_joins(&c.plan, plan) {
+        if !only_grows(&c.plan, plan) {
             return Err(StateError::OtherPlan {
                 topic: topic.to_string(),
             });
         }
         // Devices added to the plan's groups: each joins its group's phase when it first
-        // reports; the devices the rollout already has keep their phase.
+        // reports; the devices the rollout already has keep their phase. A plan made dynamic
+        // serves late devices from now on (a completed rollout's controller goes on); one made
+        // plain again lets a completed rollout's controller stop.
         c.plan.groups = plan.groups.clone();
+        c.plan.dynamic = plan.dynamic;
     }
     Ok(c)
 }
 
-/// Whether `new` is `old` with devices added to its groups, and nothing else changed.
-fn only_joins(old: &Plan, new: &Plan) -> bool {
+/// Whether `new` is `old` with devices added to its groups and, maybe, `dynamic` switched, and
+/// nothing else changed.
+fn only_grows(old: &Plan, new: &Plan) -> bool {
     let grown = old.groups.iter().all(|(g, members)| {
         new.groups
             .get(g)
@@ -174,6 +178,7 @@ fn only_joins(old: &Plan, new: &Plan) -> bool {
     grown
         && Plan {
             groups: new.groups.clone(),
+            dynamic: new.dynamic,
             ..old.clone()
         } == *new
 }

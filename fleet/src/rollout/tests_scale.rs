@@ -278,34 +278,43 @@ fn devices_that_appear_join_the_phase_the_plan_gives_them() {
 
 #[test]
 fn offline_devices_wait_and_get_the_final_target_when_back() {
+    let start = |c: &mut Controller| {
+        c.on_online("d003", false, 999);
+        let given = desired_devices(&c.start(1_000));
+        assert_eq!(given.len(), 4);
+        assert!(!given.contains(&"d003".to_string()));
+        // d001 goes offline while it downloads: still in progress, it holds the phase.
+        c.on_online("d001", false, 1_001);
+        for id in ["d000", "d002", "d004"] {
+            c.on_status(&status(id, &[], Some(2), None), 1_002);
+        }
+        assert_eq!(c.state, RolloutState::Running, "d001 is pending");
+        assert_eq!(c.counts(0), (3, 0, 1));
+    };
+    // Away past its timeout: it failed (a model that crashes its device must not pass).
     let mut c = Controller::new("r", "m", 2, plan("device_timeout_s = 30"), &fleet(5)).unwrap();
-    c.on_online("d003", false, 999);
-    let out = c.start(1_000);
-    let given = desired_devices(&out);
-    assert_eq!(given.len(), 4);
-    assert!(!given.contains(&"d003".to_string()));
-    // d001 goes offline while it downloads: it neither times out nor holds the phase.
-    c.on_online("d001", false, 1_001);
-    let mut out = Vec::new();
-    for id in ["d000", "d002", "d004"] {
-        out.extend(c.on_status(&status(id, &[], Some(2), None), 1_002));
-    }
-    out.extend(c.on_tick(1_100));
+    start(&mut c);
+    c.on_tick(1_029);
+    assert_eq!(c.devices["d001"].state, DeviceState::Moved);
+    c.on_tick(1_030);
+    let RolloutState::Aborted(why) = &c.state else {
+        panic!("{:?}", c.state)
+    };
+    assert!(why.contains("1 of 4 devices failed"), "{why}");
+    // Back in time, it reports the model active: the rollout completes, and the device offline
+    // throughout is given the model then.
+    let mut c = Controller::new("r", "m", 2, plan("device_timeout_s = 30"), &fleet(5)).unwrap();
+    start(&mut c);
+    c.on_online("d001", true, 1_010);
+    let out = c.on_status(&status("d001", &[], Some(2), None), 1_012);
     assert_eq!(c.state, RolloutState::Completed, "{out:?}");
-    assert_eq!(
-        c.devices["d001"].state,
-        DeviceState::Moved,
-        "not timed out while offline"
-    );
     assert_eq!(
         desired_devices(&out),
         ["d003"],
         "the offline device is given the model at the end"
     );
     assert!(c.devices["d003"].offline);
-    // Back: its timeout counts from its return; it reports the model active.
     c.on_online("d003", true, 1_200);
-    assert_eq!(c.devices["d003"].moved_at, Some(1_200));
     c.on_status(&status("d003", &[], Some(2), None), 1_210);
     assert_eq!(c.devices["d003"].state, DeviceState::Active);
     // A device that had the model before its state was saved counts as active.
@@ -357,4 +366,166 @@ fn a_ten_thousand_device_state_fits_a_broker_message_and_resumes() {
     )
     .unwrap();
     assert_eq!(back, c);
+}
+
+#[test]
+fn rates_below_one_a_minute_give_one_device_per_window() {
+    assert_eq!(pace::window(0.5), (1, 120));
+    assert_eq!(pace::window(1.5), (1, 60));
+    assert_eq!(pace::window(30.0), (30, 60));
+    let mut c = Controller::new("r", "m", 2, plan("max_per_minute = 0.5"), &fleet(4)).unwrap();
+    let given = run(&mut c, 1_000, 420, Some(1));
+    let mut times: Vec<u64> = given.values().copied().collect();
+    times.sort();
+    assert_eq!(times.len(), 4, "{times:?}");
+    assert!(
+        times
+            .windows(2)
+            .all(|w| (120..=122).contains(&(w[1] - w[0]))),
+        "one every two minutes: {times:?}"
+    );
+    assert_eq!(c.state, RolloutState::Completed);
+}
+
+#[test]
+fn a_steep_ramp_without_a_maximum_stays_finite_and_its_state_resumes() {
+    let p =
+        plan("ramp = { start_per_minute = 10, factor = 4, every = 1 }\nmax_in_progress = 100000");
+    assert_eq!(pace::rate(&p.phases[0], 900), Some(pace::MAX_RATE));
+    let mut c = Controller::new("r", "m", 2, p.clone(), &fleet(2_000)).unwrap();
+    run(&mut c, 1_000, 40, Some(1));
+    assert!(c.pace.devices.is_finite(), "{}", c.pace.devices);
+    let key = ed25519_dalek::SigningKey::from_bytes(&[1; 32]);
+    let back = saved::open(
+        "k/rollouts/r/state",
+        &saved::seal(&key, &c),
+        "r",
+        &key.verifying_key(),
+        &p,
+    )
+    .unwrap();
+    assert_eq!(back, c);
+}
+
+#[test]
+fn a_phase_whose_devices_are_all_offline_holds_the_rollout_until_its_time_is_up() {
+    let text = format!("{GROUPS}timeout_s = 60\n").replace(
+        "group = \"canary\"\n",
+        "group = \"canary\"\ntimeout_s = 60\n",
+    );
+    let mut c = Controller::new("r", "m", 2, Plan::parse(&text, "f").unwrap(), &fleet(6)).unwrap();
+    c.on_online("d000", false, 999);
+    c.on_online("d001", false, 999);
+    assert!(desired_devices(&c.start(1_000)).is_empty());
+    for t in 1_001..1_060 {
+        assert!(desired_devices(&c.on_tick(t)).is_empty(), "at {t}");
+    }
+    assert_eq!(
+        (c.phase, &c.state),
+        (0, &RolloutState::Running),
+        "no canary passes on no device"
+    );
+    c.on_tick(1_060);
+    let RolloutState::Aborted(why) = &c.state else {
+        panic!("{:?}", c.state)
+    };
+    assert!(why.contains("none of its 2 devices was online"), "{why}");
+    // One back in time: the canary is judged on it.
+    let mut c = Controller::new("r", "m", 2, Plan::parse(&text, "f").unwrap(), &fleet(6)).unwrap();
+    c.on_online("d000", false, 999);
+    c.on_online("d001", false, 999);
+    c.start(1_000);
+    c.on_online("d001", true, 1_010);
+    assert_eq!(desired_devices(&c.on_tick(1_011)), ["d001"]);
+    c.on_status(&status("d001", &[], Some(2), None), 1_020);
+    assert_eq!(c.phase, 1);
+}
+
+#[test]
+fn a_device_no_phase_selects_does_not_join() {
+    let text = GROUPS.replace("percent = 100", "group = \"canary\"");
+    let mut c = Controller::new("r", "m", 2, Plan::parse(&text, "f").unwrap(), &fleet(2)).unwrap();
+    c.start(1_000);
+    assert!(
+        c.on_status(&status("stranger", &[], Some(1), None), 1_001)
+            .is_empty()
+    );
+    assert!(!c.devices.contains_key("stranger"));
+}
+
+#[test]
+fn shares_of_the_fleet_round_up_without_float_error() {
+    for (p, n, want) in [
+        (7.0, 100, 7),
+        (14.0, 100, 14),
+        (28.0, 100, 28),
+        (55.0, 100, 55),
+        (2.0, 10_000, 200),
+        (10.0, 15, 2),
+    ] {
+        let text = format!(
+            "[[phases]]\nname = \"a\"\npercent = {p}\n[[phases]]\nname = \"b\"\npercent = 100\n"
+        );
+        let c = Controller::new("r", "m", 2, Plan::parse(&text, "f").unwrap(), &fleet(n)).unwrap();
+        assert_eq!(c.phase_devices(0).count(), want, "{p}% of {n}");
+    }
+}
+
+#[test]
+fn a_failure_rate_alone_sets_the_success_threshold() {
+    let p = plan("abort_failure_rate = 0.1");
+    assert_eq!(p.phases[0].success, Some(0.9));
+    assert_eq!(plan("").phases[0].success, Some(1.0));
+    assert_eq!(
+        plan("abort_failure_rate = 0.1\nsuccess = 0.5").phases[0].success,
+        Some(0.5)
+    );
+    // 1 of 20 failed: under the rate, so the rollout completes (it used to abort at the end,
+    // below a success threshold of 1 that the plan never asked for).
+    let mut c = Controller::new("r", "m", 2, p, &fleet(20)).unwrap();
+    c.start(1_000);
+    let ids: Vec<String> = c.devices.keys().cloned().collect();
+    for (i, id) in ids.iter().enumerate() {
+        let failed = (i + 1 == ids.len()).then_some(2);
+        c.on_status(
+            &status(id, &[], Some(if failed.is_some() { 1 } else { 2 }), failed),
+            1_001,
+        );
+    }
+    assert_eq!(c.state, RolloutState::Completed);
+}
+
+#[test]
+fn devices_are_given_the_model_in_the_rollouts_own_order() {
+    let mut c = Controller::new("r", "m", 2, plan("max_in_progress = 10"), &fleet(100)).unwrap();
+    let first = desired_devices(&c.start(1_000));
+    assert_eq!(first.len(), 10);
+    let by_id: Vec<String> = c.devices.keys().take(10).cloned().collect();
+    assert_ne!(first, by_id, "not the ten lowest ids");
+    let mut again =
+        Controller::new("r", "m", 2, plan("max_in_progress = 10"), &fleet(100)).unwrap();
+    assert_eq!(desired_devices(&again.start(1_000)), first, "stable");
+}
+
+#[test]
+fn a_dynamic_rollout_paces_devices_that_come_back_after_it_completed() {
+    let mut p = plan("max_in_progress = 2");
+    p.dynamic = true;
+    let mut c = Controller::new("r", "m", 2, p, &fleet(8)).unwrap();
+    for id in ["d001", "d002", "d003", "d004", "d005"] {
+        c.on_online(id, false, 999);
+    }
+    run(&mut c, 1_000, 5, Some(1));
+    assert_eq!(c.state, RolloutState::Completed);
+    assert_eq!(c.counts(0), (3, 0, 0));
+    // All five back at once: given the model two at a time, not five.
+    for id in ["d001", "d002", "d003", "d004", "d005"] {
+        c.on_online(id, true, 2_000);
+    }
+    assert_eq!(desired_devices(&c.on_tick(2_001)).len(), 2);
+    assert!(desired_devices(&c.on_tick(2_002)).is_empty());
+    for id in moved(&c) {
+        c.on_status(&status(&id, &[], Some(2), None), 2_003);
+    }
+    assert_eq!(desired_devices(&c.on_tick(2_004)).len(), 2);
 }

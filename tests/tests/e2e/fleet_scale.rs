@@ -3,7 +3,9 @@
 //! devices in progress, measured from the devices' own statuses (each stamped by its agent, in
 //! whole seconds); a controller killed and resumed mid-phase at a few hundred devices; the abort
 //! at a failure rate once enough devices finished; devices that join after the rollout and
-//! devices that were offline throughout getting the rollout's model without a new command.
+//! devices that were offline throughout getting the rollout's model without a new command (a
+//! dynamic rollout's controller, and a plain one's retained desired states after it exited); a
+//! canary of offline devices holding the rollout.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -388,6 +390,110 @@ fn late_and_offline_devices_get_the_model(kind: BrokerKind) {
     assert!(ctl.is_running());
     ctl.terminate();
     drop(fleet);
+}
+
+#[test]
+fn a_plain_rollout_holds_for_an_offline_canary_and_serves_late_and_returning_devices_on_mosquitto()
+{
+    plain_rollout_with_late_and_returning_devices(BrokerKind::Mosquitto);
+}
+
+#[test]
+fn a_plain_rollout_holds_for_an_offline_canary_and_serves_late_and_returning_devices_on_rumqttd() {
+    plain_rollout_with_late_and_returning_devices(BrokerKind::Rumqttd);
+}
+
+/// A plain rollout (not dynamic) whose canary's one device is offline: it holds in the canary (no
+/// device of the fleet is given the model on no evidence); a device that appears meanwhile joins
+/// the last phase; the canary device comes back, passes, and everyone gets the model, the late
+/// device with them; the controller exits, and a device that was offline throughout then comes
+/// back and gets the final target from its retained desired state, with no controller running.
+fn plain_rollout_with_late_and_returning_devices(kind: BrokerKind) {
+    let f = fixture();
+    let dir = f.dir.join(format!("plain-{kind:?}"));
+    let b = Broker::start(kind, &dir.join("broker"));
+    let cfg = b.config();
+    let sim = |name: &str| {
+        let conf = agent_config(&dir.join(name), name, &b.url(), &f.keys, "");
+        start_agent_with(&conf, &[], &["--simulate", "1"])
+    };
+    let (away, gone) = (sim("away"), sim("gone"));
+    let _fleet = {
+        let conf = agent_config(&dir.join("pl"), "pl", &b.url(), &f.keys, "");
+        start_agent_with(&conf, &[], &["--simulate", "4"])
+    };
+    wait_fleet(&cfg, 6);
+    assert!(away.terminate().success());
+    assert!(gone.terminate().success());
+    let plan = write_plan(
+        &dir,
+        "plain",
+        "[groups]\ncanary = [\"away-000\"]\n\
+         [[phases]]\nname = \"canary\"\ngroup = \"canary\"\ntimeout_s = 240\n\
+         [[phases]]\nname = \"everyone\"\npercent = 100\n",
+    );
+    let mut ctl = Proc::spawn(&mut rollout_json(&b, &f.v1, &plan), &dir.join("ctl.log"));
+    wait_rollout(&b, "plain", &ctl, 60, |c| {
+        c["devices"]["away-000"]["offline"] == true && c["devices"]["gone-000"]["offline"] == true
+    });
+    // While the canary holds: a new device appears, and joins the last phase.
+    let _late = sim("late");
+    wait_rollout(&b, "plain", &ctl, 60, |c| {
+        c["devices"]["late-000"]["late"] == true
+    });
+    let c = rollout_state(&b, "plain").unwrap();
+    assert_eq!(
+        (
+            c["phase"].as_u64(),
+            c["devices"]["late-000"]["phase"].as_u64()
+        ),
+        (Some(0), Some(1)),
+        "{c}"
+    );
+    let given: Vec<&String> = c["devices"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(_, d)| d["state"]["state"] != "waiting")
+        .map(|(id, _)| id)
+        .collect();
+    assert!(
+        given.is_empty(),
+        "a canary of offline devices gives nobody the model: {given:?}"
+    );
+    // The canary device is back: it passes, everyone follows, the plain controller exits.
+    let _away = sim("away");
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while ctl.is_running() {
+        assert!(
+            Instant::now() < deadline,
+            "the rollout did not end: {}",
+            ctl.output()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let c = rollout_state(&b, "plain").unwrap();
+    assert_eq!(c["state"]["state"], "completed", "{c}");
+    assert_eq!(c["devices"]["gone-000"]["offline"], true, "{c}");
+    let on_v1: Vec<String> = statuses(&cfg, None)
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.active == Some(1))
+        .map(|s| s.device)
+        .collect();
+    assert_eq!(
+        on_v1,
+        [
+            "away-000", "late-000", "pl-000", "pl-001", "pl-002", "pl-003"
+        ],
+        "{}",
+        ctl.output()
+    );
+    // Back after the controller exited: the retained desired state was waiting for it.
+    let _gone = sim("gone");
+    kestrel_tests::fleet::wait_status(&cfg, "gone-000", 120, "the final target", |s| {
+        s.active == Some(1)
+    });
 }
 
 #[test]

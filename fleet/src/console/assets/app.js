@@ -164,6 +164,9 @@ function rolloutParts(r) {
       num(p.late ?? 0), num(p.offline ?? 0)),
     p.failures.length ? h("tr", { class: "failures" }, h("td", { colspan: 10 },
       p.failures.map(([d, why], i) => [i ? h("br") : null, span("bad", `⚠ ${d}: ${why}`)]))) : null,
+    p.late_devices?.length ? h("tr", { class: "late" }, h("td", { colspan: 10 },
+      span("muted", `joined late: ${p.late_devices.join(", ")}${p.late > p.late_devices.length
+        ? ` and ${p.late - p.late_devices.length} more` : ""}`))) : null,
     p.excluded?.length ? h("tr", { class: "excluded" }, h("td", { colspan: 10 },
       p.excluded.map(([d, why], i) => [i ? h("br") : null,
         span("bad", `⊘ ${d} excluded from the quality gates: ${why}`)]))) : null,
