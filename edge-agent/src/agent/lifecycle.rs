@@ -128,8 +128,9 @@ impl Worker {
     }
 
     fn shadow_turn(&self, s: &ShadowModel, bytes: &[u8], name: &str, active: (Vec<f32>, f64)) {
-        let turn = s.turn.fetch_add(1, Ordering::Relaxed) % s.every == 0;
-        let run = (turn && self.waiting.load(Ordering::SeqCst) == 0)
+        let turn = s.turn.fetch_add(1, Ordering::Relaxed);
+        let waiting = self.waiting.load(Ordering::SeqCst);
+        let run = crate::core::shadow_runs_on(turn, s.every, waiting)
             .then(|| s.model.infer(bytes, name, 1).ok())
             .flatten()
             .map(|i| ShadowRun {

@@ -52,6 +52,7 @@ use delivery::Delivery;
 pub use io::{Effect, How, Input, Message, Observed, ShadowRun};
 use requests::Requests;
 use shadow::Shadow;
+pub use shadow::runs_on as shadow_runs_on;
 
 /// A model as the core sees it: an opaque handle (the shell's loaded engine) with its manifest.
 pub trait Model: Send + Sync + 'static {

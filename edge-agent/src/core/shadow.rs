@@ -33,6 +33,14 @@ pub(super) struct Shadow<M> {
     pub(super) dirty: bool,
 }
 
+/// Whether the shadow model runs on a request: the `turn`-th (from 0) the inference workers
+/// answered since it started, when it is one of every `every` and no request waits for a worker
+/// (the shadow never delays an answer; under load it samples fewer). The workers count the turns
+/// and ask; the rule is the core's.
+pub fn runs_on(turn: u64, every: u64, waiting: usize) -> bool {
+    every > 0 && turn % every == 0 && waiting == 0
+}
+
 impl<M> Shadow<M> {
     pub(super) fn new(
         journal: ShadowJournal,

@@ -1244,3 +1244,22 @@ fn a_replayed_desired_state_is_refused_with_an_event_and_the_newer_one_stays_pur
     let resubscribed = r.count(|e| matches!(e, Effect::Subscribe(_) | Effect::Unsubscribe(_)));
     assert_eq!(resubscribed, 0, "nothing is fetched for the replay");
 }
+
+#[test]
+fn the_shadow_samples_every_nth_request_and_never_delays_a_waiting_one() {
+    let runs = |every, waiting| -> Vec<u64> {
+        (0..10)
+            .filter(|&t| super::shadow_runs_on(t, every, waiting))
+            .collect()
+    };
+    assert_eq!(runs(3, 0), [0, 3, 6, 9]);
+    assert_eq!(runs(1, 0), (0..10).collect::<Vec<_>>());
+    assert!(
+        runs(1, 1).is_empty(),
+        "a request waits: the shadow skips its turn"
+    );
+    assert!(
+        runs(0, 0).is_empty(),
+        "an every of 0 (refused by the config) runs nothing"
+    );
+}
