@@ -267,7 +267,12 @@ fn devices_that_appear_join_the_phase_the_plan_gives_them() {
     // A plan's device list is the fleet: others never join.
     let mut listed = Plan::parse(GROUPS, "f").unwrap();
     listed.devices = Some(vec!["d000".into(), "d001".into()]);
-    let mut c = Controller::new("r", "m", 2, listed, &fleet(2)).unwrap();
+    a_stranger_stays_out(listed);
+}
+
+/// A device the rollout does not know reports during it, and does not join.
+fn a_stranger_stays_out(plan: Plan) {
+    let mut c = Controller::new("r", "m", 2, plan, &fleet(2)).unwrap();
     c.start(1_000);
     assert!(
         c.on_status(&status("stranger", &[], Some(1), None), 1_001)
@@ -444,13 +449,7 @@ fn a_phase_whose_devices_are_all_offline_holds_the_rollout_until_its_time_is_up(
 #[test]
 fn a_device_no_phase_selects_does_not_join() {
     let text = GROUPS.replace("percent = 100", "group = \"canary\"");
-    let mut c = Controller::new("r", "m", 2, Plan::parse(&text, "f").unwrap(), &fleet(2)).unwrap();
-    c.start(1_000);
-    assert!(
-        c.on_status(&status("stranger", &[], Some(1), None), 1_001)
-            .is_empty()
-    );
-    assert!(!c.devices.contains_key("stranger"));
+    a_stranger_stays_out(Plan::parse(&text, "f").unwrap());
 }
 
 #[test]
