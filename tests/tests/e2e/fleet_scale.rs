@@ -413,15 +413,12 @@ fn plain_rollout_with_late_and_returning_devices(kind: BrokerKind) {
     let dir = f.dir.join(format!("plain-{kind:?}"));
     let b = Broker::start(kind, &dir.join("broker"));
     let cfg = b.config();
-    let sim = |name: &str| {
+    let sim = |name: &str, n: usize| {
         let conf = agent_config(&dir.join(name), name, &b.url(), &f.keys, "");
-        start_agent_with(&conf, &[], &["--simulate", "1"])
+        start_agent_with(&conf, &[], &["--simulate", &n.to_string()])
     };
-    let (away, gone) = (sim("away"), sim("gone"));
-    let _fleet = {
-        let conf = agent_config(&dir.join("pl"), "pl", &b.url(), &f.keys, "");
-        start_agent_with(&conf, &[], &["--simulate", "4"])
-    };
+    let (away, gone) = (sim("away", 1), sim("gone", 1));
+    let _fleet = sim("pl", 4);
     wait_fleet(&cfg, 6);
     assert!(away.terminate().success());
     assert!(gone.terminate().success());
@@ -437,7 +434,7 @@ fn plain_rollout_with_late_and_returning_devices(kind: BrokerKind) {
         c["devices"]["away-000"]["offline"] == true && c["devices"]["gone-000"]["offline"] == true
     });
     // While the canary holds: a new device appears, and joins the last phase.
-    let _late = sim("late");
+    let _late = sim("late", 1);
     wait_rollout(&b, "plain", &ctl, 60, |c| {
         c["devices"]["late-000"]["late"] == true
     });
@@ -462,7 +459,7 @@ fn plain_rollout_with_late_and_returning_devices(kind: BrokerKind) {
         "a canary of offline devices gives nobody the model: {given:?}"
     );
     // The canary device is back: it passes, everyone follows, the plain controller exits.
-    let _away = sim("away");
+    let _away = sim("away", 1);
     let deadline = Instant::now() + Duration::from_secs(180);
     while ctl.is_running() {
         assert!(
@@ -490,7 +487,7 @@ fn plain_rollout_with_late_and_returning_devices(kind: BrokerKind) {
         ctl.output()
     );
     // Back after the controller exited: the retained desired state was waiting for it.
-    let _gone = sim("gone");
+    let _gone = sim("gone", 1);
     kestrel_tests::fleet::wait_status(&cfg, "gone-000", 120, "the final target", |s| {
         s.active == Some(1)
     });
